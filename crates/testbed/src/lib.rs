@@ -1,0 +1,157 @@
+//! The test bed seen from Rust tests.
+//!
+//! Tests that need a KVM able to run Linux guests live in test targets with
+//! `harness = false` whose `main` calls [`run_tests`]. Outside a test bed,
+//! [`run_tests`] re-executes the same test binary through `scripts/kvm-run`,
+//! which runs it directly where the host's KVM is usable and inside the
+//! nested L1 otherwise; inside, the tests run under a libtest-compatible
+//! harness. Either way `cargo test` runs them: none is skipped.
+
+pub mod cpio;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+pub use libtest_mimic::{Failed, Trial};
+
+/// Where a test bed runs its command (the `TINE_TESTBED` variable).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Placement {
+    /// On the host: its KVM passed the functional probe.
+    Direct,
+    /// Inside the nested L1 under QEMU/TCG.
+    Nested,
+}
+
+/// Errors from locating or building test-bed artifacts.
+#[derive(Debug, thiserror::Error)]
+pub enum TestbedError {
+    /// A helper script could not be started.
+    #[error("cannot run {script}: {source}")]
+    Spawn {
+        /// The script.
+        script: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A helper script failed.
+    #[error("{script} failed with {status}")]
+    Script {
+        /// The script.
+        script: PathBuf,
+        /// Its exit status.
+        status: std::process::ExitStatus,
+    },
+    /// A built artifact is missing where the script said it would be.
+    #[error("expected artifact {0} is missing")]
+    MissingArtifact(PathBuf),
+}
+
+/// The placement of the current process, if it runs inside a test bed.
+pub fn placement() -> Option<Placement> {
+    match std::env::var("TINE_TESTBED").ok().as_deref() {
+        Some("direct") => Some(Placement::Direct),
+        Some("nested") => Some(Placement::Nested),
+        _ => None,
+    }
+}
+
+/// The repository root (two levels above this crate's manifest).
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .ancestors()
+        .nth(2)
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."))
+}
+
+/// The guest kernel built by `scripts/build-kernel`.
+#[derive(Debug, Clone)]
+pub struct GuestKernel {
+    /// Uncompressed ELF kernel.
+    pub vmlinux: PathBuf,
+    /// Compressed bzImage.
+    pub bzimage: PathBuf,
+}
+
+/// Returns the project's guest kernel, building it if the cache lacks it
+/// (instant when cached).
+pub fn guest_kernel() -> Result<GuestKernel, TestbedError> {
+    let dir = run_script("scripts/build-kernel")?;
+    let kernel = GuestKernel {
+        vmlinux: dir.join("vmlinux"),
+        bzimage: dir.join("bzImage"),
+    };
+    for path in [&kernel.vmlinux, &kernel.bzimage] {
+        if !path.is_file() {
+            return Err(TestbedError::MissingArtifact(path.clone()));
+        }
+    }
+    Ok(kernel)
+}
+
+/// Runs a repository script that prints a directory as its last stdout line.
+fn run_script(relative: &str) -> Result<PathBuf, TestbedError> {
+    let script = repo_root().join(relative);
+    let output = Command::new(&script)
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .map_err(|source| TestbedError::Spawn {
+            script: script.clone(),
+            source,
+        })?;
+    if !output.status.success() {
+        return Err(TestbedError::Script {
+            script,
+            status: output.status,
+        });
+    }
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let last = stdout.lines().last().unwrap_or_default().trim().to_string();
+    Ok(PathBuf::from(last))
+}
+
+/// Default limit for one test binary's run through the test bed.
+pub const DEFAULT_TIMEOUT_SECS: u64 = 900;
+
+/// The `main` of a `harness = false` test target whose tests need KVM for
+/// Linux guests. Never returns.
+pub fn run_tests(tests: Vec<Trial>) -> ! {
+    if placement().is_some() {
+        let args = libtest_mimic::Arguments::from_args();
+        libtest_mimic::run(&args, tests).exit();
+    }
+    // List-only invocations (cargo test -- --list) need no KVM.
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.iter().any(|a| a == "--list") {
+        let parsed = libtest_mimic::Arguments::from_args();
+        libtest_mimic::run(&parsed, tests).exit();
+    }
+    let exe = match std::env::current_exe() {
+        Ok(exe) => exe,
+        Err(e) => {
+            eprintln!("testbed: cannot find the running test binary: {e}");
+            std::process::exit(101);
+        }
+    };
+    let timeout = std::env::var("TINE_TESTBED_TIMEOUT")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(DEFAULT_TIMEOUT_SECS);
+    let kvm_run = repo_root().join("scripts/kvm-run");
+    let status = Command::new(&kvm_run)
+        .arg("--timeout")
+        .arg(timeout.to_string())
+        .arg("--")
+        .arg(&exe)
+        .args(&args)
+        .status();
+    match status {
+        Ok(status) => std::process::exit(status.code().unwrap_or(101)),
+        Err(e) => {
+            eprintln!("testbed: cannot run {}: {e}", kvm_run.display());
+            std::process::exit(101);
+        }
+    }
+}
