@@ -2,8 +2,14 @@
 //!
 //! Layout (see docs/architecture.md):
 //! - [`arch`]: x86_64 guest-physical layout and boot-time CPU state.
+//! - [`vstate`]: guest memory, the KVM VM and its vCPUs.
+//! - [`devices`]: buses, legacy devices and virtio devices.
+//! - [`snapshot`]: the [`snapshot::Persist`] trait and the state-file format.
 //! - [`probe`]: a functional check of whether this host's KVM runs guest
 //!   kernel code at hardware speed (used by the test bed).
 
 pub mod arch;
+pub mod devices;
 pub mod probe;
+pub mod snapshot;
+pub mod vstate;

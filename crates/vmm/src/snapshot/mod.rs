@@ -1,0 +1,24 @@
+//! Snapshot support: the [`Persist`] trait every stateful component
+//! implements, and (in `format`) the versioned state-file container.
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+/// Save and restore-by-construction, one implementation per component.
+///
+/// `save` captures guest-visible state only (never file descriptors or host
+/// pointers); `restore` builds a new, live component from that state and the
+/// host resources in `ConstructorArgs`.
+pub trait Persist: Sized {
+    /// The serializable state.
+    type State: Serialize + DeserializeOwned;
+    /// Host-side resources needed to rebuild the component.
+    type ConstructorArgs;
+    /// Why a restore failed.
+    type Error: std::error::Error;
+
+    /// Captures the component's state.
+    fn save(&self) -> Self::State;
+    /// Builds a component from `state`.
+    fn restore(args: Self::ConstructorArgs, state: &Self::State) -> Result<Self, Self::Error>;
+}

@@ -1,0 +1,4 @@
+//! VM and vCPU state owned by KVM: guest memory, the VM (irqchip, PIT,
+//! clock) and the vCPUs.
+
+pub mod memory;
