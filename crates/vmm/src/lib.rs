@@ -9,7 +9,9 @@
 //!   kernel code at hardware speed (used by the test bed).
 
 pub mod arch;
+pub mod control;
 pub mod devices;
 pub mod probe;
 pub mod snapshot;
+pub mod vmm;
 pub mod vstate;

@@ -2,4 +2,5 @@
 //! devices, and virtio devices with their MMIO transport.
 
 pub mod bus;
+pub mod legacy;
 pub mod virtio;

@@ -2,6 +2,8 @@
 //! implements, and (in `format`) the versioned state-file container.
 
 use serde::de::DeserializeOwned;
+pub mod format;
+
 use serde::Serialize;
 
 /// Save and restore-by-construction, one implementation per component.

@@ -1,13 +1,290 @@
 //! Guest memory.
 //!
 //! Guest RAM is one or two regions (the second above 4 GiB when RAM reaches
-//! into the 32-bit MMIO hole), mapped from a single file descriptor:
-//! - a fresh VM maps a memfd `MAP_SHARED`, so the snapshot writer can read
-//!   the pages straight from the fd and skip holes (`SEEK_DATA`): a snapshot
-//!   copies only pages the guest touched;
+//! into the 32-bit MMIO hole), mapped from a single file:
+//! - a fresh VM maps a memfd `MAP_SHARED`: untouched pages stay holes in
+//!   the memfd, so the snapshot writer finds the touched ones with
+//!   `SEEK_DATA` and the memory file copies no more than it must;
 //! - a restored VM maps the snapshot's memory file `MAP_PRIVATE`: pages are
-//!   shared through the page cache by every VM restored from it and copied
-//!   only when written, so a fork costs no copy up front.
+//!   shared through the page cache by every VM restored from that file and
+//!   copied only when written, so a fork copies nothing up front, and a
+//!   child's writes never reach the file or its siblings.
+//!
+//! The memory file is the regions' bytes back to back, region by region.
+
+use std::fs::File;
+use std::io::{Seek, SeekFrom, Write};
+use std::os::fd::AsRawFd;
+
+use vm_memory::mmap::MmapRegion;
+use vm_memory::{
+    Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryRegion, GuestRegionMmap,
+};
+
+use crate::arch::x86_64::layout::{MMIO_HOLE_END, MMIO_HOLE_START};
 
 /// The guest memory type used throughout the VMM.
 pub type GuestMemoryMmap = vm_memory::GuestMemoryMmap<()>;
+
+/// Page size used for zero-page detection.
+pub const PAGE_SIZE: usize = 4096;
+
+/// Errors from creating, mapping or dumping guest memory.
+#[derive(Debug, thiserror::Error)]
+pub enum MemoryError {
+    /// memfd_create or ftruncate failed.
+    #[error("cannot create guest memory file: {0}")]
+    CreateFile(#[source] std::io::Error),
+    /// mmap failed.
+    #[error("cannot map guest memory: {0}")]
+    Map(String),
+    /// The memory file is smaller than the layout needs.
+    #[error("memory file has {actual} bytes but the VM needs {expected}")]
+    FileSize {
+        /// Bytes the regions need.
+        expected: u64,
+        /// Bytes in the file.
+        actual: u64,
+    },
+    /// Writing the snapshot memory file failed.
+    #[error("cannot write memory file: {0}")]
+    Dump(#[source] std::io::Error),
+}
+
+/// Guest-physical ranges of RAM for `size` bytes, skipping the MMIO hole.
+pub fn ram_ranges(size: u64) -> Vec<(GuestAddress, usize)> {
+    if size <= MMIO_HOLE_START {
+        vec![(GuestAddress(0), size as usize)]
+    } else {
+        vec![
+            (GuestAddress(0), MMIO_HOLE_START as usize),
+            (
+                GuestAddress(MMIO_HOLE_END),
+                (size - MMIO_HOLE_START) as usize,
+            ),
+        ]
+    }
+}
+
+/// Guest RAM with the file that backs it.
+#[derive(Debug)]
+pub struct GuestRam {
+    /// The mapped memory.
+    pub mem: GuestMemoryMmap,
+    /// The backing file (memfd, or the snapshot memory file).
+    pub file: File,
+    /// Whether `file` is a private (copy-on-write) mapping of a snapshot.
+    pub private: bool,
+}
+
+fn map_ranges(
+    file: &File,
+    ranges: &[(GuestAddress, usize)],
+    flags: i32,
+) -> Result<GuestMemoryMmap, MemoryError> {
+    let mut offset = 0u64;
+    let mut regions = Vec::with_capacity(ranges.len());
+    for &(addr, size) in ranges {
+        let handle = file.try_clone().map_err(MemoryError::CreateFile)?;
+        let region = MmapRegion::build(
+            Some(FileOffset::new(handle, offset)),
+            size,
+            libc::PROT_READ | libc::PROT_WRITE,
+            flags | libc::MAP_NORESERVE,
+        )
+        .map_err(|e| MemoryError::Map(e.to_string()))?;
+        let region = GuestRegionMmap::new(region, addr)
+            .ok_or_else(|| MemoryError::Map(format!("region at {:#x} overflows", addr.0)))?;
+        regions.push(region);
+        offset += size as u64;
+    }
+    GuestMemoryMmap::from_regions(regions).map_err(|e| MemoryError::Map(e.to_string()))
+}
+
+/// Total bytes of `ranges`.
+pub fn total_size(ranges: &[(GuestAddress, usize)]) -> u64 {
+    ranges.iter().map(|r| r.1 as u64).sum()
+}
+
+impl GuestRam {
+    /// Fresh RAM of `size` bytes on a memfd mapped shared.
+    pub fn new_memfd(size: u64) -> Result<Self, MemoryError> {
+        let ranges = ram_ranges(size);
+        let name = c"tine-guest-ram";
+        // SAFETY: memfd_create takes a NUL-terminated name and flags; the
+        // returned descriptor is owned by the File below.
+        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(MemoryError::CreateFile(std::io::Error::last_os_error()));
+        }
+        // SAFETY: `fd` is a freshly created descriptor nobody else owns.
+        let file = unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        file.set_len(total_size(&ranges))
+            .map_err(MemoryError::CreateFile)?;
+        let mem = map_ranges(&file, &ranges, libc::MAP_SHARED)?;
+        Ok(Self {
+            mem,
+            file,
+            private: false,
+        })
+    }
+
+    /// Maps a snapshot memory file copy-on-write for a VM of `size` bytes.
+    pub fn from_snapshot_file(file: File, size: u64) -> Result<Self, MemoryError> {
+        let ranges = ram_ranges(size);
+        let expected = total_size(&ranges);
+        let actual = file.metadata().map_err(MemoryError::CreateFile)?.len();
+        if actual != expected {
+            return Err(MemoryError::FileSize { expected, actual });
+        }
+        let mem = map_ranges(&file, &ranges, libc::MAP_PRIVATE)?;
+        Ok(Self {
+            mem,
+            file,
+            private: true,
+        })
+    }
+
+    /// Bytes of guest RAM.
+    pub fn size(&self) -> u64 {
+        self.mem.iter().map(|r| r.len()).sum()
+    }
+
+    /// File ranges that may hold non-zero data: for a memfd, its data
+    /// extents (holes were never touched); otherwise everything.
+    fn candidate_ranges(&self) -> Vec<(u64, u64)> {
+        let total = self.size();
+        if self.private {
+            return vec![(0, total)];
+        }
+        let fd = self.file.as_raw_fd();
+        let mut out = Vec::new();
+        let mut pos: i64 = 0;
+        while (pos as u64) < total {
+            // SAFETY: lseek on a descriptor we own has no memory effects.
+            let data = unsafe { libc::lseek(fd, pos, libc::SEEK_DATA) };
+            if data < 0 {
+                break; // ENXIO: no more data
+            }
+            // SAFETY: as above.
+            let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
+            let end = if hole < 0 { total as i64 } else { hole };
+            out.push((data as u64, end as u64));
+            pos = end;
+        }
+        out
+    }
+
+    /// Writes guest RAM to `out` as a sparse memory file: all-zero pages are
+    /// skipped (left as holes). Returns the bytes actually written.
+    pub fn write_sparse(&self, out: &mut File) -> Result<u64, MemoryError> {
+        let total = self.size();
+        out.set_len(0).map_err(MemoryError::Dump)?;
+        out.set_len(total).map_err(MemoryError::Dump)?;
+        // Map file offsets back to guest addresses.
+        let mut layout = Vec::new();
+        let mut offset = 0u64;
+        for region in self.mem.iter() {
+            layout.push((offset, region.start_addr(), region.len()));
+            offset += region.len();
+        }
+        let mut page = vec![0u8; PAGE_SIZE];
+        let mut written = 0u64;
+        for (start, end) in self.candidate_ranges() {
+            let mut pos = start - start % PAGE_SIZE as u64;
+            while pos < end {
+                let Some(&(file_off, guest, _)) = layout
+                    .iter()
+                    .find(|(off, _, len)| pos >= *off && pos < off + len)
+                else {
+                    break;
+                };
+                let addr = GuestAddress(guest.0 + (pos - file_off));
+                self.mem
+                    .read_slice(&mut page, addr)
+                    .map_err(|e| MemoryError::Dump(std::io::Error::other(e.to_string())))?;
+                if page.iter().any(|&b| b != 0) {
+                    out.seek(SeekFrom::Start(pos)).map_err(MemoryError::Dump)?;
+                    out.write_all(&page).map_err(MemoryError::Dump)?;
+                    written += PAGE_SIZE as u64;
+                }
+                pos += PAGE_SIZE as u64;
+            }
+        }
+        out.sync_data().map_err(MemoryError::Dump)?;
+        Ok(written)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::MetadataExt;
+
+    #[test]
+    fn test_ram_ranges_split_around_mmio_hole() {
+        assert_eq!(ram_ranges(1 << 30), vec![(GuestAddress(0), 1 << 30)]);
+        let big = ram_ranges(4 << 30);
+        assert_eq!(big.len(), 2);
+        assert_eq!(big[1].0, GuestAddress(MMIO_HOLE_END));
+        assert_eq!(total_size(&big), 4 << 30);
+    }
+
+    #[test]
+    fn test_write_sparse_skips_untouched_and_zero_pages() {
+        let ram = GuestRam::new_memfd(64 << 20).expect("ram");
+        ram.mem
+            .write_slice(&[0xaa; 10], GuestAddress(0x5000))
+            .expect("write");
+        ram.mem
+            .write_slice(&[0u8; 4096], GuestAddress(0x9000))
+            .expect("write zero page");
+        let mut out = tempfile::tempfile().expect("tempfile");
+        let written = ram.write_sparse(&mut out).expect("dump");
+        assert_eq!(written, PAGE_SIZE as u64);
+        let meta = out.metadata().expect("meta");
+        assert_eq!(meta.len(), 64 << 20);
+        assert!(
+            meta.blocks() * 512 <= 64 * 1024,
+            "memory file is not sparse"
+        );
+    }
+
+    #[test]
+    fn test_from_snapshot_file_is_copy_on_write() {
+        let ram = GuestRam::new_memfd(4 << 20).expect("ram");
+        ram.mem
+            .write_obj(0x1234u32, GuestAddress(0x2000))
+            .expect("w");
+        let path = tempfile::NamedTempFile::new().expect("tmp");
+        let mut file = path.reopen().expect("reopen");
+        ram.write_sparse(&mut file).expect("dump");
+
+        let a = GuestRam::from_snapshot_file(path.reopen().expect("r"), 4 << 20).expect("a");
+        let b = GuestRam::from_snapshot_file(path.reopen().expect("r"), 4 << 20).expect("b");
+        assert_eq!(
+            a.mem.read_obj::<u32>(GuestAddress(0x2000)).expect("r"),
+            0x1234
+        );
+        a.mem.write_obj(0x5678u32, GuestAddress(0x2000)).expect("w");
+        assert_eq!(
+            b.mem.read_obj::<u32>(GuestAddress(0x2000)).expect("r"),
+            0x1234
+        );
+        let c = GuestRam::from_snapshot_file(path.reopen().expect("r"), 4 << 20).expect("c");
+        assert_eq!(
+            c.mem.read_obj::<u32>(GuestAddress(0x2000)).expect("r"),
+            0x1234
+        );
+    }
+
+    #[test]
+    fn test_from_snapshot_file_wrong_size_is_refused() {
+        let file = tempfile::tempfile().expect("tmp");
+        file.set_len(4096).expect("len");
+        assert!(matches!(
+            GuestRam::from_snapshot_file(file, 4 << 20),
+            Err(MemoryError::FileSize { .. })
+        ));
+    }
+}

@@ -2,3 +2,5 @@
 //! clock) and the vCPUs.
 
 pub mod memory;
+pub mod vcpu;
+pub mod vm;

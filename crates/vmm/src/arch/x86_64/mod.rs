@@ -1,6 +1,11 @@
-//! x86_64: guest-physical layout, GDT, identity page tables and the register
-//! state a Linux kernel expects at its 64-bit entry point.
+//! x86_64: guest-physical layout, boot structures (GDT, page tables, zero
+//! page, MP table), CPUID template, MSRs and LAPIC setup.
 
+pub mod boot;
+pub mod cpuid;
 pub mod gdt;
+pub mod interrupts;
 pub mod layout;
+pub mod mptable;
+pub mod msr;
 pub mod regs;

@@ -1,0 +1,303 @@
+//! `tine-vmm`: runs one microVM in this process.
+//!
+//! Boot:     tine-vmm --kernel K [--initramfs I] [--cmdline C] [--mem-mib M] [--vcpus N]
+//! Restore:  tine-vmm --restore STATE --mem-file MEM
+//! Warm:     tine-vmm --prestart --vcpus N --control-socket S   (waits for a restore request)
+//!
+//! With `--control-socket`, requests arrive as JSON lines (docs/vmm-control.md).
+//! When the VM stops, one JSON line `{"event":"stopped",...}` is printed on
+//! stdout and the process exits 0 (guest poweroff/reboot) or 1 (anything else).
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use clap::Parser;
+use tine_vmm::control::{Request, Response};
+use tine_vmm::vmm::{validate, BootConfig, ConsoleConfig, PreparedVm, Vmm, DEFAULT_CMDLINE};
+use tine_vmm::vstate::vcpu::StopReason;
+
+#[derive(Parser, Debug)]
+#[command(name = "tine-vmm", version, about = "Run one tine microVM")]
+struct Args {
+    /// Kernel: vmlinux (ELF) or bzImage.
+    #[arg(long, conflicts_with_all = ["restore", "prestart"])]
+    kernel: Option<PathBuf>,
+    /// Initramfs (newc cpio, optionally compressed).
+    #[arg(long)]
+    initramfs: Option<PathBuf>,
+    /// Kernel command line.
+    #[arg(long, default_value = DEFAULT_CMDLINE)]
+    cmdline: String,
+    /// Guest RAM in MiB.
+    #[arg(long, default_value_t = 256)]
+    mem_mib: u64,
+    /// Number of vCPUs.
+    #[arg(long, default_value_t = 1)]
+    vcpus: u8,
+    /// Restore from this state file.
+    #[arg(long, requires = "mem_file")]
+    restore: Option<PathBuf>,
+    /// Memory file to restore from (mapped copy-on-write).
+    #[arg(long)]
+    mem_file: Option<PathBuf>,
+    /// Keep a restored VM paused.
+    #[arg(long)]
+    paused: bool,
+    /// Create the VM and vCPUs, then wait for a restore request.
+    #[arg(long, requires = "control_socket")]
+    prestart: bool,
+    /// Control socket path (created; removed on exit).
+    #[arg(long)]
+    control_socket: Option<PathBuf>,
+    /// Serial console log file.
+    #[arg(long)]
+    serial_log: Option<PathBuf>,
+    /// Byte limit of the serial log.
+    #[arg(long)]
+    serial_log_limit: Option<u64>,
+    /// Copy the serial console to stdout.
+    #[arg(long)]
+    serial_stdout: bool,
+}
+
+enum Machine {
+    Prepared(Option<PreparedVm>),
+    Live(Vmm),
+}
+
+fn respond(stream: &mut UnixStream, response: &Response) {
+    if let Ok(mut line) = serde_json::to_string(response) {
+        line.push('\n');
+        let _ = stream.write_all(line.as_bytes());
+    }
+}
+
+fn ok(vmm: Option<&Vmm>, start: Instant) -> Response {
+    Response::Ok {
+        state: vmm.map(Vmm::run_state),
+        snapshot: None,
+        stop_reason: vmm.and_then(|v| v.stop_signal().reason()),
+        duration_us: start.elapsed().as_micros() as u64,
+    }
+}
+
+fn error(e: impl std::fmt::Display) -> Response {
+    Response::Error {
+        error: e.to_string(),
+    }
+}
+
+/// Handles one request; returns true when the process should exit.
+fn handle(machine: &mut Machine, request: Request, console: &ConsoleConfig) -> (Response, bool) {
+    let start = Instant::now();
+    match (request, machine) {
+        (Request::Kill, Machine::Live(vmm)) => {
+            vmm.kill();
+            (ok(Some(vmm), start), true)
+        }
+        (Request::Kill, Machine::Prepared(_)) => (ok(None, start), true),
+        (
+            Request::Restore {
+                state_path,
+                mem_path,
+                paused,
+            },
+            machine @ Machine::Prepared(_),
+        ) => {
+            let Machine::Prepared(prepared) = machine else {
+                return (error("internal: not prepared"), false);
+            };
+            match Vmm::restore(&state_path, &mem_path, prepared.take(), console, paused) {
+                Ok(vmm) => {
+                    let response = ok(Some(&vmm), start);
+                    *machine = Machine::Live(vmm);
+                    (response, false)
+                }
+                // The prepared VM was consumed by the failed attempt.
+                Err(e) => (error(e), true),
+            }
+        }
+        (Request::Restore { .. }, Machine::Live(_)) => (
+            error("this process already runs a VM; restore needs a --prestart process"),
+            false,
+        ),
+        (_, Machine::Prepared(_)) => (error("no VM yet: send a restore request first"), false),
+        (Request::Status, Machine::Live(vmm)) => (ok(Some(vmm), start), false),
+        (Request::Pause, Machine::Live(vmm)) => match vmm.pause() {
+            Ok(()) => (ok(Some(vmm), start), false),
+            Err(e) => (error(e), false),
+        },
+        (Request::Resume, Machine::Live(vmm)) => match vmm.resume() {
+            Ok(()) => (ok(Some(vmm), start), false),
+            Err(e) => (error(e), false),
+        },
+        (
+            Request::Snapshot {
+                state_path,
+                mem_path,
+            },
+            Machine::Live(vmm),
+        ) => match vmm.snapshot(&state_path, &mem_path) {
+            Ok(info) => (
+                Response::Ok {
+                    state: Some(vmm.run_state()),
+                    snapshot: Some(info),
+                    stop_reason: None,
+                    duration_us: start.elapsed().as_micros() as u64,
+                },
+                false,
+            ),
+            Err(e) => (error(e), false),
+        },
+    }
+}
+
+fn stop_line(reason: &StopReason) -> String {
+    serde_json::json!({ "event": "stopped", "stop": reason }).to_string()
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let console = ConsoleConfig {
+        log_path: args.serial_log.clone(),
+        log_limit: args.serial_log_limit,
+        echo_stdout: args.serial_stdout,
+    };
+
+    let mut machine = if args.prestart {
+        Machine::Prepared(Some(
+            PreparedVm::new(args.vcpus).context("cannot pre-start the VM")?,
+        ))
+    } else if let Some(state) = &args.restore {
+        let mem = args
+            .mem_file
+            .as_ref()
+            .context("--restore needs --mem-file")?;
+        Machine::Live(
+            Vmm::restore(state, mem, None, &console, args.paused).context("restore failed")?,
+        )
+    } else {
+        let Some(kernel) = args.kernel.clone() else {
+            bail!("nothing to run: give --kernel, --restore or --prestart");
+        };
+        let config = BootConfig {
+            kernel,
+            initramfs: args.initramfs.clone(),
+            cmdline: args.cmdline.clone(),
+            mem_mib: args.mem_mib,
+            vcpus: args.vcpus,
+        };
+        validate(&config)?;
+        Machine::Live(Vmm::boot(&config, &console).context("boot failed")?)
+    };
+
+    let listener = match &args.control_socket {
+        Some(path) => {
+            let _ = std::fs::remove_file(path);
+            let listener = UnixListener::bind(path)
+                .with_context(|| format!("cannot bind control socket {}", path.display()))?;
+            listener.set_nonblocking(true)?;
+            Some(listener)
+        }
+        None => None,
+    };
+    // Ready line: supervisors wait for it before sending requests.
+    println!(
+        "{}",
+        serde_json::json!({ "event": "ready", "pid": std::process::id() })
+    );
+    let _ = std::io::stdout().flush();
+
+    let mut clients: Vec<BufReader<UnixStream>> = Vec::new();
+    let reason = loop {
+        if let Machine::Live(vmm) = &mut machine {
+            if let Some(reason) = vmm.stop_signal().reason() {
+                vmm.kill();
+                break reason;
+            }
+        }
+        let mut fds = Vec::new();
+        if let Machine::Live(vmm) = &machine {
+            fds.push(libc::pollfd {
+                fd: vmm.stop_signal().event().as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            });
+        }
+        if let Some(l) = &listener {
+            fds.push(libc::pollfd {
+                fd: l.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            });
+        }
+        for c in &clients {
+            fds.push(libc::pollfd {
+                fd: c.get_ref().as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            });
+        }
+        // SAFETY: `fds` is a valid, correctly sized array of pollfd.
+        unsafe {
+            libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 200);
+        }
+        if let Some(l) = &listener {
+            while let Ok((stream, _)) = l.accept() {
+                let _ = stream.set_nonblocking(false);
+                let _ = stream.set_read_timeout(Some(std::time::Duration::from_millis(1)));
+                clients.push(BufReader::new(stream));
+            }
+        }
+        let mut exit = false;
+        let mut keep = Vec::new();
+        for mut client in clients.drain(..) {
+            let mut line = String::new();
+            match client.read_line(&mut line) {
+                Ok(0) => continue, // closed
+                Ok(_) => {
+                    let response = match serde_json::from_str::<Request>(line.trim()) {
+                        Ok(request) => {
+                            let (response, quit) = handle(&mut machine, request, &console);
+                            exit |= quit;
+                            response
+                        }
+                        Err(e) => error(format!("malformed request: {e}")),
+                    };
+                    respond(client.get_mut(), &response);
+                    keep.push(client);
+                }
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    keep.push(client);
+                }
+                Err(_) => continue,
+            }
+        }
+        clients = keep;
+        if exit {
+            break match &mut machine {
+                Machine::Live(vmm) => vmm.kill(),
+                Machine::Prepared(_) => StopReason::Killed,
+            };
+        }
+    };
+    if let Some(path) = &args.control_socket {
+        let _ = std::fs::remove_file(path);
+    }
+    println!("{}", stop_line(&reason));
+    let _ = std::io::stdout().flush();
+    let clean = matches!(
+        reason,
+        StopReason::GuestPoweroff(_) | StopReason::GuestReboot | StopReason::Killed
+    );
+    std::process::exit(if clean { 0 } else { 1 });
+}

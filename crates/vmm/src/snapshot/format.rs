@@ -1,0 +1,173 @@
+//! The state-file container: magic, format version, payload length, the
+//! postcard-encoded payload, and a CRC32 of the payload. A file of another
+//! version, truncated or corrupted is refused before anything is decoded.
+
+use std::io::{Read, Write};
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+/// First bytes of every state file.
+pub const MAGIC: &[u8; 8] = b"TINESNAP";
+/// Format version written and accepted. Bumped on any change to the
+/// payload's types; other versions are refused.
+pub const FORMAT_VERSION: u32 = 1;
+/// Largest payload accepted (the state of a VM is a few hundred KiB).
+pub const MAX_PAYLOAD: u64 = 64 << 20;
+const HEADER_LEN: usize = 8 + 4 + 8;
+
+/// Why a state file could not be written or read.
+#[derive(Debug, thiserror::Error)]
+pub enum FormatError {
+    /// I/O failed.
+    #[error("state file I/O failed: {0}")]
+    Io(#[from] std::io::Error),
+    /// Not a tine state file.
+    #[error("not a tine-vmm state file (bad magic)")]
+    BadMagic,
+    /// Another format version.
+    #[error("state file has format version {found}; this tine-vmm reads version {FORMAT_VERSION}")]
+    Version {
+        /// Version in the file.
+        found: u32,
+    },
+    /// Shorter than its header says.
+    #[error("state file is truncated: {0}")]
+    Truncated(&'static str),
+    /// Payload length over the limit.
+    #[error("state file payload of {0} bytes exceeds the {MAX_PAYLOAD}-byte limit")]
+    TooLarge(u64),
+    /// CRC mismatch.
+    #[error("state file is corrupted (CRC mismatch)")]
+    Crc,
+    /// The payload does not decode.
+    #[error("state file payload does not decode: {0}")]
+    Decode(String),
+    /// The payload does not encode.
+    #[error("cannot encode state: {0}")]
+    Encode(String),
+}
+
+/// Encodes `state` as a complete state file.
+pub fn encode<T: Serialize>(state: &T) -> Result<Vec<u8>, FormatError> {
+    let payload = postcard::to_stdvec(state).map_err(|e| FormatError::Encode(e.to_string()))?;
+    let mut out = Vec::with_capacity(HEADER_LEN + payload.len() + 4);
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+    out.extend_from_slice(&payload);
+    out.extend_from_slice(&crc32fast::hash(&payload).to_le_bytes());
+    Ok(out)
+}
+
+/// Writes `state` to `out`.
+pub fn write<T: Serialize>(out: &mut impl Write, state: &T) -> Result<(), FormatError> {
+    out.write_all(&encode(state)?)?;
+    Ok(())
+}
+
+/// Decodes a complete state file.
+pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, FormatError> {
+    if bytes.len() < 8 {
+        return Err(FormatError::Truncated("no header"));
+    }
+    if &bytes[..8] != MAGIC {
+        return Err(FormatError::BadMagic);
+    }
+    if bytes.len() < HEADER_LEN {
+        return Err(FormatError::Truncated("short header"));
+    }
+    let mut version = [0u8; 4];
+    version.copy_from_slice(&bytes[8..12]);
+    let found = u32::from_le_bytes(version);
+    if found != FORMAT_VERSION {
+        return Err(FormatError::Version { found });
+    }
+    let mut len = [0u8; 8];
+    len.copy_from_slice(&bytes[12..20]);
+    let len = u64::from_le_bytes(len);
+    if len > MAX_PAYLOAD {
+        return Err(FormatError::TooLarge(len));
+    }
+    let end = HEADER_LEN + len as usize;
+    if bytes.len() < end + 4 {
+        return Err(FormatError::Truncated(
+            "payload shorter than its header says",
+        ));
+    }
+    let payload = &bytes[HEADER_LEN..end];
+    let mut crc = [0u8; 4];
+    crc.copy_from_slice(&bytes[end..end + 4]);
+    if crc32fast::hash(payload) != u32::from_le_bytes(crc) {
+        return Err(FormatError::Crc);
+    }
+    postcard::from_bytes(payload).map_err(|e| FormatError::Decode(e.to_string()))
+}
+
+/// Reads and decodes a state file.
+pub fn read<T: DeserializeOwned>(input: &mut impl Read) -> Result<T, FormatError> {
+    let mut bytes = Vec::new();
+    input.take(MAX_PAYLOAD + 64).read_to_end(&mut bytes)?;
+    decode(&bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+    struct Sample {
+        a: u32,
+        b: Vec<u8>,
+    }
+
+    fn sample() -> Sample {
+        Sample {
+            a: 7,
+            b: vec![1, 2, 3],
+        }
+    }
+
+    #[test]
+    fn test_decode_round_trips() {
+        let bytes = encode(&sample()).expect("encode");
+        assert_eq!(decode::<Sample>(&bytes).expect("decode"), sample());
+    }
+
+    #[test]
+    fn test_decode_other_version_is_refused() {
+        let mut bytes = encode(&sample()).expect("encode");
+        bytes[8] = 99;
+        assert!(matches!(
+            decode::<Sample>(&bytes),
+            Err(FormatError::Version { found: 99 })
+        ));
+    }
+
+    #[test]
+    fn test_decode_truncated_is_refused() {
+        let bytes = encode(&sample()).expect("encode");
+        for cut in [0, 5, 10, bytes.len() - 1] {
+            assert!(
+                matches!(
+                    decode::<Sample>(&bytes[..cut]),
+                    Err(FormatError::Truncated(_))
+                ),
+                "cut at {cut}"
+            );
+        }
+    }
+
+    #[test]
+    fn test_decode_flipped_bit_is_refused() {
+        let mut bytes = encode(&sample()).expect("encode");
+        bytes[HEADER_LEN] ^= 1;
+        assert!(matches!(decode::<Sample>(&bytes), Err(FormatError::Crc)));
+        let mut other = encode(&sample()).expect("encode");
+        other[0] = b'X';
+        assert!(matches!(
+            decode::<Sample>(&other),
+            Err(FormatError::BadMagic)
+        ));
+    }
+}

@@ -1,0 +1,642 @@
+//! The VMM: assembles a VM for boot or from a snapshot (the only code that
+//! does), and controls it: pause, resume, snapshot, stop.
+
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use crate::arch::x86_64::boot::{self, BootError};
+use crate::arch::x86_64::cpuid::{self, CpuidError, TEMPLATE_NAME};
+use crate::arch::x86_64::interrupts::set_lint;
+use crate::arch::x86_64::mptable::{self, MptableError, MAX_VCPUS};
+use crate::arch::x86_64::msr::{self, MsrError};
+use crate::arch::x86_64::regs::{self, RegsError};
+use crate::devices::bus::{Bus, BusError};
+use crate::devices::legacy::debug_exit::{DebugExit, DEBUG_EXIT_PORT};
+use crate::devices::legacy::i8042::{I8042, I8042_LEN, I8042_PORT};
+use crate::devices::legacy::serial::{
+    BoundedLog, SerialConsole, SerialState, COM1_GSI, COM1_LEN, COM1_PORT,
+};
+use crate::snapshot::format::{self, FormatError};
+use crate::vstate::memory::{GuestRam, MemoryError};
+use crate::vstate::vcpu::{
+    StopReason, StopSignal, Vcpu, VcpuContext, VcpuError, VcpuHandle, VcpuState,
+};
+use crate::vstate::vm::{Vm, VmError, VmState};
+
+/// Smallest guest RAM accepted, in MiB.
+pub const MIN_MEM_MIB: u64 = 16;
+/// Largest guest RAM accepted, in MiB.
+pub const MAX_MEM_MIB: u64 = 1 << 20;
+/// Default size limit of the serial log.
+pub const DEFAULT_SERIAL_LOG_LIMIT: u64 = 16 << 20;
+/// Command line used when none is given.
+pub const DEFAULT_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 pci=off nomodule \
+     i8042.noaux i8042.nomux i8042.dumbkbd i8042.nopnp swiotlb=noforce cryptomgr.notests";
+
+/// Everything needed to boot a VM.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BootConfig {
+    /// vmlinux (ELF) or bzImage.
+    pub kernel: PathBuf,
+    /// Optional initramfs.
+    pub initramfs: Option<PathBuf>,
+    /// Kernel command line (virtio-mmio entries are appended).
+    pub cmdline: String,
+    /// Guest RAM in MiB.
+    pub mem_mib: u64,
+    /// Number of vCPUs.
+    pub vcpus: u8,
+}
+
+/// Where the guest's console goes.
+#[derive(Debug, Clone, Default)]
+pub struct ConsoleConfig {
+    /// Log file (created or truncated).
+    pub log_path: Option<PathBuf>,
+    /// Byte limit of the log.
+    pub log_limit: Option<u64>,
+    /// Also copy the console to stdout.
+    pub echo_stdout: bool,
+}
+
+/// Errors from building or controlling a VM.
+#[derive(Debug, thiserror::Error)]
+pub enum VmmError {
+    /// A configuration value is out of range.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// A file could not be opened.
+    #[error("cannot open {what} {path}")]
+    Open {
+        /// Which file.
+        what: &'static str,
+        /// Its path.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Boot loading failed.
+    #[error(transparent)]
+    Boot(#[from] BootError),
+    /// Guest memory failed.
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    /// KVM VM setup failed.
+    #[error(transparent)]
+    Vm(#[from] VmError),
+    /// vCPU setup or control failed.
+    #[error(transparent)]
+    Vcpu(#[from] VcpuError),
+    /// CPUID failed.
+    #[error(transparent)]
+    Cpuid(#[from] CpuidError),
+    /// MSRs failed.
+    #[error(transparent)]
+    Msr(#[from] MsrError),
+    /// Boot structures failed.
+    #[error(transparent)]
+    Regs(#[from] RegsError),
+    /// MP table failed.
+    #[error(transparent)]
+    Mptable(#[from] MptableError),
+    /// Device placement failed.
+    #[error(transparent)]
+    Bus(#[from] BusError),
+    /// State file failed.
+    #[error(transparent)]
+    Format(#[from] FormatError),
+    /// The snapshot was taken under another CPU template.
+    #[error("snapshot CPU template {saved} ({saved_fp:#018x}) does not match this host's {current} ({current_fp:#018x})")]
+    CpuTemplate {
+        /// Template name in the snapshot.
+        saved: String,
+        /// Its fingerprint.
+        saved_fp: u64,
+        /// This host's template name.
+        current: String,
+        /// This host's fingerprint.
+        current_fp: u64,
+    },
+    /// The operation needs another VM state.
+    #[error("VM is {actual}; {op} needs it {needed}")]
+    State {
+        /// Requested operation.
+        op: &'static str,
+        /// Needed state.
+        needed: &'static str,
+        /// Actual state.
+        actual: &'static str,
+    },
+    /// I/O failed.
+    #[error("{0}: {1}")]
+    Io(&'static str, #[source] std::io::Error),
+}
+
+fn open(what: &'static str, path: &Path) -> Result<File, VmmError> {
+    File::open(path).map_err(|source| VmmError::Open {
+        what,
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// Checks a configuration before anything is created.
+pub fn validate(config: &BootConfig) -> Result<(), VmmError> {
+    if config.vcpus == 0 || config.vcpus > MAX_VCPUS {
+        return Err(VmmError::Config(format!(
+            "vcpus must be 1 to {MAX_VCPUS}, not {}",
+            config.vcpus
+        )));
+    }
+    if !(MIN_MEM_MIB..=MAX_MEM_MIB).contains(&config.mem_mib) {
+        return Err(VmmError::Config(format!(
+            "memory must be {MIN_MEM_MIB} to {MAX_MEM_MIB} MiB, not {}",
+            config.mem_mib
+        )));
+    }
+    Ok(())
+}
+
+/// The snapshot state file's contents.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct MicrovmState {
+    /// Guest RAM in bytes (the memory file's size).
+    pub mem_size: u64,
+    /// CPU template name.
+    pub cpu_template: String,
+    /// CPU template fingerprint on the host that took the snapshot.
+    pub cpu_fingerprint: u64,
+    /// VM-wide state.
+    pub vm: VmState,
+    /// Per-vCPU state.
+    pub vcpus: Vec<VcpuState>,
+    /// Serial console registers.
+    pub serial: SerialState,
+    /// The boot configuration the VM came from (informational).
+    pub boot: BootConfig,
+}
+
+/// What a snapshot wrote.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SnapshotInfo {
+    /// State file.
+    pub state_path: PathBuf,
+    /// Memory file.
+    pub mem_path: PathBuf,
+    /// Bytes of guest RAM written (the rest are holes).
+    pub mem_bytes_written: u64,
+    /// Wall time in microseconds.
+    pub duration_us: u64,
+}
+
+/// Run state of the VM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RunState {
+    /// vCPUs are running.
+    Running,
+    /// vCPUs are parked.
+    Paused,
+    /// The VM has stopped for good.
+    Stopped,
+}
+
+impl RunState {
+    fn name(self) -> &'static str {
+        match self {
+            RunState::Running => "running",
+            RunState::Paused => "paused",
+            RunState::Stopped => "stopped",
+        }
+    }
+}
+
+/// A VM created but not yet given memory and state: what a pre-started
+/// tine-vmm process holds while it waits for a restore.
+pub struct PreparedVm {
+    vm: Vm,
+    vcpus: Vec<Vcpu>,
+    cpuid_base: kvm_bindings::CpuId,
+}
+
+impl PreparedVm {
+    /// Creates the KVM VM (irqchip, PIT) and `num_vcpus` vCPUs.
+    pub fn new(num_vcpus: u8) -> Result<Self, VmmError> {
+        if num_vcpus == 0 || num_vcpus > MAX_VCPUS {
+            return Err(VmmError::Config(format!(
+                "vcpus must be 1 to {MAX_VCPUS}, not {num_vcpus}"
+            )));
+        }
+        let vm = Vm::new()?;
+        let cpuid_base = cpuid::supported_cpuid(&vm.kvm)?;
+        let mut vcpus = Vec::with_capacity(num_vcpus as usize);
+        for index in 0..num_vcpus {
+            let fd = vm
+                .fd
+                .create_vcpu(u64::from(index))
+                .map_err(|source| VmError::Kvm {
+                    op: "KVM_CREATE_VCPU",
+                    source,
+                })?;
+            vcpus.push(Vcpu {
+                index,
+                fd,
+                msr_indices: Vec::new(),
+                cpuid: Vec::new(),
+            });
+        }
+        let msr_indices = match vcpus.first() {
+            Some(v) => msr::saveable_msr_indices(&vm.kvm, &v.fd)?,
+            None => Vec::new(),
+        };
+        for vcpu in &mut vcpus {
+            vcpu.msr_indices = msr_indices.clone();
+        }
+        Ok(Self {
+            vm,
+            vcpus,
+            cpuid_base,
+        })
+    }
+
+    /// Number of vCPUs created.
+    pub fn vcpu_count(&self) -> usize {
+        self.vcpus.len()
+    }
+}
+
+/// A running (or paused, or stopped) VM.
+pub struct Vmm {
+    vm: Vm,
+    ram: GuestRam,
+    vcpus: Vec<VcpuHandle>,
+    stop: StopSignal,
+    serial: Arc<Mutex<SerialConsole>>,
+    state: RunState,
+    cpu_fingerprint: u64,
+    boot: BootConfig,
+}
+
+struct Legacy {
+    pio: Bus,
+    serial: Arc<Mutex<SerialConsole>>,
+}
+
+fn console_writer(console: &ConsoleConfig) -> Result<Box<dyn Write + Send>, VmmError> {
+    let inner: Box<dyn Write + Send> = match &console.log_path {
+        Some(path) => Box::new(File::create(path).map_err(|source| VmmError::Open {
+            what: "serial log",
+            path: path.clone(),
+            source,
+        })?),
+        None => Box::new(std::io::sink()),
+    };
+    let mut log = BoundedLog::new(inner, console.log_limit.unwrap_or(DEFAULT_SERIAL_LOG_LIMIT));
+    if console.echo_stdout {
+        log.echo = Some(Box::new(std::io::stdout()));
+    }
+    Ok(Box::new(log))
+}
+
+fn legacy_devices(
+    vm: &Vm,
+    stop: &StopSignal,
+    console: &ConsoleConfig,
+    serial_state: Option<&SerialState>,
+) -> Result<Legacy, VmmError> {
+    let irq = Arc::new(EventFd::new(EFD_NONBLOCK).map_err(|e| VmmError::Io("eventfd", e))?);
+    vm.fd
+        .register_irqfd(&irq, COM1_GSI)
+        .map_err(|source| VmError::Kvm {
+            op: "KVM_IRQFD (serial)",
+            source,
+        })?;
+    let out = console_writer(console)?;
+    let serial = Arc::new(Mutex::new(match serial_state {
+        Some(state) => SerialConsole::restore(state, irq, out),
+        None => SerialConsole::new(irq, out),
+    }));
+    let mut pio = Bus::new();
+    pio.insert(serial.clone(), COM1_PORT, COM1_LEN)?;
+    pio.insert(
+        Arc::new(Mutex::new(I8042::new(stop.clone()))),
+        I8042_PORT,
+        I8042_LEN,
+    )?;
+    pio.insert(
+        Arc::new(Mutex::new(DebugExit::new(stop.clone()))),
+        DEBUG_EXIT_PORT,
+        1,
+    )?;
+    Ok(Legacy { pio, serial })
+}
+
+impl Vmm {
+    /// Boots a VM from `config`. Every input is checked before the VM is
+    /// created; the vCPUs start running before this returns.
+    pub fn boot(config: &BootConfig, console: &ConsoleConfig) -> Result<Self, VmmError> {
+        validate(config)?;
+        let mut kernel = open("kernel", &config.kernel)?;
+        let mut initramfs = match &config.initramfs {
+            Some(path) => Some(open("initramfs", path)?),
+            None => None,
+        };
+        let prepared = PreparedVm::new(config.vcpus)?;
+        let ram = GuestRam::new_memfd(config.mem_mib << 20)?;
+        let entry = boot::load_kernel(&ram.mem, &mut kernel)?;
+        let initrd = match initramfs.as_mut() {
+            Some(file) => Some(boot::load_initramfs(&ram.mem, file, &entry)?),
+            None => None,
+        };
+        let cmdline_len = boot::load_cmdline(&ram.mem, &config.cmdline)?;
+        boot::write_zero_page(&ram.mem, &entry, cmdline_len, initrd)?;
+        mptable::setup_mptable(&ram.mem, config.vcpus)?;
+
+        let PreparedVm {
+            vm,
+            vcpus,
+            cpuid_base,
+            ..
+        } = prepared;
+        vm.register_memory(&ram)?;
+        let stop = StopSignal::new().map_err(|e| VmmError::Io("eventfd", e))?;
+        let legacy = legacy_devices(&vm, &stop, console, None)?;
+        let ctx = VcpuContext {
+            pio: Arc::new(legacy.pio),
+            mmio: Arc::new(Bus::new()),
+            stop: stop.clone(),
+        };
+
+        let mut handles = Vec::with_capacity(vcpus.len());
+        for mut vcpu in vcpus {
+            let cpuid = cpuid::vcpu_cpuid(&cpuid_base, vcpu.index, config.vcpus)?;
+            vcpu.set_cpuid(cpuid.as_slice())?;
+            msr::set_msrs(&vcpu.fd, &msr::boot_msrs())?;
+            let kvm_err = |op| move |source| VmError::Kvm { op, source };
+            if vcpu.index == 0 {
+                let mut sregs = vcpu.fd.get_sregs().map_err(kvm_err("KVM_GET_SREGS"))?;
+                regs::setup_long_mode(&ram.mem, &mut sregs)?;
+                vcpu.fd
+                    .set_sregs(&sregs)
+                    .map_err(kvm_err("KVM_SET_SREGS"))?;
+                vcpu.fd
+                    .set_regs(&regs::boot_regs(entry.entry.0))
+                    .map_err(kvm_err("KVM_SET_REGS"))?;
+                vcpu.fd
+                    .set_fpu(&regs::boot_fpu())
+                    .map_err(kvm_err("KVM_SET_FPU"))?;
+            }
+            let mut lapic = vcpu.fd.get_lapic().map_err(kvm_err("KVM_GET_LAPIC"))?;
+            set_lint(&mut lapic);
+            vcpu.fd
+                .set_lapic(&lapic)
+                .map_err(kvm_err("KVM_SET_LAPIC"))?;
+            handles.push(VcpuHandle::start(vcpu, ctx.clone(), false)?);
+        }
+        Ok(Self {
+            cpu_fingerprint: cpuid::fingerprint(&cpuid_base),
+            vm,
+            ram,
+            vcpus: handles,
+            stop,
+            serial: legacy.serial,
+            state: RunState::Running,
+            boot: config.clone(),
+        })
+    }
+
+    /// Restores a VM from `state_path` and `mem_path` (mapped copy-on-write)
+    /// into `prepared` (or a VM created now). The state file is read and
+    /// checked completely before any KVM object is touched. The VM is left
+    /// paused when `paused` is set, running otherwise.
+    pub fn restore(
+        state_path: &Path,
+        mem_path: &Path,
+        prepared: Option<PreparedVm>,
+        console: &ConsoleConfig,
+        paused: bool,
+    ) -> Result<Self, VmmError> {
+        let mut state_file = open("state file", state_path)?;
+        let state: MicrovmState = format::read(&mut state_file)?;
+        let mem_file = open("memory file", mem_path)?;
+        if state.vcpus.is_empty() || state.vcpus.len() > MAX_VCPUS as usize {
+            return Err(VmmError::Config(format!(
+                "state file holds {} vCPUs",
+                state.vcpus.len()
+            )));
+        }
+        let prepared = match prepared {
+            Some(p) if p.vcpu_count() == state.vcpus.len() => p,
+            Some(p) => {
+                return Err(VmmError::Config(format!(
+                    "pre-started VM has {} vCPUs, the snapshot {}",
+                    p.vcpu_count(),
+                    state.vcpus.len()
+                )));
+            }
+            None => PreparedVm::new(state.vcpus.len() as u8)?,
+        };
+        let current_fp = cpuid::fingerprint(&prepared.cpuid_base);
+        if state.cpu_template != TEMPLATE_NAME || state.cpu_fingerprint != current_fp {
+            return Err(VmmError::CpuTemplate {
+                saved: state.cpu_template.clone(),
+                saved_fp: state.cpu_fingerprint,
+                current: TEMPLATE_NAME.into(),
+                current_fp,
+            });
+        }
+        let ram = GuestRam::from_snapshot_file(mem_file, state.mem_size)?;
+        let PreparedVm { vm, vcpus, .. } = prepared;
+        vm.register_memory(&ram)?;
+        let stop = StopSignal::new().map_err(|e| VmmError::Io("eventfd", e))?;
+        let mut restored = Vec::with_capacity(vcpus.len());
+        for (mut vcpu, saved) in vcpus.into_iter().zip(state.vcpus.iter()) {
+            vcpu.restore_state(saved)?;
+            restored.push(vcpu);
+        }
+        vm.restore_state(&state.vm)?;
+        // Devices last, after the irqchip, so their pending interrupts are
+        // not overwritten by the irqchip state.
+        let legacy = legacy_devices(&vm, &stop, console, Some(&state.serial))?;
+        let ctx = VcpuContext {
+            pio: Arc::new(legacy.pio),
+            mmio: Arc::new(Bus::new()),
+            stop: stop.clone(),
+        };
+        let mut handles = Vec::with_capacity(restored.len());
+        for vcpu in restored {
+            let _ = vcpu.fd.kvmclock_ctrl();
+            handles.push(VcpuHandle::start(vcpu, ctx.clone(), true)?);
+        }
+        let mut vmm = Self {
+            cpu_fingerprint: current_fp,
+            vm,
+            ram,
+            vcpus: handles,
+            stop,
+            serial: legacy.serial,
+            state: RunState::Paused,
+            boot: state.boot,
+        };
+        if !paused {
+            vmm.resume()?;
+        }
+        Ok(vmm)
+    }
+
+    /// The VM's run state.
+    pub fn run_state(&self) -> RunState {
+        if self.stop.reason().is_some() {
+            RunState::Stopped
+        } else {
+            self.state
+        }
+    }
+
+    /// The stop signal (its eventfd fires when the guest stops).
+    pub fn stop_signal(&self) -> &StopSignal {
+        &self.stop
+    }
+
+    /// Guest RAM.
+    pub fn ram(&self) -> &GuestRam {
+        &self.ram
+    }
+
+    fn require(&self, op: &'static str, needed: RunState) -> Result<(), VmmError> {
+        let actual = self.run_state();
+        if actual != needed {
+            return Err(VmmError::State {
+                op,
+                needed: needed.name(),
+                actual: actual.name(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Parks every vCPU.
+    pub fn pause(&mut self) -> Result<(), VmmError> {
+        self.require("pause", RunState::Running)?;
+        for vcpu in &self.vcpus {
+            vcpu.pause()?;
+        }
+        self.state = RunState::Paused;
+        Ok(())
+    }
+
+    /// Lets every vCPU run again.
+    pub fn resume(&mut self) -> Result<(), VmmError> {
+        self.require("resume", RunState::Paused)?;
+        for vcpu in &self.vcpus {
+            vcpu.resume()?;
+        }
+        self.state = RunState::Running;
+        Ok(())
+    }
+
+    /// Writes a snapshot of the paused VM: the state file and a sparse
+    /// memory file, each written to a temporary name and renamed into
+    /// place, so a failed snapshot never leaves a half-written file behind.
+    pub fn snapshot(
+        &mut self,
+        state_path: &Path,
+        mem_path: &Path,
+    ) -> Result<SnapshotInfo, VmmError> {
+        self.require("snapshot", RunState::Paused)?;
+        let start = Instant::now();
+        let mut vcpu_states = Vec::with_capacity(self.vcpus.len());
+        for vcpu in &self.vcpus {
+            vcpu_states.push(vcpu.save_state()?);
+        }
+        let vm_state = self.vm.save_state()?;
+        let serial = self.serial.lock().unwrap_or_else(|p| p.into_inner()).save();
+        let state = MicrovmState {
+            mem_size: self.ram.size(),
+            cpu_template: TEMPLATE_NAME.into(),
+            cpu_fingerprint: self.cpu_fingerprint,
+            vm: vm_state,
+            vcpus: vcpu_states,
+            serial,
+            boot: self.boot.clone(),
+        };
+        let encoded = format::encode(&state)?;
+        let mem_tmp = temp_name(mem_path);
+        let state_tmp = temp_name(state_path);
+        let result = (|| {
+            let mut mem_file =
+                File::create(&mem_tmp).map_err(|e| VmmError::Io("create memory file", e))?;
+            let written = self.ram.write_sparse(&mut mem_file)?;
+            let mut state_file =
+                File::create(&state_tmp).map_err(|e| VmmError::Io("create state file", e))?;
+            state_file
+                .write_all(&encoded)
+                .and_then(|_| state_file.sync_all())
+                .map_err(|e| VmmError::Io("write state file", e))?;
+            std::fs::rename(&mem_tmp, mem_path)
+                .map_err(|e| VmmError::Io("rename memory file", e))?;
+            std::fs::rename(&state_tmp, state_path)
+                .map_err(|e| VmmError::Io("rename state file", e))?;
+            Ok(written)
+        })();
+        match result {
+            Ok(written) => Ok(SnapshotInfo {
+                state_path: state_path.to_path_buf(),
+                mem_path: mem_path.to_path_buf(),
+                mem_bytes_written: written,
+                duration_us: start.elapsed().as_micros() as u64,
+            }),
+            Err(e) => {
+                let _ = std::fs::remove_file(&mem_tmp);
+                let _ = std::fs::remove_file(&state_tmp);
+                Err(e)
+            }
+        }
+    }
+
+    /// Stops the VM for good (if it has not stopped already) and returns
+    /// why it stopped.
+    pub fn kill(&mut self) -> StopReason {
+        self.stop.stop(StopReason::Killed);
+        for vcpu in self.vcpus.drain(..) {
+            vcpu.exit();
+        }
+        self.state = RunState::Stopped;
+        self.stop.reason().unwrap_or(StopReason::Killed)
+    }
+
+    /// Blocks until the guest stops, then ends the vCPU threads.
+    pub fn wait(&mut self) -> StopReason {
+        loop {
+            if let Some(reason) = self.stop.reason() {
+                for vcpu in self.vcpus.drain(..) {
+                    vcpu.exit();
+                }
+                self.state = RunState::Stopped;
+                return reason;
+            }
+            let mut fds = [libc::pollfd {
+                fd: std::os::fd::AsRawFd::as_raw_fd(self.stop.event()),
+                events: libc::POLLIN,
+                revents: 0,
+            }];
+            // SAFETY: `fds` is a valid array of one pollfd for the call.
+            unsafe {
+                libc::poll(fds.as_mut_ptr(), 1, 100);
+            }
+        }
+    }
+}
+
+fn temp_name(path: &Path) -> PathBuf {
+    let mut name = path.as_os_str().to_os_string();
+    name.push(format!(".tmp-{}", std::process::id()));
+    PathBuf::from(name)
+}

@@ -1,0 +1,548 @@
+//! vCPUs: boot configuration, the complete saved state, and the run loop
+//! thread with its handle (pause, resume, save, exit).
+//!
+//! Each vCPU runs on its own thread and owns its KVM fd. The VMM talks to it
+//! through a [`VcpuHandle`]: commands go over a channel, and a pause kicks
+//! the thread out of `KVM_RUN` with a real-time signal.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex, Once};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kvm_bindings::{
+    kvm_cpuid_entry2, kvm_debugregs, kvm_lapic_state, kvm_mp_state, kvm_msr_entry, kvm_regs,
+    kvm_sregs, kvm_vcpu_events, kvm_xcrs, kvm_xsave, CpuId, KVM_SYSTEM_EVENT_CRASH,
+    KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN,
+};
+use kvm_ioctls::{VcpuExit, VcpuFd};
+use serde::{Deserialize, Serialize};
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::arch::x86_64::msr::{self, MsrError, MSR_IA32_TSC_DEADLINE};
+use crate::devices::bus::Bus;
+
+/// Errors from vCPU setup, state transfer or control.
+#[derive(Debug, thiserror::Error)]
+pub enum VcpuError {
+    /// A KVM ioctl failed.
+    #[error("vCPU {index}: {op} failed: {source}")]
+    Kvm {
+        /// vCPU index.
+        index: u8,
+        /// Which ioctl.
+        op: &'static str,
+        /// Why.
+        #[source]
+        source: kvm_ioctls::Error,
+    },
+    /// MSR transfer failed.
+    #[error("vCPU {index}: {source}")]
+    Msr {
+        /// vCPU index.
+        index: u8,
+        /// Why.
+        #[source]
+        source: MsrError,
+    },
+    /// The CPUID list could not be built.
+    #[error("vCPU {0}: invalid CPUID list")]
+    Cpuid(u8),
+    /// The vCPU thread did not answer.
+    #[error("vCPU {0} did not answer within {1:?}")]
+    Timeout(u8, Duration),
+    /// The vCPU thread is gone.
+    #[error("vCPU {0} thread has exited")]
+    Gone(u8),
+    /// The vCPU thread reported an error.
+    #[error("vCPU {index}: {message}")]
+    Thread {
+        /// vCPU index.
+        index: u8,
+        /// What it said.
+        message: String,
+    },
+    /// The thread could not be spawned.
+    #[error("cannot start vCPU thread: {0}")]
+    Spawn(#[source] std::io::Error),
+}
+
+/// Everything KVM holds for one vCPU, in a serializable form.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct VcpuState {
+    /// CPUID as set at creation (restored from here, never recomputed).
+    pub cpuid: Vec<kvm_cpuid_entry2>,
+    /// Saveable MSRs, IA32_TSC_DEADLINE last.
+    pub msrs: Vec<kvm_msr_entry>,
+    /// General-purpose registers.
+    pub regs: kvm_regs,
+    /// Segment and control registers.
+    pub sregs: kvm_sregs,
+    /// XSAVE area (x87, SSE, AVX... state).
+    pub xsave: kvm_xsave,
+    /// Extended control registers.
+    pub xcrs: kvm_xcrs,
+    /// Debug registers.
+    pub debugregs: kvm_debugregs,
+    /// Local APIC.
+    pub lapic: kvm_lapic_state,
+    /// Multiprocessing state (runnable, halted...).
+    pub mp_state: kvm_mp_state,
+    /// Pending exceptions, interrupts and NMIs.
+    pub vcpu_events: kvm_vcpu_events,
+    /// TSC frequency in kHz, when KVM reports it.
+    pub tsc_khz: Option<u32>,
+}
+
+/// Why the VM stopped.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "reason", content = "detail", rename_all = "snake_case")]
+pub enum StopReason {
+    /// The guest powered off (debug-exit port or KVM shutdown event), with
+    /// the value it wrote.
+    GuestPoweroff(u8),
+    /// The guest rebooted (i8042 reset or KVM reset event).
+    GuestReboot,
+    /// The guest triple-faulted.
+    TripleFault,
+    /// The guest kernel reported a crash.
+    GuestCrash,
+    /// The VMM stopped it on request.
+    Killed,
+    /// The VMM failed.
+    VmmError(String),
+}
+
+/// Where the first stop reason is recorded and announced.
+#[derive(Debug, Clone)]
+pub struct StopSignal {
+    reason: Arc<Mutex<Option<StopReason>>>,
+    event: Arc<EventFd>,
+}
+
+impl StopSignal {
+    /// A new, unfired signal.
+    pub fn new() -> std::io::Result<Self> {
+        Ok(Self {
+            reason: Arc::new(Mutex::new(None)),
+            event: Arc::new(EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK)?),
+        })
+    }
+
+    /// Records `reason` unless one was recorded already, and wakes the VMM.
+    pub fn stop(&self, reason: StopReason) {
+        let mut slot = self.reason.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.is_none() {
+            *slot = Some(reason);
+        }
+        let _ = self.event.write(1);
+    }
+
+    /// The recorded reason.
+    pub fn reason(&self) -> Option<StopReason> {
+        self.reason
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// The eventfd written on stop.
+    pub fn event(&self) -> &EventFd {
+        &self.event
+    }
+}
+
+/// A vCPU before its thread starts.
+pub struct Vcpu {
+    /// Index (also its APIC ID).
+    pub index: u8,
+    /// The KVM fd.
+    pub fd: VcpuFd,
+    /// MSRs saved with this vCPU.
+    pub msr_indices: Vec<u32>,
+    /// The CPUID set on it.
+    pub cpuid: Vec<kvm_cpuid_entry2>,
+}
+
+impl Vcpu {
+    fn err(&self, op: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VcpuError {
+        let index = self.index;
+        move |source| VcpuError::Kvm { index, op, source }
+    }
+
+    /// Sets the CPUID (exactly once, before the first run).
+    pub fn set_cpuid(&mut self, entries: &[kvm_cpuid_entry2]) -> Result<(), VcpuError> {
+        let cpuid = CpuId::from_entries(entries).map_err(|_| VcpuError::Cpuid(self.index))?;
+        self.fd
+            .set_cpuid2(&cpuid)
+            .map_err(self.err("KVM_SET_CPUID2"))?;
+        self.cpuid = entries.to_vec();
+        Ok(())
+    }
+
+    /// Captures the vCPU's state: MP state first, events last.
+    pub fn save_state(&self) -> Result<VcpuState, VcpuError> {
+        let mp_state = self
+            .fd
+            .get_mp_state()
+            .map_err(self.err("KVM_GET_MP_STATE"))?;
+        let regs = self.fd.get_regs().map_err(self.err("KVM_GET_REGS"))?;
+        let sregs = self.fd.get_sregs().map_err(self.err("KVM_GET_SREGS"))?;
+        let xsave = self.fd.get_xsave().map_err(self.err("KVM_GET_XSAVE"))?;
+        let xcrs = self.fd.get_xcrs().map_err(self.err("KVM_GET_XCRS"))?;
+        let debugregs = self
+            .fd
+            .get_debug_regs()
+            .map_err(self.err("KVM_GET_DEBUGREGS"))?;
+        let lapic = self.fd.get_lapic().map_err(self.err("KVM_GET_LAPIC"))?;
+        let mut msrs =
+            msr::get_msrs(&self.fd, &self.msr_indices).map_err(|source| VcpuError::Msr {
+                index: self.index,
+                source,
+            })?;
+        // A deadline of 0 means "disarmed"; restoring it as is after the TSC
+        // moved would never fire, so arm it at the current TSC instead.
+        let tsc = msrs
+            .iter()
+            .find(|m| m.index == msr::MSR_IA32_TSC)
+            .map(|m| m.data);
+        if let (Some(tsc), Some(deadline)) = (
+            tsc,
+            msrs.iter_mut().find(|m| m.index == MSR_IA32_TSC_DEADLINE),
+        ) {
+            if deadline.data == 0 {
+                deadline.data = tsc;
+            }
+        }
+        let vcpu_events = self
+            .fd
+            .get_vcpu_events()
+            .map_err(self.err("KVM_GET_VCPU_EVENTS"))?;
+        let tsc_khz = self.fd.get_tsc_khz().ok();
+        Ok(VcpuState {
+            cpuid: self.cpuid.clone(),
+            msrs,
+            regs,
+            sregs,
+            xsave,
+            xcrs,
+            debugregs,
+            lapic,
+            mp_state,
+            vcpu_events,
+            tsc_khz,
+        })
+    }
+
+    /// Restores `state` in the order KVM needs: CPUID, MP state, registers,
+    /// XSAVE, XCRs, debug registers, LAPIC, MSRs (TSC deadline last), events.
+    pub fn restore_state(&mut self, state: &VcpuState) -> Result<(), VcpuError> {
+        self.set_cpuid(&state.cpuid)?;
+        if let Some(khz) = state.tsc_khz {
+            if self.fd.get_tsc_khz().ok() != Some(khz) {
+                // Best effort: scaling needs host support; a mismatch is
+                // tolerated as Firecracker does below 250 ppm.
+                let _ = self.fd.set_tsc_khz(khz);
+            }
+        }
+        self.fd
+            .set_mp_state(state.mp_state)
+            .map_err(self.err("KVM_SET_MP_STATE"))?;
+        self.fd
+            .set_regs(&state.regs)
+            .map_err(self.err("KVM_SET_REGS"))?;
+        self.fd
+            .set_sregs(&state.sregs)
+            .map_err(self.err("KVM_SET_SREGS"))?;
+        // SAFETY: the xsave area comes from KVM_GET_XSAVE of a vCPU with the
+        // same CPUID (checked through the template fingerprint), so its size
+        // and layout match what this vCPU expects.
+        unsafe { self.fd.set_xsave(&state.xsave) }.map_err(self.err("KVM_SET_XSAVE"))?;
+        self.fd
+            .set_xcrs(&state.xcrs)
+            .map_err(self.err("KVM_SET_XCRS"))?;
+        self.fd
+            .set_debug_regs(&state.debugregs)
+            .map_err(self.err("KVM_SET_DEBUGREGS"))?;
+        self.fd
+            .set_lapic(&state.lapic)
+            .map_err(self.err("KVM_SET_LAPIC"))?;
+        let (deadline, rest): (Vec<_>, Vec<_>) = state
+            .msrs
+            .iter()
+            .partition(|m| m.index == MSR_IA32_TSC_DEADLINE);
+        for chunk in [rest, deadline] {
+            msr::set_msrs(&self.fd, &chunk).map_err(|source| VcpuError::Msr {
+                index: self.index,
+                source,
+            })?;
+        }
+        self.fd
+            .set_vcpu_events(&state.vcpu_events)
+            .map_err(self.err("KVM_SET_VCPU_EVENTS"))?;
+        self.msr_indices = state.msrs.iter().map(|m| m.index).collect();
+        Ok(())
+    }
+}
+
+enum Command {
+    Resume,
+    SaveState,
+    Exit,
+}
+
+enum Response {
+    Paused,
+    Resumed,
+    State(Box<VcpuState>),
+    Error(String),
+}
+
+const KICK_INTERVAL: Duration = Duration::from_millis(1);
+/// How long a vCPU may take to answer a command.
+pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
+
+extern "C" fn handle_kick(_: libc::c_int) {}
+
+fn kick_signal() -> libc::c_int {
+    libc::SIGRTMIN() + 1
+}
+
+fn install_kick_handler() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: installs a handler that does nothing, without SA_RESTART,
+        // so a signal makes a blocking KVM_RUN return EINTR.
+        unsafe {
+            let mut action: libc::sigaction = std::mem::zeroed();
+            action.sa_sigaction = handle_kick as *const () as usize;
+            libc::sigemptyset(&mut action.sa_mask);
+            libc::sigaction(kick_signal(), &action, std::ptr::null_mut());
+        }
+    });
+}
+
+/// The VMM's handle on a running vCPU thread.
+pub struct VcpuHandle {
+    index: u8,
+    commands: Sender<Command>,
+    responses: Receiver<Response>,
+    pause: Arc<AtomicBool>,
+    pthread: libc::pthread_t,
+    thread: Option<JoinHandle<Vcpu>>,
+}
+
+/// What a vCPU thread needs besides the vCPU.
+#[derive(Clone)]
+pub struct VcpuContext {
+    /// Port I/O bus.
+    pub pio: Arc<Bus>,
+    /// MMIO bus.
+    pub mmio: Arc<Bus>,
+    /// Where stops are reported.
+    pub stop: StopSignal,
+}
+
+impl VcpuHandle {
+    /// Starts `vcpu` on its own thread. With `paused` it waits for
+    /// [`VcpuHandle::resume`] before the first `KVM_RUN`.
+    pub fn start(vcpu: Vcpu, ctx: VcpuContext, paused: bool) -> Result<Self, VcpuError> {
+        install_kick_handler();
+        let (cmd_tx, cmd_rx) = channel();
+        let (resp_tx, resp_rx) = channel();
+        let pause = Arc::new(AtomicBool::new(paused));
+        let index = vcpu.index;
+        let thread_pause = pause.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("vcpu{index}"))
+            .spawn(move || run_loop(vcpu, ctx, thread_pause, cmd_rx, resp_tx))
+            .map_err(VcpuError::Spawn)?;
+        let pthread = std::os::unix::thread::JoinHandleExt::as_pthread_t(&thread);
+        let handle = Self {
+            index,
+            commands: cmd_tx,
+            responses: resp_rx,
+            pause,
+            pthread,
+            thread: Some(thread),
+        };
+        if paused {
+            handle.expect(|r| matches!(r, Response::Paused))?;
+        }
+        Ok(handle)
+    }
+
+    fn expect(&self, want: impl Fn(&Response) -> bool) -> Result<Response, VcpuError> {
+        match self.responses.recv_timeout(ANSWER_TIMEOUT) {
+            Ok(Response::Error(message)) => Err(VcpuError::Thread {
+                index: self.index,
+                message,
+            }),
+            Ok(r) if want(&r) => Ok(r),
+            Ok(_) => Err(VcpuError::Thread {
+                index: self.index,
+                message: "unexpected answer".into(),
+            }),
+            Err(RecvTimeoutError::Timeout) => Err(VcpuError::Timeout(self.index, ANSWER_TIMEOUT)),
+            Err(RecvTimeoutError::Disconnected) => Err(VcpuError::Gone(self.index)),
+        }
+    }
+
+    /// Stops the vCPU at its next exit and waits until it is parked.
+    pub fn pause(&self) -> Result<(), VcpuError> {
+        self.pause.store(true, Ordering::SeqCst);
+        let deadline = Instant::now() + ANSWER_TIMEOUT;
+        loop {
+            // SAFETY: the thread is alive (we hold its JoinHandle), and the
+            // kick signal has a no-op handler installed.
+            unsafe {
+                libc::pthread_kill(self.pthread, kick_signal());
+            }
+            match self.responses.recv_timeout(KICK_INTERVAL) {
+                Ok(Response::Paused) => return Ok(()),
+                Ok(Response::Error(message)) => {
+                    return Err(VcpuError::Thread {
+                        index: self.index,
+                        message,
+                    });
+                }
+                Ok(_) => {}
+                Err(RecvTimeoutError::Timeout) if Instant::now() < deadline => {}
+                Err(RecvTimeoutError::Timeout) => {
+                    return Err(VcpuError::Timeout(self.index, ANSWER_TIMEOUT));
+                }
+                Err(RecvTimeoutError::Disconnected) => return Err(VcpuError::Gone(self.index)),
+            }
+        }
+    }
+
+    /// Lets a paused vCPU run again.
+    pub fn resume(&self) -> Result<(), VcpuError> {
+        self.commands
+            .send(Command::Resume)
+            .map_err(|_| VcpuError::Gone(self.index))?;
+        self.expect(|r| matches!(r, Response::Resumed)).map(|_| ())
+    }
+
+    /// Saves the state of a paused vCPU.
+    pub fn save_state(&self) -> Result<VcpuState, VcpuError> {
+        self.commands
+            .send(Command::SaveState)
+            .map_err(|_| VcpuError::Gone(self.index))?;
+        match self.expect(|r| matches!(r, Response::State(_)))? {
+            Response::State(state) => Ok(*state),
+            _ => Err(VcpuError::Gone(self.index)),
+        }
+    }
+
+    /// Ends the thread and returns the vCPU.
+    pub fn exit(mut self) -> Option<Vcpu> {
+        self.pause.store(true, Ordering::SeqCst);
+        let _ = self.commands.send(Command::Exit);
+        // SAFETY: as in `pause`.
+        unsafe {
+            libc::pthread_kill(self.pthread, kick_signal());
+        }
+        self.thread.take().and_then(|t| t.join().ok())
+    }
+}
+
+impl Drop for VcpuHandle {
+    fn drop(&mut self) {
+        if let Some(thread) = self.thread.take() {
+            self.pause.store(true, Ordering::SeqCst);
+            let _ = self.commands.send(Command::Exit);
+            // SAFETY: as in `pause`.
+            unsafe {
+                libc::pthread_kill(self.pthread, kick_signal());
+            }
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Handles one exit. Returns a stop reason when the VM must stop.
+fn handle_exit(exit: VcpuExit<'_>, ctx: &VcpuContext) -> Option<StopReason> {
+    match exit {
+        VcpuExit::IoIn(port, data) => {
+            if !ctx.pio.read(u64::from(port), data) {
+                data.fill(0xff);
+            }
+            None
+        }
+        VcpuExit::IoOut(port, data) => {
+            ctx.pio.write(u64::from(port), data);
+            None
+        }
+        VcpuExit::MmioRead(addr, data) => {
+            if !ctx.mmio.read(addr, data) {
+                data.fill(0xff);
+            }
+            None
+        }
+        VcpuExit::MmioWrite(addr, data) => {
+            ctx.mmio.write(addr, data);
+            None
+        }
+        VcpuExit::Shutdown => Some(StopReason::TripleFault),
+        VcpuExit::SystemEvent(kind, _) => Some(match kind {
+            KVM_SYSTEM_EVENT_SHUTDOWN => StopReason::GuestPoweroff(0),
+            KVM_SYSTEM_EVENT_RESET => StopReason::GuestReboot,
+            KVM_SYSTEM_EVENT_CRASH => StopReason::GuestCrash,
+            other => StopReason::VmmError(format!("unknown system event {other}")),
+        }),
+        VcpuExit::Hlt => Some(StopReason::GuestPoweroff(0)),
+        VcpuExit::InternalError => Some(StopReason::VmmError(
+            "KVM internal error (instruction emulation failed)".into(),
+        )),
+        VcpuExit::FailEntry(reason, _) => Some(StopReason::VmmError(format!(
+            "KVM entry failed, hardware reason {reason:#x}"
+        ))),
+        VcpuExit::Intr | VcpuExit::IrqWindowOpen => None,
+        other => Some(StopReason::VmmError(format!(
+            "unexpected vCPU exit {other:?}"
+        ))),
+    }
+}
+
+fn run_loop(
+    mut vcpu: Vcpu,
+    ctx: VcpuContext,
+    pause: Arc<AtomicBool>,
+    commands: Receiver<Command>,
+    responses: Sender<Response>,
+) -> Vcpu {
+    loop {
+        if pause.load(Ordering::SeqCst) {
+            let _ = responses.send(Response::Paused);
+            loop {
+                match commands.recv() {
+                    Ok(Command::Resume) => {
+                        pause.store(false, Ordering::SeqCst);
+                        let _ = responses.send(Response::Resumed);
+                        break;
+                    }
+                    Ok(Command::SaveState) => {
+                        let answer = match vcpu.save_state() {
+                            Ok(state) => Response::State(Box::new(state)),
+                            Err(e) => Response::Error(e.to_string()),
+                        };
+                        let _ = responses.send(answer);
+                    }
+                    Ok(Command::Exit) | Err(_) => return vcpu,
+                }
+            }
+        }
+        let stop = match vcpu.fd.run() {
+            Ok(exit) => handle_exit(exit, &ctx),
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => None,
+            Err(e) => Some(StopReason::VmmError(format!("KVM_RUN failed: {e}"))),
+        };
+        if let Some(reason) = stop {
+            ctx.stop.stop(reason);
+            // Park until the VMM decides; never run a stopped guest again.
+            pause.store(true, Ordering::SeqCst);
+        }
+    }
+}
