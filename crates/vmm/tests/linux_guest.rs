@@ -68,9 +68,9 @@ fn wait_for(log: &Path, needle: &str, limit: Duration) -> Result<String, Failed>
 
 fn last_tick(text: &str) -> Option<u64> {
     text.lines()
+        .rev()
         .filter_map(|l| l.trim().strip_prefix("tick "))
-        .filter_map(|n| n.trim().parse().ok())
-        .last()
+        .find_map(|n| n.trim().parse().ok())
 }
 
 fn boot_config(init: &Path) -> Result<BootConfig, Failed> {
