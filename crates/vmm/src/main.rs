@@ -190,6 +190,7 @@ fn main() -> anyhow::Result<()> {
             cmdline: args.cmdline.clone(),
             mem_mib: args.mem_mib,
             vcpus: args.vcpus,
+            raw: None,
         };
         validate(&config)?;
         Machine::Live(Vmm::boot(&config, &console).context("boot failed")?)

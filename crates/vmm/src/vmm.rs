@@ -39,6 +39,19 @@ pub const DEFAULT_SERIAL_LOG_LIMIT: u64 = 16 << 20;
 pub const DEFAULT_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 pci=off nomodule \
      i8042.noaux i8042.nomux i8042.dumbkbd i8042.nopnp swiotlb=noforce cryptomgr.notests";
 
+/// A raw guest image instead of a Linux kernel: bytes loaded at
+/// `load_addr`, entered at `entry` in 64-bit ring 3 with IOPL 3. Used by
+/// synthetic test guests and benchmarks.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RawImage {
+    /// The code and data.
+    pub bytes: Vec<u8>,
+    /// Guest-physical load address.
+    pub load_addr: u64,
+    /// Entry point.
+    pub entry: u64,
+}
+
 /// Everything needed to boot a VM.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct BootConfig {
@@ -52,6 +65,9 @@ pub struct BootConfig {
     pub mem_mib: u64,
     /// Number of vCPUs.
     pub vcpus: u8,
+    /// Boot this raw image instead of `kernel` (which is then ignored).
+    #[serde(default)]
+    pub raw: Option<RawImage>,
 }
 
 /// Where the guest's console goes.
@@ -343,20 +359,42 @@ impl Vmm {
     /// created; the vCPUs start running before this returns.
     pub fn boot(config: &BootConfig, console: &ConsoleConfig) -> Result<Self, VmmError> {
         validate(config)?;
-        let mut kernel = open("kernel", &config.kernel)?;
-        let mut initramfs = match &config.initramfs {
-            Some(path) => Some(open("initramfs", path)?),
-            None => None,
+        let (prepared, ram, entry_addr) = match &config.raw {
+            Some(raw) => {
+                let prepared = PreparedVm::new(config.vcpus)?;
+                let ram = GuestRam::new_memfd(config.mem_mib << 20)?;
+                vm_memory::Bytes::write_slice(
+                    &ram.mem,
+                    &raw.bytes,
+                    vm_memory::GuestAddress(raw.load_addr),
+                )
+                .map_err(|_| {
+                    VmmError::Config(format!(
+                        "raw image of {} bytes at {:#x} does not fit in guest RAM",
+                        raw.bytes.len(),
+                        raw.load_addr
+                    ))
+                })?;
+                (prepared, ram, raw.entry)
+            }
+            None => {
+                let mut kernel = open("kernel", &config.kernel)?;
+                let mut initramfs = match &config.initramfs {
+                    Some(path) => Some(open("initramfs", path)?),
+                    None => None,
+                };
+                let prepared = PreparedVm::new(config.vcpus)?;
+                let ram = GuestRam::new_memfd(config.mem_mib << 20)?;
+                let entry = boot::load_kernel(&ram.mem, &mut kernel)?;
+                let initrd = match initramfs.as_mut() {
+                    Some(file) => Some(boot::load_initramfs(&ram.mem, file, &entry)?),
+                    None => None,
+                };
+                let cmdline_len = boot::load_cmdline(&ram.mem, &config.cmdline)?;
+                boot::write_zero_page(&ram.mem, &entry, cmdline_len, initrd)?;
+                (prepared, ram, entry.entry.0)
+            }
         };
-        let prepared = PreparedVm::new(config.vcpus)?;
-        let ram = GuestRam::new_memfd(config.mem_mib << 20)?;
-        let entry = boot::load_kernel(&ram.mem, &mut kernel)?;
-        let initrd = match initramfs.as_mut() {
-            Some(file) => Some(boot::load_initramfs(&ram.mem, file, &entry)?),
-            None => None,
-        };
-        let cmdline_len = boot::load_cmdline(&ram.mem, &config.cmdline)?;
-        boot::write_zero_page(&ram.mem, &entry, cmdline_len, initrd)?;
         mptable::setup_mptable(&ram.mem, config.vcpus)?;
 
         let PreparedVm {
@@ -383,11 +421,17 @@ impl Vmm {
             if vcpu.index == 0 {
                 let mut sregs = vcpu.fd.get_sregs().map_err(kvm_err("KVM_GET_SREGS"))?;
                 regs::setup_long_mode(&ram.mem, &mut sregs)?;
+                let mut boot_regs = regs::boot_regs(entry_addr);
+                if config.raw.is_some() {
+                    regs::write_user_page_tables(&ram.mem)?;
+                    regs::enter_user_mode(&mut sregs);
+                    boot_regs.rflags = regs::USER_IOPL3_RFLAGS;
+                }
                 vcpu.fd
                     .set_sregs(&sregs)
                     .map_err(kvm_err("KVM_SET_SREGS"))?;
                 vcpu.fd
-                    .set_regs(&regs::boot_regs(entry.entry.0))
+                    .set_regs(&boot_regs)
                     .map_err(kvm_err("KVM_SET_REGS"))?;
                 vcpu.fd
                     .set_fpu(&regs::boot_fpu())

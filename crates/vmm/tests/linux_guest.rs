@@ -80,6 +80,7 @@ fn boot_config(init: &Path) -> Result<BootConfig, Failed> {
         cmdline: DEFAULT_CMDLINE.to_string(),
         mem_mib: 256,
         vcpus: 1,
+        raw: None,
     })
 }
 

@@ -10,6 +10,11 @@ pub const DATA_FLAGS: u16 = 0xc093;
 /// Access/flags word of the busy 64-bit TSS (G, P, type 0xb).
 pub const TSS_FLAGS: u16 = 0x808b;
 
+/// Access/flags word of a ring-3 64-bit code segment (G, L, P, DPL 3, S).
+pub const USER_CODE64_FLAGS: u16 = 0xa0fb;
+/// Access/flags word of a ring-3 data segment (G, D/B, P, DPL 3, S).
+pub const USER_DATA_FLAGS: u16 = 0xc0f3;
+
 /// Encodes one segment descriptor from its flags word, base and 20-bit limit.
 pub const fn gdt_entry(flags: u16, base: u32, limit: u32) -> u64 {
     let base = base as u64;
@@ -22,13 +27,16 @@ pub const fn gdt_entry(flags: u16, base: u32, limit: u32) -> u64 {
         | ((flags & 0xf0ff) << 40)
 }
 
-/// The four boot descriptors, in table order.
-pub fn boot_gdt() -> [u64; 4] {
+/// The boot descriptors, in table order: null, kernel code, kernel data,
+/// TSS, user code, user data.
+pub fn boot_gdt() -> [u64; 6] {
     [
         0,
         gdt_entry(CODE64_FLAGS, 0, 0xfffff),
         gdt_entry(DATA_FLAGS, 0, 0xfffff),
         gdt_entry(TSS_FLAGS, 0, 0xfffff),
+        gdt_entry(USER_CODE64_FLAGS, 0, 0xfffff),
+        gdt_entry(USER_DATA_FLAGS, 0, 0xfffff),
     ]
 }
 
