@@ -1,0 +1,226 @@
+//! Restore latency and memory per restored VM, for a synthetic ring-3 guest
+//! on this host's KVM. Prints p50/p99 and ratios; asserts nothing.
+//!
+//!   cargo bench -p tine-vmm --bench restore [-- RUNS]
+//!
+//! - in-process cold: `Vmm::restore` creating the KVM VM and vCPU itself;
+//! - in-process warm: `Vmm::restore` into a `PreparedVm` made beforehand;
+//! - process cold: spawn `tine-vmm --restore`, until its ready line;
+//! - process warm: a `tine-vmm --prestart` process, restore request until
+//!   its answer (the VM is running when the answer is sent);
+//! - USS/PSS of 8 restored tine-vmm processes after they ran 200 ms.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tine_vmm::vmm::{BootConfig, ConsoleConfig, PreparedVm, RawImage, Vmm};
+
+const COUNTER_LOOP: &[u8] = &[0x48, 0xff, 0x04, 0x25, 0x00, 0x00, 0x20, 0x00, 0xeb, 0xf6];
+/// Floor measured on this host with a C loop over raw ioctls (issue #3).
+const C_FLOOR_P50_MS: f64 = 0.9;
+const TARGET_WARM_P50_MS: f64 = 0.3;
+const TARGET_WARM_P99_MS: f64 = 0.6;
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let idx = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[idx]
+}
+
+fn report(name: &str, mut samples_ms: Vec<f64>) -> (f64, f64) {
+    samples_ms.sort_by(|a, b| a.total_cmp(b));
+    let (p50, p99) = (percentile(&samples_ms, 0.5), percentile(&samples_ms, 0.99));
+    println!(
+        "{name:<28} n={:<4} p50={p50:>8.3} ms  p99={p99:>8.3} ms  p50/C-floor={:>5.2}  p50/warm-target={:>5.2}",
+        samples_ms.len(),
+        p50 / C_FLOOR_P50_MS,
+        p50 / TARGET_WARM_P50_MS
+    );
+    (p50, p99)
+}
+
+fn vmm_binary() -> PathBuf {
+    let exe = std::env::current_exe().expect("bench path");
+    // target/<profile>/deps/restore-xxxx -> target/<profile>/tine-vmm
+    let profile_dir = exe.parent().and_then(Path::parent).expect("target dir");
+    let candidate = profile_dir.join("tine-vmm");
+    if !candidate.exists() {
+        let status = Command::new(env!("CARGO"))
+            .args([
+                "build",
+                "--release",
+                "-q",
+                "-p",
+                "tine-vmm",
+                "--bin",
+                "tine-vmm",
+            ])
+            .status()
+            .expect("cargo build");
+        assert!(status.success(), "cannot build tine-vmm");
+    }
+    candidate
+}
+
+fn read_line(child: &mut Child) -> String {
+    let stdout = child.stdout.as_mut().expect("stdout");
+    let mut reader = BufReader::new(stdout);
+    let mut line = String::new();
+    let _ = reader.read_line(&mut line);
+    line
+}
+
+fn smaps_kib(pid: u32, keys: &[&str]) -> u64 {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
+    text.lines()
+        .filter(|l| keys.iter().any(|k| l.starts_with(k)))
+        .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .sum()
+}
+
+fn main() {
+    let runs: usize = std::env::args()
+        .skip(1)
+        .find_map(|a| a.parse().ok())
+        .unwrap_or(100);
+    let dir = tempfile::tempdir().expect("tmp");
+    let state = dir.path().join("vm.state");
+    let mem = dir.path().join("vm.mem");
+    let config = BootConfig {
+        kernel: PathBuf::new(),
+        initramfs: None,
+        cmdline: String::new(),
+        mem_mib: 64,
+        vcpus: 1,
+        raw: Some(RawImage {
+            bytes: COUNTER_LOOP.to_vec(),
+            load_addr: 0x10_0000,
+            entry: 0x10_0000,
+        }),
+    };
+    let console = ConsoleConfig::default();
+    let mut parent = Vmm::boot(&config, &console).expect("boot synthetic guest");
+    std::thread::sleep(Duration::from_millis(20));
+    parent.pause().expect("pause");
+    let info = parent.snapshot(&state, &mem).expect("snapshot");
+    parent.kill();
+    println!(
+        "snapshot of a 64 MiB synthetic guest: {} KiB written, {} us",
+        info.mem_bytes_written / 1024,
+        info.duration_us
+    );
+
+    let mut cold = Vec::with_capacity(runs);
+    for _ in 0..runs {
+        let start = Instant::now();
+        let mut vmm = Vmm::restore(&state, &mem, None, &console, false).expect("restore");
+        cold.push(start.elapsed().as_secs_f64() * 1e3);
+        vmm.kill();
+    }
+    let mut warm = Vec::with_capacity(runs);
+    for _ in 0..runs {
+        let prepared = PreparedVm::new(1).expect("prepare");
+        let start = Instant::now();
+        let mut vmm = Vmm::restore(&state, &mem, Some(prepared), &console, false).expect("restore");
+        warm.push(start.elapsed().as_secs_f64() * 1e3);
+        vmm.kill();
+    }
+
+    let binary = vmm_binary();
+    let process_runs = runs.min(30);
+    let mut proc_cold = Vec::new();
+    for _ in 0..process_runs {
+        let start = Instant::now();
+        let mut child = Command::new(&binary)
+            .arg("--restore")
+            .arg(&state)
+            .arg("--mem-file")
+            .arg(&mem)
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn tine-vmm");
+        let line = read_line(&mut child);
+        proc_cold.push(start.elapsed().as_secs_f64() * 1e3);
+        assert!(line.contains("ready"), "unexpected first line: {line}");
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    let mut proc_warm = Vec::new();
+    for i in 0..process_runs {
+        let socket = dir.path().join(format!("ctl{i}.sock"));
+        let mut child = Command::new(&binary)
+            .args(["--prestart", "--vcpus", "1", "--control-socket"])
+            .arg(&socket)
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn tine-vmm");
+        let line = read_line(&mut child);
+        assert!(line.contains("ready"), "unexpected first line: {line}");
+        let mut stream = UnixStream::connect(&socket).expect("connect");
+        let request = serde_json::json!({
+            "op": "restore", "state_path": state, "mem_path": mem
+        })
+        .to_string()
+            + "\n";
+        let start = Instant::now();
+        stream.write_all(request.as_bytes()).expect("send");
+        let mut answer = String::new();
+        BufReader::new(&stream)
+            .read_line(&mut answer)
+            .expect("answer");
+        proc_warm.push(start.elapsed().as_secs_f64() * 1e3);
+        assert!(answer.contains("\"ok\""), "restore failed: {answer}");
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+
+    println!("\nrestore latency, snapshot to vCPU running (synthetic guest, this host's KVM)");
+    report("in-process cold", cold);
+    let (wp50, wp99) = report("in-process warm (prepared)", warm);
+    report("process cold (spawn)", proc_cold);
+    let (pp50, pp99) = report("process warm (--prestart)", proc_warm);
+    println!(
+        "targets: warm p50 <= {TARGET_WARM_P50_MS} ms, p99 <= {TARGET_WARM_P99_MS} ms; \
+         in-process warm {wp50:.3}/{wp99:.3} ms, process warm {pp50:.3}/{pp99:.3} ms (incl. socket round trip)"
+    );
+
+    // Memory per restored VM after it has run.
+    let mut children = Vec::new();
+    for _ in 0..8 {
+        let mut child = Command::new(&binary)
+            .arg("--restore")
+            .arg(&state)
+            .arg("--mem-file")
+            .arg(&mem)
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn");
+        let _ = read_line(&mut child);
+        children.push(child);
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let mut uss = Vec::new();
+    let mut pss = Vec::new();
+    for child in &children {
+        uss.push(smaps_kib(child.id(), &["Private_Clean:", "Private_Dirty:"]) as f64);
+        pss.push(smaps_kib(child.id(), &["Pss:"]) as f64);
+    }
+    for mut child in children {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    uss.sort_by(|a, b| a.total_cmp(b));
+    pss.sort_by(|a, b| a.total_cmp(b));
+    println!(
+        "\nmemory per restored tine-vmm process (8 running, 200 ms): USS p50 {:.0} KiB, PSS p50 {:.0} KiB \
+         (target <= 1024 KiB per idle forked guest; ratio USS/target {:.2})",
+        percentile(&uss, 0.5),
+        percentile(&pss, 0.5),
+        percentile(&uss, 0.5) / 1024.0
+    );
+}
