@@ -7,10 +7,15 @@
 //! mergeable RX buffers, so every RX chain carries one whole frame and the
 //! guest's headers carry nothing the host needs.
 //!
-//! The host side is a [`NetBackend`]: in production a [`Tap`].
+//! The host side is a [`NetBackend`]: in production a [`Tap`], in unit
+//! tests a datagram socket pair.
 //!
+//! - [`device`]: the [`Net`] device and its queue handling.
 //! - [`tap`]: the TAP interface (`/dev/net/tun`).
+//! - [`persist`]: [`NetState`] and restore-by-construction.
 
+pub mod device;
+pub mod persist;
 pub mod tap;
 #[cfg(test)]
 pub mod test_utils;
@@ -18,6 +23,8 @@ pub mod test_utils;
 use std::io;
 use std::os::fd::RawFd;
 
+pub use device::{Net, NetCounters, NetError};
+pub use persist::{NetConstructorArgs, NetPersistError, NetState};
 pub use tap::{Tap, TapError};
 
 /// Size of each of the two queues.
@@ -30,6 +37,8 @@ pub const TX_QUEUE_INDEX: usize = 1;
 /// Length of `virtio_net_hdr_v1`, the header in front of every frame (and
 /// the header size the TAP is configured with).
 pub const VNET_HDR_LEN: usize = 12;
+/// Offset of `num_buffers` (little-endian u16) in `virtio_net_hdr_v1`.
+const VNET_HDR_NUM_BUFFERS_OFFSET: usize = 10;
 /// Largest Ethernet frame handled in either direction: a 64 KiB payload
 /// plus the 14-byte Ethernet header.
 pub const MAX_FRAME_LEN: usize = 65550;

@@ -1,11 +1,90 @@
-//! Helpers for virtio-net unit tests: the host side of a real TAP.
+//! Helpers for virtio-net unit tests: a datagram-socket backend, an
+//! activated device on test memory, and the host side of a real TAP.
 
 use std::fs::File;
 use std::io;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::net::UnixDatagram;
 use std::process::Command;
+use std::sync::Arc;
 
-use super::Tap;
+use vm_memory::GuestAddress;
+
+use super::{Net, NetBackend, Tap, RX_QUEUE_INDEX, TX_QUEUE_INDEX, VNET_HDR_LEN};
+use crate::devices::virtio::test_utils::configure_queue;
+use crate::devices::virtio::{IrqTrigger, VirtioDevice};
+use crate::vstate::memory::GuestMemoryMmap;
+
+/// A locally administered unicast MAC.
+pub const TEST_MAC: [u8; 6] = [0x02, 0x00, 0x00, 0x12, 0x34, 0x56];
+/// Where the RX queue's rings live in test memory.
+pub const RX_RING: GuestAddress = GuestAddress(0);
+/// Where the TX queue's rings live in test memory.
+pub const TX_RING: GuestAddress = GuestAddress(0x4000);
+
+/// A backend over one end of a datagram socket pair: each datagram is one
+/// Ethernet frame, without a virtio-net header.
+#[derive(Debug)]
+pub struct SocketBackend {
+    /// The device's end.
+    pub sock: UnixDatagram,
+    /// The header `recv` reports for every frame.
+    pub rx_hdr: [u8; VNET_HDR_LEN],
+}
+
+impl NetBackend for SocketBackend {
+    fn recv(&mut self, hdr: &mut [u8; VNET_HDR_LEN], frame: &mut [u8]) -> io::Result<usize> {
+        let len = self.sock.recv(frame)?;
+        *hdr = self.rx_hdr;
+        Ok(len)
+    }
+
+    fn send(&mut self, _hdr: &[u8; VNET_HDR_LEN], frame: &[u8]) -> io::Result<usize> {
+        self.sock.send(frame)
+    }
+
+    fn as_raw_fd(&self) -> RawFd {
+        self.sock.as_raw_fd()
+    }
+
+    fn name(&self) -> &str {
+        ""
+    }
+}
+
+/// A non-blocking socket backend and the test's (non-blocking) end.
+pub fn socket_backend() -> (SocketBackend, UnixDatagram) {
+    let (sock, peer) = UnixDatagram::pair().expect("socketpair");
+    sock.set_nonblocking(true).expect("non-blocking");
+    peer.set_nonblocking(true).expect("non-blocking");
+    let backend = SocketBackend {
+        sock,
+        rx_hdr: [0; VNET_HDR_LEN],
+    };
+    (backend, peer)
+}
+
+/// A device on a socket backend with its queues at [`RX_RING`] and
+/// [`TX_RING`], activated on `mem`.
+pub fn activated_net(mem: &GuestMemoryMmap) -> (Net, UnixDatagram, Arc<IrqTrigger>) {
+    let (backend, peer) = socket_backend();
+    let mut net = Net::new(Box::new(backend), TEST_MAC).expect("net");
+    // What a driver accepts: everything offered.
+    net.common_mut().acked_features = net.common().avail_features;
+    configure_queues(&mut net, mem);
+    let irq = Arc::new(IrqTrigger::new().expect("irq"));
+    net.activate(mem.clone(), irq.clone()).expect("activate");
+    (net, peer, irq)
+}
+
+/// Points the device's queues at [`RX_RING`] and [`TX_RING`].
+pub fn configure_queues(net: &mut Net, mem: &GuestMemoryMmap) {
+    let size = super::NET_QUEUE_SIZE;
+    let rxq = virtio_queue::mock::MockSplitQueue::create(mem, RX_RING, size);
+    let txq = virtio_queue::mock::MockSplitQueue::create(mem, TX_RING, size);
+    configure_queue(&mut net.common_mut().queues[RX_QUEUE_INDEX], &rxq);
+    configure_queue(&mut net.common_mut().queues[TX_QUEUE_INDEX], &txq);
+}
 
 /// A name unique to this test process, so parallel test runs (other
 /// worktrees) do not collide.
