@@ -4,6 +4,7 @@
 use serde::{Deserialize, Serialize};
 use virtio_queue::Queue;
 
+use super::net::NetState;
 use super::VirtioCommon;
 
 /// A virtqueue's guest-visible state: sizes, ring addresses and indices.
@@ -117,4 +118,6 @@ impl VirtioCommonState {
 pub enum VirtioDeviceState {
     /// Placeholder until the first device types land; removed then.
     Unsupported,
+    /// A network device.
+    Net(NetState),
 }
