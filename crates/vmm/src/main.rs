@@ -2,7 +2,9 @@
 //!
 //! Boot:     tine-vmm --kernel K [--initramfs I] [--cmdline C] [--mem-mib M] [--vcpus N]
 //! Restore:  tine-vmm --restore STATE --mem-file MEM
-//! Warm:     tine-vmm --prestart --vcpus N --control-socket S   (waits for a restore request)
+//! Warm:     tine-vmm --prestart --vcpus N --mem-mib M --control-socket S
+//!           (creates the VM, vCPUs and registered guest RAM, then waits for a
+//!           restore request for a snapshot of that size)
 //!
 //! With `--control-socket`, requests arrive as JSON lines (docs/vmm-control.md).
 //! When the VM stops, one JSON line `{"event":"stopped",...}` is printed on

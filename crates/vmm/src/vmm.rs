@@ -23,7 +23,7 @@ use crate::devices::legacy::serial::{
     BoundedLog, SerialConsole, SerialState, COM1_GSI, COM1_LEN, COM1_PORT,
 };
 use crate::snapshot::format::{self, FormatError};
-use crate::vstate::memory::{GuestRam, MemoryError};
+use crate::vstate::memory::{GuestRam, MemoryError, Reservation};
 use crate::vstate::vcpu::{
     StopReason, StopSignal, Vcpu, VcpuContext, VcpuError, VcpuHandle, VcpuState,
 };
@@ -240,6 +240,8 @@ pub struct PreparedVm {
     vm: Vm,
     vcpus: Vec<Vcpu>,
     cpuid_base: kvm_bindings::CpuId,
+    /// Guest RAM reserved and registered with KVM ahead of a restore.
+    memory: Option<Reservation>,
 }
 
 impl PreparedVm {
@@ -268,18 +270,35 @@ impl PreparedVm {
                 cpuid: Vec::new(),
             });
         }
-        let msr_indices = match vcpus.first() {
-            Some(v) => msr::saveable_msr_indices(&vm.kvm, &v.fd)?,
-            None => Vec::new(),
-        };
-        for vcpu in &mut vcpus {
-            vcpu.msr_indices = msr_indices.clone();
-        }
         Ok(Self {
             vm,
             vcpus,
             cpuid_base,
+            memory: None,
         })
+    }
+
+    /// Like [`PreparedVm::new`], and also reserves `mem_size` bytes of guest
+    /// RAM and registers them with KVM, so that a restore of a snapshot of
+    /// that size only has to map its memory file.
+    pub fn with_memory(num_vcpus: u8, mem_size: u64) -> Result<Self, VmmError> {
+        let mut prepared = Self::new(num_vcpus)?;
+        let reservation = Reservation::new(mem_size)?;
+        prepared.vm.register_ranges(reservation.ranges())?;
+        prepared.memory = Some(reservation);
+        Ok(prepared)
+    }
+
+    /// Finds the saveable MSRs (probing each one) for a freshly booted VM.
+    fn probe_msrs(&mut self) -> Result<(), VmmError> {
+        let indices = match self.vcpus.first() {
+            Some(v) => msr::saveable_msr_indices(&self.vm.kvm, &v.fd)?,
+            None => Vec::new(),
+        };
+        for vcpu in &mut self.vcpus {
+            vcpu.msr_indices = indices.clone();
+        }
+        Ok(())
     }
 
     /// Number of vCPUs created.
@@ -361,7 +380,8 @@ impl Vmm {
         validate(config)?;
         let (prepared, ram, entry_addr) = match &config.raw {
             Some(raw) => {
-                let prepared = PreparedVm::new(config.vcpus)?;
+                let mut prepared = PreparedVm::new(config.vcpus)?;
+                prepared.probe_msrs()?;
                 let ram = GuestRam::new_memfd(config.mem_mib << 20)?;
                 vm_memory::Bytes::write_slice(
                     &ram.mem,
@@ -383,7 +403,8 @@ impl Vmm {
                     Some(path) => Some(open("initramfs", path)?),
                     None => None,
                 };
-                let prepared = PreparedVm::new(config.vcpus)?;
+                let mut prepared = PreparedVm::new(config.vcpus)?;
+                prepared.probe_msrs()?;
                 let ram = GuestRam::new_memfd(config.mem_mib << 20)?;
                 let entry = boot::load_kernel(&ram.mem, &mut kernel)?;
                 let initrd = match initramfs.as_mut() {
@@ -401,7 +422,7 @@ impl Vmm {
             vm,
             vcpus,
             cpuid_base,
-            ..
+            memory: _,
         } = prepared;
         vm.register_memory(&ram)?;
         let stop = StopSignal::new().map_err(|e| VmmError::Io("eventfd", e))?;
@@ -496,9 +517,26 @@ impl Vmm {
                 current_fp,
             });
         }
-        let ram = GuestRam::from_snapshot_file(mem_file, state.mem_size)?;
-        let PreparedVm { vm, vcpus, .. } = prepared;
-        vm.register_memory(&ram)?;
+        let PreparedVm {
+            vm, vcpus, memory, ..
+        } = prepared;
+        let ram = match memory {
+            Some(reservation) if reservation.size() == state.mem_size => {
+                GuestRam::from_snapshot_file_into(mem_file, reservation)?
+            }
+            Some(reservation) => {
+                return Err(VmmError::Config(format!(
+                    "pre-started VM reserved {} MiB, the snapshot needs {} MiB",
+                    reservation.size() >> 20,
+                    state.mem_size >> 20
+                )));
+            }
+            None => {
+                let ram = GuestRam::from_snapshot_file(mem_file, state.mem_size)?;
+                vm.register_memory(&ram)?;
+                ram
+            }
+        };
         let stop = StopSignal::new().map_err(|e| VmmError::Io("eventfd", e))?;
         let mut restored = Vec::with_capacity(vcpus.len());
         for (mut vcpu, saved) in vcpus.into_iter().zip(state.vcpus.iter()) {

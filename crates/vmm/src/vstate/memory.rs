@@ -66,6 +66,72 @@ pub fn ram_ranges(size: u64) -> Vec<(GuestAddress, usize)> {
     }
 }
 
+/// Anonymous address space reserved for guest RAM ahead of a restore, so
+/// that the KVM memory slots can be registered before the snapshot is known
+/// (registering a slot is the slowest step of a restore). The snapshot file
+/// is later mapped over it with `MAP_FIXED`; KVM's MMU notifier drops any
+/// stale translation. Unmapped on drop.
+#[derive(Debug)]
+pub struct Reservation {
+    ranges: Vec<(GuestAddress, usize, usize)>,
+}
+
+// SAFETY: the reservation only holds addresses of mappings it owns; moving
+// it between threads moves that ownership.
+unsafe impl Send for Reservation {}
+
+impl Reservation {
+    /// Reserves RAM for a VM of `size` bytes.
+    pub fn new(size: u64) -> Result<Self, MemoryError> {
+        let mut ranges = Vec::new();
+        for (addr, len) in ram_ranges(size) {
+            // SAFETY: an anonymous, private, non-fixed mapping touches no
+            // existing memory; the result is checked below.
+            let host = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                    -1,
+                    0,
+                )
+            };
+            if host == libc::MAP_FAILED {
+                return Err(MemoryError::Map(format!(
+                    "cannot reserve {len} bytes: {}",
+                    std::io::Error::last_os_error()
+                )));
+            }
+            ranges.push((addr, len, host as usize));
+        }
+        Ok(Self { ranges })
+    }
+
+    /// Bytes reserved.
+    pub fn size(&self) -> u64 {
+        self.ranges.iter().map(|r| r.1 as u64).sum()
+    }
+
+    /// (guest address, length, host address) of each range.
+    pub fn ranges(&self) -> &[(GuestAddress, usize, usize)] {
+        &self.ranges
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        for &(_, len, host) in &self.ranges {
+            // SAFETY: unmaps exactly the ranges this reservation mapped (or
+            // that were mapped over them with MAP_FIXED); nothing else
+            // refers to them once the reservation is dropped.
+            unsafe {
+                libc::munmap(host as *mut libc::c_void, len);
+            }
+        }
+    }
+}
+
 /// Guest RAM with the file that backs it.
 #[derive(Debug)]
 pub struct GuestRam {
@@ -75,6 +141,9 @@ pub struct GuestRam {
     pub file: File,
     /// Whether `file` is a private (copy-on-write) mapping of a snapshot.
     pub private: bool,
+    /// Address space owned on behalf of `mem` when it was mapped into a
+    /// reservation. Declared after `mem` so that it is dropped after it.
+    _reservation: Option<Reservation>,
 }
 
 fn map_ranges(
@@ -126,6 +195,7 @@ impl GuestRam {
             mem,
             file,
             private: false,
+            _reservation: None,
         })
     }
 
@@ -142,6 +212,65 @@ impl GuestRam {
             mem,
             file,
             private: true,
+            _reservation: None,
+        })
+    }
+
+    /// Maps a snapshot memory file copy-on-write over `reservation` (whose
+    /// KVM slots may already be registered).
+    pub fn from_snapshot_file_into(
+        file: File,
+        reservation: Reservation,
+    ) -> Result<Self, MemoryError> {
+        let expected = reservation.size();
+        let actual = file.metadata().map_err(MemoryError::CreateFile)?.len();
+        if actual != expected {
+            return Err(MemoryError::FileSize { expected, actual });
+        }
+        let mut offset = 0u64;
+        let mut regions = Vec::new();
+        for &(addr, len, host) in reservation.ranges() {
+            // SAFETY: MAP_FIXED replaces only the reservation's own range,
+            // which no Rust reference points into; the file is open.
+            let mapped = unsafe {
+                libc::mmap(
+                    host as *mut libc::c_void,
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_FIXED | libc::MAP_NORESERVE,
+                    file.as_raw_fd(),
+                    offset as libc::off_t,
+                )
+            };
+            if mapped == libc::MAP_FAILED || mapped as usize != host {
+                return Err(MemoryError::Map(format!(
+                    "cannot map the memory file over the reservation: {}",
+                    std::io::Error::last_os_error()
+                )));
+            }
+            // SAFETY: `host..host+len` is a live mapping owned by the
+            // reservation, which `GuestRam` keeps until after `mem` drops.
+            let region = unsafe {
+                MmapRegion::build_raw(
+                    host as *mut u8,
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE,
+                )
+            }
+            .map_err(|e| MemoryError::Map(e.to_string()))?;
+            let region = GuestRegionMmap::new(region, addr)
+                .ok_or_else(|| MemoryError::Map(format!("region at {:#x} overflows", addr.0)))?;
+            regions.push(region);
+            offset += len as u64;
+        }
+        let mem =
+            GuestMemoryMmap::from_regions(regions).map_err(|e| MemoryError::Map(e.to_string()))?;
+        Ok(Self {
+            mem,
+            file,
+            private: true,
+            _reservation: Some(reservation),
         })
     }
 
@@ -276,6 +405,32 @@ mod tests {
             c.mem.read_obj::<u32>(GuestAddress(0x2000)).expect("r"),
             0x1234
         );
+    }
+
+    #[test]
+    fn test_from_snapshot_file_into_reservation_reads_file_copy_on_write() {
+        let ram = GuestRam::new_memfd(4 << 20).expect("ram");
+        ram.mem
+            .write_obj(0xabcdu32, GuestAddress(0x3000))
+            .expect("w");
+        let path = tempfile::NamedTempFile::new().expect("tmp");
+        ram.write_sparse(&mut path.reopen().expect("r"))
+            .expect("dump");
+        let reservation = Reservation::new(4 << 20).expect("reserve");
+        let host = reservation.ranges()[0].2;
+        let child =
+            GuestRam::from_snapshot_file_into(path.reopen().expect("r"), reservation).expect("map");
+        assert_eq!(
+            child.mem.get_host_address(GuestAddress(0)).expect("h") as usize,
+            host
+        );
+        assert_eq!(
+            child.mem.read_obj::<u32>(GuestAddress(0x3000)).expect("r"),
+            0xabcd
+        );
+        child.mem.write_obj(1u32, GuestAddress(0x3000)).expect("w");
+        let again = std::fs::read(path.path()).expect("read");
+        assert_eq!(&again[0x3000..0x3004], &0xabcdu32.to_le_bytes());
     }
 
     #[test]

@@ -76,20 +76,35 @@ impl Vm {
 
     /// Registers every region of `ram` as a memory slot.
     pub fn register_memory(&self, ram: &GuestRam) -> Result<(), VmError> {
-        for (slot, region) in ram.mem.iter().enumerate() {
-            let host = region.as_ptr() as u64;
+        let ranges: Vec<_> = ram
+            .mem
+            .iter()
+            .map(|r| (r.start_addr(), r.len() as usize, r.as_ptr() as usize))
+            .collect();
+        self.register_ranges(&ranges)
+    }
+
+    /// Registers (guest address, length, host address) ranges as memory
+    /// slots 0, 1, ... The caller keeps the host mappings alive for as long
+    /// as the VM exists.
+    pub fn register_ranges(
+        &self,
+        ranges: &[(vm_memory::GuestAddress, usize, usize)],
+    ) -> Result<(), VmError> {
+        for (slot, &(guest, len, host)) in ranges.iter().enumerate() {
             if host == 0 {
-                return Err(VmError::Unmapped(region.start_addr().0));
+                return Err(VmError::Unmapped(guest.0));
             }
             let mem_region = kvm_userspace_memory_region {
                 slot: slot as u32,
-                guest_phys_addr: region.start_addr().0,
-                memory_size: region.len(),
-                userspace_addr: host,
+                guest_phys_addr: guest.0,
+                memory_size: len as u64,
+                userspace_addr: host as u64,
                 flags: 0,
             };
-            // SAFETY: the mapping belongs to `ram`, which the caller keeps
-            // alive for as long as this VM exists (both live in `Vmm`).
+            // SAFETY: the mapping is owned by the caller's GuestRam or
+            // Reservation, which lives as long as this VM (both in `Vmm` or
+            // `PreparedVm`).
             unsafe { self.fd.set_user_memory_region(mem_region) }
                 .map_err(kvm_err("KVM_SET_USER_MEMORY_REGION"))?;
         }
