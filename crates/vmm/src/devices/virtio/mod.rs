@@ -15,6 +15,7 @@
 //! zero length) and carry on. They never panic on guest input.
 
 pub mod persist;
+pub mod vsock;
 
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU32, Ordering};
