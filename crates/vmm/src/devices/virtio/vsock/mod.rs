@@ -11,15 +11,23 @@
 //! - [`packet`]: the packet header and protocol constants;
 //! - `connection`: one stream's state machine and flow control;
 //! - `muxer`: the listener, the connection table and the RX scheduling;
-//! - `device`: `Vsock`, the [`VirtioDevice`](super::VirtioDevice);
-//! - `persist`: snapshot state. A snapshot cannot carry host sockets, so
-//!   `Vsock`'s `prepare_snapshot` closes them and queues a
+//! - `device`: [`Vsock`], the [`VirtioDevice`](super::VirtioDevice);
+//! - [`persist`]: snapshot state. A snapshot cannot carry host sockets, so
+//!   [`Vsock`]'s `prepare_snapshot` closes them and queues a
 //!   `VIRTIO_VSOCK_EVENT_TRANSPORT_RESET` that makes the guest drop its
 //!   connections (its listeners survive).
 
+mod connection;
+mod device;
+mod muxer;
 pub mod packet;
+pub mod persist;
 
 use std::path::PathBuf;
+
+pub use device::Vsock;
+pub use muxer::MAX_CONNECTIONS;
+pub use persist::{TransportResetState, VsockConstructorArgs, VsockPersistError, VsockState};
 
 /// Index of the RX queue (device to guest).
 pub const RXQ: usize = 0;
