@@ -22,6 +22,8 @@ mod device;
 mod muxer;
 pub mod packet;
 pub mod persist;
+#[cfg(test)]
+mod tests;
 
 use std::path::PathBuf;
 

@@ -125,6 +125,12 @@ impl Muxer {
         self.next_local_port
     }
 
+    /// Lowers the connection limit (tests).
+    #[cfg(test)]
+    pub fn set_max_connections(&mut self, max: usize) {
+        self.max_connections = max.min(MAX_CONNECTIONS);
+    }
+
     /// Number of open connections, clients in handshake included.
     pub fn connection_count(&self) -> usize {
         self.conns.len() + self.clients.len()
