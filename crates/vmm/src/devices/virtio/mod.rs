@@ -16,6 +16,7 @@
 
 pub mod net;
 pub mod persist;
+pub mod vsock;
 
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU32, Ordering};

@@ -120,4 +120,6 @@ pub enum VirtioDeviceState {
     Unsupported,
     /// A network device.
     Net(NetState),
+    /// A vsock device.
+    Vsock(super::vsock::VsockState),
 }
