@@ -16,6 +16,7 @@
 
 pub mod mmio;
 pub mod persist;
+pub mod rng;
 
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU32, Ordering};

@@ -117,4 +117,6 @@ impl VirtioCommonState {
 pub enum VirtioDeviceState {
     /// Placeholder until the first device types land; removed then.
     Unsupported,
+    /// The entropy device.
+    Rng(super::rng::RngState),
 }
