@@ -14,6 +14,7 @@
 //! length, and on a malformed request complete it with an error status (or
 //! zero length) and carry on. They never panic on guest input.
 
+pub mod block;
 pub mod mmio;
 pub mod persist;
 pub mod rng;
