@@ -119,4 +119,6 @@ pub enum VirtioDeviceState {
     Unsupported,
     /// The entropy device.
     Rng(super::rng::RngState),
+    /// The block device.
+    Block(super::block::BlockState),
 }

@@ -7,8 +7,12 @@
 //! - [`persist`]: [`BlockState`] and restore.
 
 pub mod backend;
+pub mod device;
+pub mod persist;
 
 pub use backend::{BlockBackend, RawFile};
+pub use device::{Block, BlockConfig, BlockError};
+pub use persist::{BlockConstructorArgs, BlockPersistError, BlockState, DiskIdentity};
 
 /// Sector size of the virtio-blk protocol, whatever the disk's own.
 pub const SECTOR_SIZE: u64 = 512;
@@ -47,4 +51,76 @@ pub mod status {
     pub const VIRTIO_BLK_S_IOERR: u8 = 1;
     /// Request not supported.
     pub const VIRTIO_BLK_S_UNSUPP: u8 = 2;
+}
+
+/// Helpers for block device tests.
+#[cfg(test)]
+pub(crate) mod test_utils {
+    use std::io;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::{Arc, Mutex};
+
+    use super::backend::{check_range, BlockBackend};
+
+    /// The byte a pattern-filled disk holds at `offset`.
+    pub fn pattern(offset: usize) -> u8 {
+        (offset % 251) as u8
+    }
+
+    /// An in-memory disk whose contents, failures and flushes the test
+    /// controls and inspects through shared handles.
+    #[derive(Debug, Clone, Default)]
+    pub struct MemDisk {
+        pub data: Arc<Mutex<Vec<u8>>>,
+        pub read_only: bool,
+        pub fail: Arc<AtomicBool>,
+        pub flushes: Arc<AtomicUsize>,
+    }
+
+    impl MemDisk {
+        /// A disk of `size` bytes filled with [`pattern`].
+        pub fn with_pattern(size: usize) -> Self {
+            Self {
+                data: Arc::new(Mutex::new((0..size).map(pattern).collect())),
+                ..Self::default()
+            }
+        }
+
+        /// A copy of the contents.
+        pub fn contents(&self) -> Vec<u8> {
+            self.data.lock().expect("lock").clone()
+        }
+
+        fn check(&self, offset: u64, len: usize) -> io::Result<usize> {
+            if self.fail.load(Ordering::SeqCst) {
+                return Err(io::Error::other("injected failure"));
+            }
+            check_range(offset, len, self.size())?;
+            usize::try_from(offset).map_err(io::Error::other)
+        }
+    }
+
+    impl BlockBackend for MemDisk {
+        fn size(&self) -> u64 {
+            self.data.lock().expect("lock").len() as u64
+        }
+        fn is_read_only(&self) -> bool {
+            self.read_only
+        }
+        fn read_at(&mut self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+            let start = self.check(offset, buf.len())?;
+            buf.copy_from_slice(&self.data.lock().expect("lock")[start..start + buf.len()]);
+            Ok(())
+        }
+        fn write_at(&mut self, buf: &[u8], offset: u64) -> io::Result<()> {
+            let start = self.check(offset, buf.len())?;
+            self.data.lock().expect("lock")[start..start + buf.len()].copy_from_slice(buf);
+            Ok(())
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            self.check(0, 0)?;
+            self.flushes.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        }
+    }
 }
