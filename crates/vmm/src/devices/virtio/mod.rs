@@ -346,6 +346,29 @@ pub mod test_utils {
         mock.avail().idx().store(idx.wrapping_add(1));
     }
 
+    /// A small deterministic generator for randomized robustness tests.
+    pub struct XorShift(pub u64);
+
+    impl XorShift {
+        /// The next 64 random bits.
+        pub fn bits(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+
+        /// A value below `bound` (which must not be 0).
+        pub fn below(&mut self, bound: u64) -> u64 {
+            self.bits() % bound
+        }
+
+        /// One of `choices`.
+        pub fn pick<T: Copy>(&mut self, choices: &[T]) -> T {
+            choices[self.below(choices.len() as u64) as usize]
+        }
+    }
+
     /// Entry `slot` of the used ring as (descriptor id, length).
     pub fn used_elem(
         mem: &GuestMemoryMmap,
