@@ -116,10 +116,15 @@ impl VirtioCommonState {
 /// type is defined next to its device.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum VirtioDeviceState {
-    /// Placeholder until the first device types land; removed then.
-    Unsupported,
+    /// State of the stand-in devices used by unit tests.
+    #[cfg(test)]
+    Test,
     /// A network device.
     Net(NetState),
     /// A vsock device.
     Vsock(super::vsock::VsockState),
+    /// The entropy device.
+    Rng(super::rng::RngState),
+    /// The block device.
+    Block(super::block::BlockState),
 }
