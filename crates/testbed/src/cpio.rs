@@ -133,6 +133,61 @@ pub fn busybox_initramfs(init: &str, extra: Vec<Entry>) -> io::Result<Vec<u8>> {
     Ok(out)
 }
 
+/// Entries for the host executable `path` at `/bin/<name>` plus the shared
+/// libraries `ldd` lists for it, at their host paths, so a dynamically
+/// linked host binary runs inside a busybox initramfs.
+pub fn host_binary_entries(path: &std::path::Path) -> io::Result<Vec<Entry>> {
+    let name = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .ok_or_else(|| io::Error::other(format!("{} has no file name", path.display())))?;
+    let mut entries = vec![Entry::File {
+        path: format!("bin/{name}"),
+        mode: 0o755,
+        data: std::fs::read(path)?,
+    }];
+    let output = std::process::Command::new("ldd").arg(path).output()?;
+    let listing = String::from_utf8_lossy(&output.stdout);
+    let mut dirs = std::collections::BTreeSet::new();
+    for line in listing.lines() {
+        // "libc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x...)" or
+        // "/lib64/ld-linux-x86-64.so.2 (0x...)"
+        let lib = line
+            .split("=>")
+            .nth(1)
+            .unwrap_or(line)
+            .split_whitespace()
+            .next()
+            .unwrap_or_default();
+        if !lib.starts_with('/') {
+            continue;
+        }
+        let lib_path = std::path::Path::new(lib);
+        let data = std::fs::read(lib_path)?;
+        let inside = lib.trim_start_matches('/').to_string();
+        let mut parent = lib_path.parent();
+        while let Some(dir) = parent {
+            let text = dir.to_string_lossy().trim_start_matches('/').to_string();
+            if text.is_empty() {
+                break;
+            }
+            dirs.insert(text);
+            parent = dir.parent();
+        }
+        entries.push(Entry::File {
+            path: inside,
+            mode: 0o755,
+            data,
+        });
+    }
+    let mut out: Vec<Entry> = dirs
+        .into_iter()
+        .map(|path| Entry::Dir { path, mode: 0o755 })
+        .collect();
+    out.extend(entries);
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

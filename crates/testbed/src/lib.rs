@@ -112,6 +112,53 @@ fn run_script(relative: &str) -> Result<PathBuf, TestbedError> {
     Ok(PathBuf::from(last))
 }
 
+/// Path of the `tine-guest-util` helper next to the running test binary
+/// (target/<profile>/tine-guest-util).
+pub fn guest_util() -> Result<PathBuf, TestbedError> {
+    let exe = std::env::current_exe().map_err(|source| TestbedError::Spawn {
+        script: PathBuf::from("current_exe"),
+        source,
+    })?;
+    let path = exe
+        .parent()
+        .and_then(Path::parent)
+        .map(|dir| dir.join("tine-guest-util"))
+        .unwrap_or_default();
+    if path.is_file() {
+        Ok(path)
+    } else {
+        Err(TestbedError::MissingArtifact(path))
+    }
+}
+
+/// Builds `tine-guest-util` with cargo (fast when up to date).
+fn build_guest_util() -> Result<(), TestbedError> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let mut command = Command::new(&cargo);
+    command.current_dir(repo_root()).args([
+        "build",
+        "-q",
+        "-p",
+        "tine-testbed",
+        "--bin",
+        "tine-guest-util",
+    ]);
+    if !cfg!(debug_assertions) {
+        command.arg("--release");
+    }
+    let status = command.status().map_err(|source| TestbedError::Spawn {
+        script: PathBuf::from(&cargo),
+        source,
+    })?;
+    if !status.success() {
+        return Err(TestbedError::Script {
+            script: PathBuf::from("cargo build -p tine-testbed --bin tine-guest-util"),
+            status,
+        });
+    }
+    Ok(())
+}
+
 /// Default limit for one test binary's run through the test bed.
 pub const DEFAULT_TIMEOUT_SECS: u64 = 900;
 
@@ -121,6 +168,12 @@ pub fn run_tests(tests: Vec<Trial>) -> ! {
     if placement().is_some() {
         let args = libtest_mimic::Arguments::from_args();
         libtest_mimic::run(&args, tests).exit();
+    }
+    // The guest-side helper must exist before the test bed starts (the
+    // nested bed sees the host's files read-only).
+    if let Err(e) = build_guest_util() {
+        eprintln!("testbed: {e}");
+        std::process::exit(101);
     }
     // List-only invocations (cargo test -- --list) need no KVM.
     let args: Vec<String> = std::env::args().skip(1).collect();

@@ -19,6 +19,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use tine_vmm::device_manager::RestoreOverrides;
 use tine_vmm::vmm::{BootConfig, ConsoleConfig, PreparedVm, RawImage, Vmm};
 use vm_memory::{Bytes, GuestAddress};
 
@@ -119,6 +120,7 @@ fn main() {
         cmdline: String::new(),
         mem_mib: 64,
         vcpus: 1,
+        devices: Default::default(),
         raw: Some(RawImage {
             bytes: COUNTER_LOOP.to_vec(),
             load_addr: 0x10_0000,
@@ -145,7 +147,15 @@ fn main() {
     let mut cold = Vec::with_capacity(runs);
     for _ in 0..runs {
         let start = Instant::now();
-        let mut vmm = Vmm::restore(&state, &mem, None, &console, false).expect("restore");
+        let mut vmm = Vmm::restore(
+            &state,
+            &mem,
+            None,
+            &console,
+            &RestoreOverrides::default(),
+            false,
+        )
+        .expect("restore");
         wait_running(&vmm, at_snapshot);
         cold.push(start.elapsed().as_secs_f64() * 1e3);
         vmm.kill();
@@ -154,7 +164,15 @@ fn main() {
     for _ in 0..runs {
         let prepared = PreparedVm::with_memory(1, 64 << 20).expect("prepare");
         let start = Instant::now();
-        let mut vmm = Vmm::restore(&state, &mem, Some(prepared), &console, false).expect("restore");
+        let mut vmm = Vmm::restore(
+            &state,
+            &mem,
+            Some(prepared),
+            &console,
+            &RestoreOverrides::default(),
+            false,
+        )
+        .expect("restore");
         wait_running(&vmm, at_snapshot);
         warm.push(start.elapsed().as_secs_f64() * 1e3);
         vmm.kill();

@@ -35,6 +35,9 @@ pub enum Request {
         /// Leave it paused.
         #[serde(default)]
         paused: bool,
+        /// Listen for vsock on this socket instead of the snapshot's.
+        #[serde(default)]
+        vsock_uds: Option<PathBuf>,
     },
     /// Stop the VM now and exit the process.
     Kill,

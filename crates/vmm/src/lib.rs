@@ -10,6 +10,7 @@
 
 pub mod arch;
 pub mod control;
+pub mod device_manager;
 pub mod devices;
 pub mod probe;
 pub mod snapshot;

@@ -18,7 +18,12 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use clap::Parser;
+use std::collections::HashMap;
+
 use tine_vmm::control::{Request, Response};
+use tine_vmm::device_manager::{
+    DeviceConfigs, DriveConfig, NetConfig, RestoreOverrides, VsockConfig,
+};
 use tine_vmm::vmm::{validate, BootConfig, ConsoleConfig, PreparedVm, Vmm, DEFAULT_CMDLINE};
 use tine_vmm::vstate::vcpu::StopReason;
 
@@ -64,11 +69,107 @@ struct Args {
     /// Copy the serial console to stdout.
     #[arg(long)]
     serial_stdout: bool,
+    /// A virtio-blk disk: PATH or PATH,ro (repeatable; /dev/vda, /dev/vdb...).
+    #[arg(long = "drive", value_name = "PATH[,ro]")]
+    drives: Vec<String>,
+    /// A virtio-net card on a TAP device: TAP,MAC (repeatable).
+    #[arg(long = "net", value_name = "TAP,MAC")]
+    nets: Vec<String>,
+    /// A virtio-vsock device: CID,UDS_PATH.
+    #[arg(long, value_name = "CID,UDS_PATH")]
+    vsock: Option<String>,
+    /// A virtio-rng entropy device.
+    #[arg(long)]
+    rng: bool,
+    /// On restore: listen for vsock on this socket instead of the snapshot's.
+    #[arg(long, value_name = "UDS_PATH")]
+    vsock_uds: Option<PathBuf>,
+    /// On restore: use this TAP for a net device: ID=TAP (e.g. net0=tap7).
+    #[arg(long = "tap-override", value_name = "ID=TAP")]
+    tap_overrides: Vec<String>,
+    /// On restore: use this disk image for a drive: ID=PATH (e.g. drive0=/x).
+    #[arg(long = "drive-override", value_name = "ID=PATH")]
+    drive_overrides: Vec<String>,
+}
+
+fn parse_mac(text: &str) -> anyhow::Result<[u8; 6]> {
+    let parts: Vec<&str> = text.split(':').collect();
+    if parts.len() != 6 {
+        bail!("MAC address '{text}' must have six ':'-separated bytes");
+    }
+    let mut mac = [0u8; 6];
+    for (slot, part) in mac.iter_mut().zip(parts) {
+        *slot = u8::from_str_radix(part, 16)
+            .with_context(|| format!("MAC address '{text}': '{part}' is not a hex byte"))?;
+    }
+    Ok(mac)
+}
+
+fn device_configs(args: &Args) -> anyhow::Result<DeviceConfigs> {
+    let mut configs = DeviceConfigs {
+        rng: args.rng,
+        ..Default::default()
+    };
+    for drive in &args.drives {
+        let (path, read_only) = match drive.strip_suffix(",ro") {
+            Some(path) => (path, true),
+            None => (drive.as_str(), false),
+        };
+        if path.contains(',') {
+            bail!("--drive '{drive}': only ',ro' may follow the path");
+        }
+        configs.drives.push(DriveConfig {
+            path: PathBuf::from(path),
+            read_only,
+        });
+    }
+    for net in &args.nets {
+        let Some((tap, mac)) = net.split_once(',') else {
+            bail!("--net '{net}' must be TAP,MAC");
+        };
+        configs.nets.push(NetConfig {
+            tap: tap.to_string(),
+            mac: parse_mac(mac)?,
+        });
+    }
+    if let Some(vsock) = &args.vsock {
+        let Some((cid, uds)) = vsock.split_once(',') else {
+            bail!("--vsock '{vsock}' must be CID,UDS_PATH");
+        };
+        configs.vsock = Some(VsockConfig {
+            guest_cid: cid
+                .parse()
+                .with_context(|| format!("--vsock: CID '{cid}' is not a number"))?,
+            uds_path: PathBuf::from(uds),
+        });
+    }
+    Ok(configs)
+}
+
+fn pairs(list: &[String], flag: &str) -> anyhow::Result<HashMap<String, String>> {
+    list.iter()
+        .map(|item| {
+            item.split_once('=')
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .with_context(|| format!("{flag} '{item}' must be ID=VALUE"))
+        })
+        .collect()
+}
+
+fn overrides(args: &Args) -> anyhow::Result<RestoreOverrides> {
+    Ok(RestoreOverrides {
+        vsock_uds: args.vsock_uds.clone(),
+        taps: pairs(&args.tap_overrides, "--tap-override")?,
+        drives: pairs(&args.drive_overrides, "--drive-override")?
+            .into_iter()
+            .map(|(k, v)| (k, PathBuf::from(v)))
+            .collect(),
+    })
 }
 
 enum Machine {
     Prepared(Option<PreparedVm>),
-    Live(Vmm),
+    Live(Box<Vmm>),
 }
 
 fn respond(stream: &mut UnixStream, response: &Response) {
@@ -93,8 +194,19 @@ fn error(e: impl std::fmt::Display) -> Response {
     }
 }
 
+fn error_of(e: &dyn std::error::Error) -> Response {
+    Response::Error {
+        error: tine_vmm::device_manager::error_chain(e),
+    }
+}
+
 /// Handles one request; returns true when the process should exit.
-fn handle(machine: &mut Machine, request: Request, console: &ConsoleConfig) -> (Response, bool) {
+fn handle(
+    machine: &mut Machine,
+    request: Request,
+    console: &ConsoleConfig,
+    overrides: &RestoreOverrides,
+) -> (Response, bool) {
     let start = Instant::now();
     match (request, machine) {
         (Request::Kill, Machine::Live(vmm)) => {
@@ -107,20 +219,32 @@ fn handle(machine: &mut Machine, request: Request, console: &ConsoleConfig) -> (
                 state_path,
                 mem_path,
                 paused,
+                vsock_uds,
             },
             machine @ Machine::Prepared(_),
         ) => {
             let Machine::Prepared(prepared) = machine else {
                 return (error("internal: not prepared"), false);
             };
-            match Vmm::restore(&state_path, &mem_path, prepared.take(), console, paused) {
+            let mut overrides = overrides.clone();
+            if vsock_uds.is_some() {
+                overrides.vsock_uds = vsock_uds;
+            }
+            match Vmm::restore(
+                &state_path,
+                &mem_path,
+                prepared.take(),
+                console,
+                &overrides,
+                paused,
+            ) {
                 Ok(vmm) => {
                     let response = ok(Some(&vmm), start);
-                    *machine = Machine::Live(vmm);
+                    *machine = Machine::Live(Box::new(vmm));
                     (response, false)
                 }
                 // The prepared VM was consumed by the failed attempt.
-                Err(e) => (error(e), true),
+                Err(e) => (error_of(&e), true),
             }
         }
         (Request::Restore { .. }, Machine::Live(_)) => (
@@ -131,11 +255,11 @@ fn handle(machine: &mut Machine, request: Request, console: &ConsoleConfig) -> (
         (Request::Status, Machine::Live(vmm)) => (ok(Some(vmm), start), false),
         (Request::Pause, Machine::Live(vmm)) => match vmm.pause() {
             Ok(()) => (ok(Some(vmm), start), false),
-            Err(e) => (error(e), false),
+            Err(e) => (error_of(&e), false),
         },
         (Request::Resume, Machine::Live(vmm)) => match vmm.resume() {
             Ok(()) => (ok(Some(vmm), start), false),
-            Err(e) => (error(e), false),
+            Err(e) => (error_of(&e), false),
         },
         (
             Request::Snapshot {
@@ -153,7 +277,7 @@ fn handle(machine: &mut Machine, request: Request, console: &ConsoleConfig) -> (
                 },
                 false,
             ),
-            Err(e) => (error(e), false),
+            Err(e) => (error_of(&e), false),
         },
     }
 }
@@ -179,9 +303,10 @@ fn main() -> anyhow::Result<()> {
             .mem_file
             .as_ref()
             .context("--restore needs --mem-file")?;
-        Machine::Live(
-            Vmm::restore(state, mem, None, &console, args.paused).context("restore failed")?,
-        )
+        Machine::Live(Box::new(
+            Vmm::restore(state, mem, None, &console, &overrides(&args)?, args.paused)
+                .context("restore failed")?,
+        ))
     } else {
         let Some(kernel) = args.kernel.clone() else {
             bail!("nothing to run: give --kernel, --restore or --prestart");
@@ -193,11 +318,15 @@ fn main() -> anyhow::Result<()> {
             mem_mib: args.mem_mib,
             vcpus: args.vcpus,
             raw: None,
+            devices: device_configs(&args)?,
         };
         validate(&config)?;
-        Machine::Live(Vmm::boot(&config, &console).context("boot failed")?)
+        Machine::Live(Box::new(
+            Vmm::boot(&config, &console).context("boot failed")?,
+        ))
     };
 
+    let restore_overrides = overrides(&args)?;
     let listener = match &args.control_socket {
         Some(path) => {
             let _ = std::fs::remove_file(path);
@@ -265,7 +394,8 @@ fn main() -> anyhow::Result<()> {
                 Ok(_) => {
                     let response = match serde_json::from_str::<Request>(line.trim()) {
                         Ok(request) => {
-                            let (response, quit) = handle(&mut machine, request, &console);
+                            let (response, quit) =
+                                handle(&mut machine, request, &console, &restore_overrides);
                             exit |= quit;
                             response
                         }

@@ -16,6 +16,9 @@ use crate::arch::x86_64::interrupts::set_lint;
 use crate::arch::x86_64::mptable::{self, MptableError, MAX_VCPUS};
 use crate::arch::x86_64::msr::{self, MsrError};
 use crate::arch::x86_64::regs::{self, RegsError};
+use crate::device_manager::{
+    DeviceConfigs, DeviceManager, DeviceManagerError, MmioDeviceState, RestoreOverrides,
+};
 use crate::devices::bus::{Bus, BusError};
 use crate::devices::legacy::debug_exit::{DebugExit, DEBUG_EXIT_PORT};
 use crate::devices::legacy::i8042::{I8042, I8042_LEN, I8042_PORT};
@@ -68,6 +71,9 @@ pub struct BootConfig {
     /// Boot this raw image instead of `kernel` (which is then ignored).
     #[serde(default)]
     pub raw: Option<RawImage>,
+    /// Virtio devices.
+    #[serde(default)]
+    pub devices: DeviceConfigs,
 }
 
 /// Where the guest's console goes.
@@ -128,6 +134,9 @@ pub enum VmmError {
     /// State file failed.
     #[error(transparent)]
     Format(#[from] FormatError),
+    /// Virtio devices failed.
+    #[error(transparent)]
+    Devices(#[from] DeviceManagerError),
     /// The snapshot was taken under another CPU template.
     #[error("snapshot CPU template {saved} ({saved_fp:#018x}) does not match this host's {current} ({current_fp:#018x})")]
     CpuTemplate {
@@ -151,7 +160,7 @@ pub enum VmmError {
         actual: &'static str,
     },
     /// I/O failed.
-    #[error("{0}: {1}")]
+    #[error("{0}")]
     Io(&'static str, #[source] std::io::Error),
 }
 
@@ -170,6 +179,23 @@ pub fn validate(config: &BootConfig) -> Result<(), VmmError> {
             "vcpus must be 1 to {MAX_VCPUS}, not {}",
             config.vcpus
         )));
+    }
+    for drive in &config.devices.drives {
+        if !drive.path.is_file() && !drive.path.exists() {
+            return Err(VmmError::Config(format!(
+                "disk image {} does not exist",
+                drive.path.display()
+            )));
+        }
+    }
+    if let Some(vsock) = &config.devices.vsock {
+        if vsock.guest_cid < 3 || vsock.guest_cid >= u64::from(u32::MAX) {
+            return Err(VmmError::Config(format!(
+                "vsock guest CID must be 3 to {}, not {}",
+                u32::MAX - 1,
+                vsock.guest_cid
+            )));
+        }
     }
     if !(MIN_MEM_MIB..=MAX_MEM_MIB).contains(&config.mem_mib) {
         return Err(VmmError::Config(format!(
@@ -195,6 +221,8 @@ pub struct MicrovmState {
     pub vcpus: Vec<VcpuState>,
     /// Serial console registers.
     pub serial: SerialState,
+    /// Virtio devices.
+    pub devices: Vec<MmioDeviceState>,
     /// The boot configuration the VM came from (informational).
     pub boot: BootConfig,
 }
@@ -314,6 +342,7 @@ pub struct Vmm {
     vcpus: Vec<VcpuHandle>,
     stop: StopSignal,
     serial: Arc<Mutex<SerialConsole>>,
+    devices: DeviceManager,
     state: RunState,
     cpu_fingerprint: u64,
     boot: BootConfig,
@@ -378,11 +407,13 @@ impl Vmm {
     /// created; the vCPUs start running before this returns.
     pub fn boot(config: &BootConfig, console: &ConsoleConfig) -> Result<Self, VmmError> {
         validate(config)?;
-        let (prepared, ram, entry_addr) = match &config.raw {
+        let mut prepared = PreparedVm::new(config.vcpus)?;
+        prepared.probe_msrs()?;
+        let ram = GuestRam::new_memfd(config.mem_mib << 20)?;
+        // Load the guest image; Linux also gets its zero page below, once
+        // the devices (and so the command line) are known.
+        let (entry_addr, linux) = match &config.raw {
             Some(raw) => {
-                let mut prepared = PreparedVm::new(config.vcpus)?;
-                prepared.probe_msrs()?;
-                let ram = GuestRam::new_memfd(config.mem_mib << 20)?;
                 vm_memory::Bytes::write_slice(
                     &ram.mem,
                     &raw.bytes,
@@ -395,25 +426,20 @@ impl Vmm {
                         raw.load_addr
                     ))
                 })?;
-                (prepared, ram, raw.entry)
+                (raw.entry, None)
             }
             None => {
                 let mut kernel = open("kernel", &config.kernel)?;
-                let mut initramfs = match &config.initramfs {
-                    Some(path) => Some(open("initramfs", path)?),
-                    None => None,
-                };
-                let mut prepared = PreparedVm::new(config.vcpus)?;
-                prepared.probe_msrs()?;
-                let ram = GuestRam::new_memfd(config.mem_mib << 20)?;
                 let entry = boot::load_kernel(&ram.mem, &mut kernel)?;
-                let initrd = match initramfs.as_mut() {
-                    Some(file) => Some(boot::load_initramfs(&ram.mem, file, &entry)?),
+                let initrd = match &config.initramfs {
+                    Some(path) => Some(boot::load_initramfs(
+                        &ram.mem,
+                        &mut open("initramfs", path)?,
+                        &entry,
+                    )?),
                     None => None,
                 };
-                let cmdline_len = boot::load_cmdline(&ram.mem, &config.cmdline)?;
-                boot::write_zero_page(&ram.mem, &entry, cmdline_len, initrd)?;
-                (prepared, ram, entry.entry.0)
+                (entry.entry.0, Some((entry, initrd)))
             }
         };
         mptable::setup_mptable(&ram.mem, config.vcpus)?;
@@ -427,9 +453,17 @@ impl Vmm {
         vm.register_memory(&ram)?;
         let stop = StopSignal::new().map_err(|e| VmmError::Io("eventfd", e))?;
         let legacy = legacy_devices(&vm, &stop, console, None)?;
+        let mut mmio = Bus::new();
+        let mut devices = DeviceManager::create(&vm, &mut mmio, &ram.mem, &config.devices)?;
+        if let Some((entry, initrd)) = &linux {
+            let cmdline = format!("{}{}", config.cmdline, devices.cmdline_entries());
+            let cmdline_len = boot::load_cmdline(&ram.mem, &cmdline)?;
+            boot::write_zero_page(&ram.mem, entry, cmdline_len, *initrd)?;
+        }
+        devices.start()?;
         let ctx = VcpuContext {
             pio: Arc::new(legacy.pio),
-            mmio: Arc::new(Bus::new()),
+            mmio: Arc::new(mmio),
             stop: stop.clone(),
         };
 
@@ -472,6 +506,7 @@ impl Vmm {
             vcpus: handles,
             stop,
             serial: legacy.serial,
+            devices,
             state: RunState::Running,
             boot: config.clone(),
         })
@@ -486,6 +521,7 @@ impl Vmm {
         mem_path: &Path,
         prepared: Option<PreparedVm>,
         console: &ConsoleConfig,
+        overrides: &RestoreOverrides,
         paused: bool,
     ) -> Result<Self, VmmError> {
         let mut state_file = open("state file", state_path)?;
@@ -547,9 +583,13 @@ impl Vmm {
         // Devices last, after the irqchip, so their pending interrupts are
         // not overwritten by the irqchip state.
         let legacy = legacy_devices(&vm, &stop, console, Some(&state.serial))?;
+        let mut mmio = Bus::new();
+        let mut devices =
+            DeviceManager::restore(&vm, &mut mmio, &ram.mem, &state.devices, overrides)?;
+        devices.start()?;
         let ctx = VcpuContext {
             pio: Arc::new(legacy.pio),
-            mmio: Arc::new(Bus::new()),
+            mmio: Arc::new(mmio),
             stop: stop.clone(),
         };
         let mut handles = Vec::with_capacity(restored.len());
@@ -564,6 +604,7 @@ impl Vmm {
             vcpus: handles,
             stop,
             serial: legacy.serial,
+            devices,
             state: RunState::Paused,
             boot: state.boot,
         };
@@ -610,6 +651,7 @@ impl Vmm {
         for vcpu in &self.vcpus {
             vcpu.pause()?;
         }
+        self.devices.pause();
         self.state = RunState::Paused;
         Ok(())
     }
@@ -617,6 +659,7 @@ impl Vmm {
     /// Lets every vCPU run again.
     pub fn resume(&mut self) -> Result<(), VmmError> {
         self.require("resume", RunState::Paused)?;
+        self.devices.resume();
         for vcpu in &self.vcpus {
             vcpu.resume()?;
         }
@@ -647,6 +690,7 @@ impl Vmm {
             vm: vm_state,
             vcpus: vcpu_states,
             serial,
+            devices: self.devices.save(),
             boot: self.boot.clone(),
         };
         let encoded = format::encode(&state)?;
@@ -690,6 +734,7 @@ impl Vmm {
         for vcpu in self.vcpus.drain(..) {
             vcpu.exit();
         }
+        self.devices = DeviceManager::new();
         self.state = RunState::Stopped;
         self.stop.reason().unwrap_or(StopReason::Killed)
     }

@@ -1,11 +1,14 @@
 //! Linux guests on tine-vmm, run through the test bed (directly where the
 //! host's KVM runs Linux, nested otherwise).
 
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use tine_testbed::cpio::busybox_initramfs;
-use tine_testbed::{guest_kernel, run_tests, Failed, Trial};
+use tine_testbed::cpio::{busybox_initramfs, host_binary_entries};
+use tine_testbed::{guest_kernel, guest_util, run_tests, Failed, Trial};
+use tine_vmm::device_manager::{DeviceConfigs, DriveConfig, RestoreOverrides, VsockConfig};
 use tine_vmm::vmm::{BootConfig, ConsoleConfig, RunState, Vmm, DEFAULT_CMDLINE};
 use tine_vmm::vstate::vcpu::StopReason;
 
@@ -81,6 +84,7 @@ fn boot_config(init: &Path) -> Result<BootConfig, Failed> {
         mem_mib: 256,
         vcpus: 1,
         raw: None,
+        devices: Default::default(),
     })
 }
 
@@ -151,7 +155,14 @@ fn snapshot_restores_into_two_running_vms() -> Result<(), Failed> {
     for i in 0..2 {
         let child_log = dir.join(format!("child{i}.log"));
         let start = Instant::now();
-        let vmm = Vmm::restore(&state, &mem, None, &console(&child_log), false)?;
+        let vmm = Vmm::restore(
+            &state,
+            &mem,
+            None,
+            &console(&child_log),
+            &RestoreOverrides::default(),
+            false,
+        )?;
         println!("restore {i}: {} us to running", start.elapsed().as_micros());
         children.push((vmm, child_log));
     }
@@ -181,8 +192,183 @@ fn snapshot_restores_into_two_running_vms() -> Result<(), Failed> {
     Ok(())
 }
 
+const DEVICES_INIT: &str = r#"#!/bin/sh
+export PATH=/bin
+busybox mount -t proc proc /proc
+busybox mount -t sysfs sys /sys
+busybox mount -t devtmpfs dev /dev
+busybox hostname tine-devtest
+/bin/tine-guest-util vsock-echo 5000 &
+echo "disk-md5 $(busybox md5sum /dev/vda | busybox cut -d' ' -f1)"
+echo "tine-write-marker" | busybox dd of=/dev/vda bs=512 seek=200 conv=notrunc 2>/dev/null
+busybox sync
+echo "rng $(busybox cat /sys/class/misc/hw_random/rng_current) $(busybox dd if=/dev/hwrng bs=32 count=1 2>/dev/null | busybox md5sum | busybox cut -d' ' -f1)"
+echo "guest-send $(/bin/tine-guest-util vsock-send 6000 hello-from-guest)"
+echo "tine-test: devices ready"
+while true; do busybox sleep 1; done
+"#;
+
+fn host_md5(path: &Path) -> Result<String, Failed> {
+    let out = std::process::Command::new("md5sum").arg(path).output()?;
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap_or_default()
+        .to_string())
+}
+
+/// Host side of Firecracker's vsock convention: CONNECT, then one line.
+fn vsock_ping(uds: &Path, port: u32, line: &str) -> Result<String, Failed> {
+    let start = Instant::now();
+    let stream = loop {
+        match UnixStream::connect(uds) {
+            Ok(s) => break s,
+            Err(e) if start.elapsed() < Duration::from_secs(10) => {
+                let _ = e;
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(e) => return Err(format!("cannot connect to {}: {e}", uds.display()).into()),
+        }
+    };
+    stream.set_read_timeout(Some(Duration::from_secs(60)))?;
+    let mut writer = stream.try_clone()?;
+    writer.write_all(format!("CONNECT {port}\n").as_bytes())?;
+    let mut reader = BufReader::new(stream);
+    let mut ok = String::new();
+    reader.read_line(&mut ok)?;
+    if !ok.starts_with("OK ") {
+        return Err(format!("vsock handshake answered '{}'", ok.trim()).into());
+    }
+    writer.write_all(format!("{line}\n").as_bytes())?;
+    let mut reply = String::new();
+    reader.read_line(&mut reply)?;
+    Ok(reply.trim().to_string())
+}
+
+fn devices_work_and_survive_snapshot() -> Result<(), Failed> {
+    let dir = scratch("devices")?;
+    let mut extra = host_binary_entries(&guest_util()?)?;
+    extra.push(tine_testbed::cpio::Entry::Dir {
+        path: "tmp".into(),
+        mode: 0o1777,
+    });
+    let init = dir.join("initramfs.cpio");
+    std::fs::write(&init, busybox_initramfs(DEVICES_INIT, extra)?)?;
+    let disk = dir.join("disk.raw");
+    let pattern: Vec<u8> = (0..16u32 << 20)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8)
+        .collect();
+    std::fs::write(&disk, &pattern)?;
+    let disk_md5 = host_md5(&disk)?;
+    let uds = dir.join("vsock.sock");
+
+    // Guest-initiated connections to port 6000 land on <uds>_6000.
+    let listener = UnixListener::bind(dir.join("vsock.sock_6000"))?;
+    let received = std::thread::spawn(move || -> String {
+        let Ok((mut stream, _)) = listener.accept() else {
+            return String::new();
+        };
+        let mut line = String::new();
+        let _ = BufReader::new(stream.try_clone().expect("clone")).read_line(&mut line);
+        let _ = stream.write_all(b"ack\n");
+        line
+    });
+
+    let log = dir.join("serial.log");
+    let mut config = boot_config(&init)?;
+    config.devices = DeviceConfigs {
+        drives: vec![DriveConfig {
+            path: disk.clone(),
+            read_only: false,
+        }],
+        nets: Vec::new(),
+        vsock: Some(VsockConfig {
+            guest_cid: 3,
+            uds_path: uds.clone(),
+        }),
+        rng: true,
+    };
+    let mut vmm = Vmm::boot(&config, &console(&log))?;
+    let text = wait_for(&log, "tine-test: devices ready", Duration::from_secs(240))?;
+
+    let field = |name: &str| -> String {
+        text.lines()
+            .find_map(|l| l.trim().strip_prefix(name))
+            .unwrap_or_default()
+            .trim()
+            .to_string()
+    };
+    if field("disk-md5 ") != disk_md5 {
+        return Err(format!(
+            "guest read md5 '{}', host has {disk_md5}",
+            field("disk-md5 ")
+        )
+        .into());
+    }
+    let rng = field("rng ");
+    if !rng.starts_with("virtio_rng") || rng.ends_with("70bc8f4b72a86921468bf8e8441dce51") {
+        return Err(format!("virtio-rng not serving entropy: '{rng}'").into());
+    }
+    if field("guest-send ") != "ack" {
+        return Err(format!("guest-to-host vsock reply was '{}'", field("guest-send ")).into());
+    }
+    let got = received.join().map_err(|_| "listener thread panicked")?;
+    if got.trim() != "hello-from-guest" {
+        return Err(format!("host received '{}' over vsock", got.trim()).into());
+    }
+    let reply = vsock_ping(&uds, 5000, "ping")?;
+    if reply != "pong tine-devtest: ping" {
+        return Err(format!("host-to-guest vsock reply was '{reply}'").into());
+    }
+    let mut written = vec![0u8; 17];
+    let mut file = std::fs::File::open(&disk)?;
+    std::io::Seek::seek(&mut file, std::io::SeekFrom::Start(200 * 512))?;
+    file.read_exact(&mut written)?;
+    if written != b"tine-write-marker" {
+        return Err(format!(
+            "guest write not on disk: {:?}",
+            String::from_utf8_lossy(&written)
+        )
+        .into());
+    }
+    println!("devices: blk read+write, rng '{rng}', vsock both ways: ok");
+
+    vmm.pause()?;
+    let state = dir.join("vm.state");
+    let mem = dir.join("vm.mem");
+    vmm.snapshot(&state, &mem)?;
+    vmm.kill();
+    let mut children = Vec::new();
+    for i in 0..2 {
+        let child_uds = dir.join(format!("child{i}.sock"));
+        let overrides = RestoreOverrides {
+            vsock_uds: Some(child_uds.clone()),
+            ..Default::default()
+        };
+        let child_log = dir.join(format!("child{i}.log"));
+        let child = Vmm::restore(&state, &mem, None, &console(&child_log), &overrides, false)?;
+        children.push((child, child_uds));
+    }
+    for (i, (_, child_uds)) in children.iter().enumerate() {
+        let reply = vsock_ping(child_uds, 5000, &format!("child{i}"))?;
+        if reply != format!("pong tine-devtest: child{i}") {
+            return Err(format!("restored VM {i} answered '{reply}' over vsock").into());
+        }
+    }
+    println!("snapshot: both restored VMs answer over their own vsock socket");
+    for (mut child, _) in children {
+        child.kill();
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
 fn main() {
     run_tests(vec![
+        Trial::test(
+            "linux_virtio_blk_rng_vsock_and_snapshot",
+            devices_work_and_survive_snapshot,
+        ),
         Trial::test("linux_boots_to_init_and_reboots", boots_to_init_and_reboots),
         Trial::test("linux_bzimage_two_vcpus_boots", bzimage_boots_too),
         Trial::test(

@@ -5,6 +5,7 @@
 
 use std::time::{Duration, Instant};
 
+use tine_vmm::device_manager::RestoreOverrides;
 use tine_vmm::vmm::{BootConfig, ConsoleConfig, RawImage, RunState, Vmm};
 use tine_vmm::vstate::vcpu::StopReason;
 use vm_memory::{Bytes, GuestAddress};
@@ -28,6 +29,7 @@ fn raw_config(code: &[u8]) -> BootConfig {
         cmdline: String::new(),
         mem_mib: 32,
         vcpus: 1,
+        devices: Default::default(),
         raw: Some(RawImage {
             bytes: code.to_vec(),
             load_addr: CODE_ADDR,
@@ -99,7 +101,15 @@ fn test_synthetic_snapshot_restores_into_isolated_children() {
 
     let mut children: Vec<Vmm> = (0..3)
         .map(|_| {
-            Vmm::restore(&state, &mem, None, &ConsoleConfig::default(), true).expect("restore")
+            Vmm::restore(
+                &state,
+                &mem,
+                None,
+                &ConsoleConfig::default(),
+                &RestoreOverrides::default(),
+                true,
+            )
+            .expect("restore")
         })
         .collect();
     for child in &children {
@@ -149,14 +159,28 @@ fn test_synthetic_restore_corrupt_state_is_refused() {
     let middle = bytes.len() / 2;
     bytes[middle] ^= 0xff;
     std::fs::write(&state, &bytes).expect("write");
-    let err = Vmm::restore(&state, &mem, None, &ConsoleConfig::default(), true)
-        .err()
-        .expect("corrupt state must be refused");
+    let err = Vmm::restore(
+        &state,
+        &mem,
+        None,
+        &ConsoleConfig::default(),
+        &RestoreOverrides::default(),
+        true,
+    )
+    .err()
+    .expect("corrupt state must be refused");
     assert!(err.to_string().contains("CRC"), "unexpected error: {err}");
     std::fs::write(&state, &bytes[..middle]).expect("truncate");
-    let err = Vmm::restore(&state, &mem, None, &ConsoleConfig::default(), true)
-        .err()
-        .expect("truncated state must be refused");
+    let err = Vmm::restore(
+        &state,
+        &mem,
+        None,
+        &ConsoleConfig::default(),
+        &RestoreOverrides::default(),
+        true,
+    )
+    .err()
+    .expect("truncated state must be refused");
     assert!(
         err.to_string().contains("truncated"),
         "unexpected error: {err}"

@@ -20,7 +20,7 @@ const HEADER_LEN: usize = 8 + 4 + 8;
 #[derive(Debug, thiserror::Error)]
 pub enum FormatError {
     /// I/O failed.
-    #[error("state file I/O failed: {0}")]
+    #[error("state file I/O failed")]
     Io(#[from] std::io::Error),
     /// Not a tine state file.
     #[error("not a tine-vmm state file (bad magic)")]

@@ -33,7 +33,7 @@ pub const PAGE_SIZE: usize = 4096;
 #[derive(Debug, thiserror::Error)]
 pub enum MemoryError {
     /// memfd_create or ftruncate failed.
-    #[error("cannot create guest memory file: {0}")]
+    #[error("cannot create guest memory file")]
     CreateFile(#[source] std::io::Error),
     /// mmap failed.
     #[error("cannot map guest memory: {0}")]
@@ -47,7 +47,7 @@ pub enum MemoryError {
         actual: u64,
     },
     /// Writing the snapshot memory file failed.
-    #[error("cannot write memory file: {0}")]
+    #[error("cannot write memory file")]
     Dump(#[source] std::io::Error),
 }
 

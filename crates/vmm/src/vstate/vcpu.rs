@@ -27,7 +27,7 @@ use crate::devices::bus::Bus;
 #[derive(Debug, thiserror::Error)]
 pub enum VcpuError {
     /// A KVM ioctl failed.
-    #[error("vCPU {index}: {op} failed: {source}")]
+    #[error("vCPU {index}: {op} failed")]
     Kvm {
         /// vCPU index.
         index: u8,
@@ -38,7 +38,7 @@ pub enum VcpuError {
         source: kvm_ioctls::Error,
     },
     /// MSR transfer failed.
-    #[error("vCPU {index}: {source}")]
+    #[error("vCPU {index}: MSR transfer failed")]
     Msr {
         /// vCPU index.
         index: u8,
@@ -64,7 +64,7 @@ pub enum VcpuError {
         message: String,
     },
     /// The thread could not be spawned.
-    #[error("cannot start vCPU thread: {0}")]
+    #[error("cannot start vCPU thread")]
     Spawn(#[source] std::io::Error),
 }
 

@@ -17,7 +17,7 @@ use crate::arch::x86_64::layout::KVM_TSS_ADDRESS;
 #[derive(Debug, thiserror::Error)]
 pub enum VmError {
     /// A KVM ioctl failed.
-    #[error("{op} failed: {source}")]
+    #[error("{op} failed")]
     Kvm {
         /// Which ioctl.
         op: &'static str,

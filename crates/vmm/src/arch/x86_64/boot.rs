@@ -54,7 +54,7 @@ pub enum BootError {
     #[error("kernel command line contains a NUL byte")]
     CmdlineNul,
     /// Reading a file failed.
-    #[error("cannot read {what}: {source}")]
+    #[error("cannot read {what}")]
     Io {
         /// Which file.
         what: &'static str,

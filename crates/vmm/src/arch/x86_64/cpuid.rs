@@ -22,7 +22,7 @@ pub const TEMPLATE_NAME: &str = "tine-host-v1";
 #[derive(Debug, thiserror::Error)]
 pub enum CpuidError {
     /// KVM_GET_SUPPORTED_CPUID failed.
-    #[error("KVM_GET_SUPPORTED_CPUID failed: {0}")]
+    #[error("KVM_GET_SUPPORTED_CPUID failed")]
     Supported(#[source] kvm_ioctls::Error),
     /// Building the CPUID list failed.
     #[error("cannot build CPUID list: {0}")]

@@ -26,13 +26,13 @@ const MTRR_MEM_TYPE_WB: u64 = 6;
 #[derive(Debug, thiserror::Error)]
 pub enum MsrError {
     /// KVM_GET_MSR_INDEX_LIST failed.
-    #[error("KVM_GET_MSR_INDEX_LIST failed: {0}")]
+    #[error("KVM_GET_MSR_INDEX_LIST failed")]
     IndexList(#[source] kvm_ioctls::Error),
     /// Building the MSR list failed.
     #[error("cannot build MSR list: {0}")]
     Build(String),
     /// KVM_GET_MSRS / KVM_SET_MSRS failed.
-    #[error("{op} failed: {source}")]
+    #[error("{op} failed")]
     Ioctl {
         /// Which ioctl.
         op: &'static str,
