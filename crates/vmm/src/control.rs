@@ -39,6 +39,9 @@ pub enum Request {
         #[serde(default)]
         vsock_uds: Option<PathBuf>,
     },
+    /// Ask the guest to shut down (Ctrl-Alt-Del); the process exits when
+    /// the guest stops.
+    Shutdown,
     /// Stop the VM now and exit the process.
     Kill,
 }

@@ -253,6 +253,10 @@ fn handle(
         ),
         (_, Machine::Prepared(_)) => (error("no VM yet: send a restore request first"), false),
         (Request::Status, Machine::Live(vmm)) => (ok(Some(vmm), start), false),
+        (Request::Shutdown, Machine::Live(vmm)) => match vmm.request_shutdown() {
+            Ok(()) => (ok(Some(vmm), start), false),
+            Err(e) => (error_of(&e), false),
+        },
         (Request::Pause, Machine::Live(vmm)) => match vmm.pause() {
             Ok(()) => (ok(Some(vmm), start), false),
             Err(e) => (error_of(&e), false),

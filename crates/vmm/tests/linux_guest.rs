@@ -363,8 +363,48 @@ fn devices_work_and_survive_snapshot() -> Result<(), Failed> {
     Ok(())
 }
 
+const SHUTDOWN_INIT: &str = r#"#!/bin/sh
+/bin/busybox mount -t proc proc /proc
+echo 0 > /proc/sys/kernel/ctrl-alt-del
+trap 'echo "tine-test: got ctrl-alt-del"; /bin/busybox sync; /bin/busybox reboot -f' INT
+echo "tine-test: init reached"
+while true; do /bin/busybox sleep 1; done
+"#;
+
+fn graceful_shutdown_reaches_init() -> Result<(), Failed> {
+    let dir = scratch("shutdown")?;
+    let init = initramfs(&dir, SHUTDOWN_INIT)?;
+    let log = dir.join("serial.log");
+    let mut vmm = Vmm::boot(&boot_config(&init)?, &console(&log))?;
+    wait_for(&log, "tine-test: init reached", Duration::from_secs(180))?;
+    // The keyboard driver may still be settling right after init starts;
+    // press again until the guest reacts.
+    let start = Instant::now();
+    while !std::fs::read_to_string(&log)?.contains("got ctrl-alt-del") {
+        if start.elapsed() > Duration::from_secs(60) {
+            return Err("guest init never saw Ctrl-Alt-Del".into());
+        }
+        if vmm.run_state() == RunState::Running {
+            vmm.request_shutdown()?;
+        }
+        std::thread::sleep(Duration::from_secs(2));
+    }
+    let reason = vmm.wait();
+    if reason != StopReason::GuestReboot {
+        return Err(
+            format!("expected the guest to reboot after Ctrl-Alt-Del, got {reason:?}").into(),
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
 fn main() {
     run_tests(vec![
+        Trial::test(
+            "linux_graceful_shutdown_via_ctrl_alt_del",
+            graceful_shutdown_reaches_init,
+        ),
         Trial::test(
             "linux_virtio_blk_rng_vsock_and_snapshot",
             devices_work_and_survive_snapshot,
