@@ -185,9 +185,7 @@ async fn run(
     rx: StreamReceiver,
 ) -> Result<Response, OpError> {
     match request {
-        Request::Exec(req) if req.background.is_some() => {
-            ops::background::start(&agent, req).await
-        }
+        Request::Exec(req) if req.background.is_some() => ops::background::start(&agent, req).await,
         Request::Exec(req) => ops::exec::run(req, tx, rx).await,
         Request::Shell(req) => ops::shell::run(req, tx, rx).await,
         Request::BgList => Ok(agent.jobs.list()),

@@ -182,7 +182,10 @@ async fn test_exec_env_cwd_and_identity_are_applied() {
 
     let lines: Vec<String> = output.stdout_lossy().lines().map(str::to_owned).collect();
     assert_eq!(lines[0], "bar baz");
-    assert_eq!(lines[1], common::s(&std::fs::canonicalize(&dir).expect("canonical")));
+    assert_eq!(
+        lines[1],
+        common::s(&std::fs::canonicalize(&dir).expect("canonical"))
+    );
     if common::is_root() {
         assert_eq!(lines[2], "4321");
         assert_eq!(lines[3], "8765");
@@ -216,10 +219,16 @@ async fn test_exec_fifty_concurrent_execs_on_one_connection() {
         assert_eq!(output.status.code, Some(i % 5));
     }
     // Serially this would take 15 s.
-    assert!(started.elapsed() < Duration::from_secs(10), "{:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
 }
 
-async fn futures_join_all<F: std::future::Future + Send + 'static>(futs: impl Iterator<Item = F>) -> Vec<F::Output>
+async fn futures_join_all<F: std::future::Future + Send + 'static>(
+    futs: impl Iterator<Item = F>,
+) -> Vec<F::Output>
 where
     F::Output: Send + 'static,
 {
@@ -375,11 +384,7 @@ async fn test_background_exec_kill_then_remove() {
     assert_eq!(gone.code(), Some(ErrorCode::NotFound));
 }
 
-async fn read_until(
-    shell: &mut tine_client::agent::ShellSession,
-    seen: &mut String,
-    needle: &str,
-) {
+async fn read_until(shell: &mut tine_client::agent::ShellSession, seen: &mut String, needle: &str) {
     let found = tokio::time::timeout(Duration::from_secs(10), async {
         while !seen.contains(needle) {
             match shell.next_event().await.expect("shell event") {

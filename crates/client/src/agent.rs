@@ -10,10 +10,9 @@ use tine_proto::agent::mux::{Inbound, Mux, MuxConfig, MuxError, StreamReceiver, 
 use tine_proto::agent::{
     client_handshake, BackgroundOptions, BgIdRequest, BgJob, BgKillRequest, BgLogsRequest,
     BgWaitRequest, Channel, CloseReason, Control, DirEntry, ErrorCode, ExecRequest, ExitStatus,
-    FileAttrs, FileStat, FixupReport, FixupRequest, ForwardRequest, ForwardTarget,
-    HandshakeError, Health, Hello, MkdirRequest, PathRequest, RemoveRequest, Request, Response,
-    ShellRequest, StatRequest, UploadRequest, UploadTarRequest, UserdataStatus, Welcome,
-    PROTOCOL_VERSION,
+    FileAttrs, FileStat, FixupReport, FixupRequest, ForwardRequest, ForwardTarget, HandshakeError,
+    Health, Hello, MkdirRequest, PathRequest, RemoveRequest, Request, Response, ShellRequest,
+    StatRequest, UploadRequest, UploadTarRequest, UserdataStatus, Welcome, PROTOCOL_VERSION,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
@@ -493,7 +492,13 @@ impl BgLogs {
             match event {
                 LogEvent::Stdout(d) => stdout.extend_from_slice(&d),
                 LogEvent::Stderr(d) => stderr.extend_from_slice(&d),
-                LogEvent::End(end) => return Ok(BgOutput { stdout, stderr, end }),
+                LogEvent::End(end) => {
+                    return Ok(BgOutput {
+                        stdout,
+                        stderr,
+                        end,
+                    })
+                }
             }
         }
         Err(ClientError::StreamEnded)
@@ -759,7 +764,11 @@ impl AgentClient {
     }
 
     /// Downloads one file into `writer`; returns its metadata.
-    pub async fn download<W: AsyncWrite + Unpin>(&self, path: &str, mut writer: W) -> Result<FileStat> {
+    pub async fn download<W: AsyncWrite + Unpin>(
+        &self,
+        path: &str,
+        mut writer: W,
+    ) -> Result<FileStat> {
         let request = Request::Download(PathRequest {
             path: path.to_owned(),
         });
@@ -855,7 +864,9 @@ impl AgentClient {
 
     /// Connects to a TCP port or Unix socket in the guest.
     pub async fn forward(&self, target: ForwardTarget) -> Result<ForwardStream> {
-        let (tx, mut rx) = self.open(&Request::Forward(ForwardRequest { target })).await?;
+        let (tx, mut rx) = self
+            .open(&Request::Forward(ForwardRequest { target }))
+            .await?;
         match next_response(&mut rx).await? {
             Response::Connected => Ok(ForwardStream {
                 tx,
@@ -884,7 +895,10 @@ impl AgentClient {
 }
 
 /// Writes data frames into `writer` until the data channel's EOF.
-async fn receive_data<W: AsyncWrite + Unpin>(rx: &mut StreamReceiver, writer: &mut W) -> Result<()> {
+async fn receive_data<W: AsyncWrite + Unpin>(
+    rx: &mut StreamReceiver,
+    writer: &mut W,
+) -> Result<()> {
     loop {
         match rx.recv().await {
             Some(Inbound::Data(_, chunk)) => {

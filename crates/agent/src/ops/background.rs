@@ -76,7 +76,10 @@ impl Ring {
         let from = from.clamp(self.start, self.end());
         let offset = (from - self.start) as usize;
         let len = (self.buf.len() - offset).min(max);
-        (from, self.buf.range(offset..offset + len).copied().collect())
+        (
+            from,
+            self.buf.range(offset..offset + len).copied().collect(),
+        )
     }
 }
 
@@ -268,7 +271,10 @@ pub(crate) async fn start(agent: &Arc<Agent>, req: ExecRequest) -> Result<Respon
         .map_err(|e| process::spawn_error(&argv[0], &e))?;
     drop(cmd);
     let Some(pid) = child.id() else {
-        return Err(OpError::new(ErrorCode::SpawnFailed, "process exited at once"));
+        return Err(OpError::new(
+            ErrorCode::SpawnFailed,
+            "process exited at once",
+        ));
     };
     let id = inner.next_id;
     inner.next_id += 1;

@@ -93,7 +93,10 @@ pub(crate) fn sync_dir(dir: &Path) -> io::Result<()> {
 }
 
 /// Receives a file on the data channel and commits it atomically.
-pub(crate) async fn upload(req: UploadRequest, mut rx: StreamReceiver) -> Result<Response, OpError> {
+pub(crate) async fn upload(
+    req: UploadRequest,
+    mut rx: StreamReceiver,
+) -> Result<Response, OpError> {
     let path = absolute(&req.path)?;
     let (Some(parent), Some(_)) = (path.parent(), path.file_name()) else {
         return Err(OpError::new(

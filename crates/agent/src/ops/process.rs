@@ -17,7 +17,8 @@ use crate::error::OpError;
 
 /// `PATH` for processes when neither the request nor the agent has one (as
 /// PID 1 the agent starts with almost no environment).
-pub(crate) const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+pub(crate) const DEFAULT_PATH: &str =
+    "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
 /// After a process exits, its output is read until the pipe stays quiet this
 /// long: a background grandchild holding the pipe open must not keep the
@@ -103,10 +104,7 @@ pub(crate) fn build(
     let mut defaults = extra_env.clone();
     if let Some(uid) = options.uid {
         let entry = lookup_user(uid);
-        let gid = options
-            .gid
-            .or(entry.as_ref().map(|e| e.gid))
-            .unwrap_or(uid);
+        let gid = options.gid.or(entry.as_ref().map(|e| e.gid)).unwrap_or(uid);
         cmd.uid(uid).gid(gid);
         if let Some(entry) = entry {
             defaults.insert("HOME".to_owned(), entry.home);

@@ -59,7 +59,9 @@ impl AsyncRead for Pty {
         loop {
             let mut guard = ready!(self.0.poll_read_ready(cx))?;
             let unfilled = buf.initialize_unfilled();
-            match guard.try_io(|fd| nix::unistd::read(fd.get_ref(), unfilled).map_err(io::Error::from)) {
+            match guard
+                .try_io(|fd| nix::unistd::read(fd.get_ref(), unfilled).map_err(io::Error::from))
+            {
                 Ok(Ok(n)) => {
                     buf.advance(n);
                     return Poll::Ready(Ok(()));
@@ -81,7 +83,8 @@ impl AsyncWrite for Pty {
     ) -> Poll<io::Result<usize>> {
         loop {
             let mut guard = ready!(self.0.poll_write_ready(cx))?;
-            match guard.try_io(|fd| nix::unistd::write(fd.get_ref(), buf).map_err(io::Error::from)) {
+            match guard.try_io(|fd| nix::unistd::write(fd.get_ref(), buf).map_err(io::Error::from))
+            {
                 Ok(result) => return Poll::Ready(result),
                 Err(_would_block) => continue,
             }
@@ -99,7 +102,8 @@ impl AsyncWrite for Pty {
 
 /// Opens a PTY pair: a non-blocking master and its slave, both close-on-exec.
 fn open_pty(rows: u16, cols: u16) -> io::Result<(OwnedFd, OwnedFd)> {
-    let master = posix_openpt(OFlag::O_RDWR | OFlag::O_NOCTTY | OFlag::O_CLOEXEC | OFlag::O_NONBLOCK)?;
+    let master =
+        posix_openpt(OFlag::O_RDWR | OFlag::O_NOCTTY | OFlag::O_CLOEXEC | OFlag::O_NONBLOCK)?;
     grantpt(&master)?;
     unlockpt(&master)?;
     let name = ptsname_r(&master)?;
@@ -147,7 +151,9 @@ pub(crate) async fn run(
     let mut env = BTreeMap::new();
     env.insert(
         "TERM".to_owned(),
-        req.term.clone().unwrap_or_else(|| "xterm-256color".to_owned()),
+        req.term
+            .clone()
+            .unwrap_or_else(|| "xterm-256color".to_owned()),
     );
     let mut cmd = process::build(&argv, &req.options, &env)?;
     let stdio = |fd: &OwnedFd| {
@@ -155,7 +161,9 @@ pub(crate) async fn run(
             .map(std::process::Stdio::from)
             .map_err(|e| OpError::io("duplicate PTY", &e))
     };
-    cmd.stdin(stdio(&slave)?).stdout(stdio(&slave)?).stderr(stdio(&slave)?);
+    cmd.stdin(stdio(&slave)?)
+        .stdout(stdio(&slave)?)
+        .stderr(stdio(&slave)?);
     // SAFETY: runs in the child between fork and exec, after stdio was set
     // up on 0/1/2; it only calls setsid and ioctl, which are
     // async-signal-safe, and touches no memory shared with the parent.
@@ -181,9 +189,10 @@ pub(crate) async fn run(
     // SAFETY: `master` is an OwnedFd moved into the AsyncFd, so its
     // descriptor stays open and unchanged for the AsyncFd's whole life.
     let registered = unsafe { AsyncFd::register(master) };
-    let pty = Pty(Arc::new(registered.map_err(|e| {
-        OpError::io("register PTY", &io::Error::from(e))
-    })?));
+    let pty =
+        Pty(Arc::new(registered.map_err(|e| {
+            OpError::io("register PTY", &io::Error::from(e))
+        })?));
 
     if tx.send_msg(&Response::Started { pid }).await.is_err() {
         let _ = signal_group(pid, libc::SIGKILL);
@@ -191,14 +200,21 @@ pub(crate) async fn run(
         return Err(OpError::cancelled());
     }
     let (exited_tx, exited_rx) = watch::channel(false);
-    let output = tokio::spawn(pump(Some(pty.clone()), Channel::Data, tx.clone(), exited_rx));
+    let output = tokio::spawn(pump(
+        Some(pty.clone()),
+        Channel::Data,
+        tx.clone(),
+        exited_rx,
+    ));
     let control = tokio::spawn(control_loop(rx, pty, pid));
     let waited = child.wait().await;
     control.abort();
     let _ = exited_tx.send(true);
     let _ = output.await;
     let status = waited.map_err(|e| OpError::io(format_args!("waiting for shell {pid}"), &e))?;
-    Ok(Response::Exited(process::exit_status(status, started, false)))
+    Ok(Response::Exited(process::exit_status(
+        status, started, false,
+    )))
 }
 
 async fn control_loop(mut rx: StreamReceiver, pty: Pty, pid: u32) {

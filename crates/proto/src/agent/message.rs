@@ -762,6 +762,10 @@ pub enum Response {
         stdout_to: u64,
         /// Offset after the last stderr byte sent.
         stderr_to: u64,
+        /// Requested bytes that left the rings before they could be sent
+        /// (those counted in `LogsStart` included).
+        #[serde(default)]
+        dropped: u64,
         /// How the process ended, if it has.
         exit: Option<ExitStatus>,
     },
