@@ -34,6 +34,7 @@ enum Commands {
 fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("TINE_AGENT_LOG")
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),

@@ -334,3 +334,38 @@ async fn test_fixups_and_userdata_go_through_the_system_module() {
     assert!(!userdata.ran);
     assert_eq!(bad.code(), Some(ErrorCode::BadRequest));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn test_agent_binary_serves_on_unix_socket() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let socket = dir.path().join("agent.sock");
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_tine-agent"))
+        .args(["serve", "--unix", s(&socket), "--root", s(dir.path())])
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start tine-agent");
+    assert!(wait_until(Duration::from_secs(10), || socket.exists()).await);
+
+    let client = tine_client::AgentClient::connect_unix(&socket)
+        .await
+        .expect("connect");
+    let output = client
+        .exec_output(ExecRequest::argv(["echo", "from the binary"]))
+        .await
+        .expect("exec");
+
+    assert_eq!(output.stdout_lossy(), "from the binary\n");
+    child.kill().await.expect("kill");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn test_negative_agent_binary_without_listener_fails_clearly() {
+    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_tine-agent"))
+        .arg("serve")
+        .output()
+        .await
+        .expect("run tine-agent");
+
+    assert!(!output.status.success());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("--unix"));
+}

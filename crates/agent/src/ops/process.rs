@@ -1,5 +1,9 @@
 //! Building, signalling and reaping processes, shared by exec, background
 //! execs and the shell.
+//!
+//! Children are reaped by tokio (`waitpid` on their own pid after SIGCHLD).
+//! As PID 1 the agent also reaps orphans; that reaper must not take these
+//! children's statuses with a blanket `waitpid(-1)`, or their exits are lost.
 
 use std::collections::BTreeMap;
 use std::io;
