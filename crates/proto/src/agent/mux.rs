@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use serde::Serialize;
-use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufWriter};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
 use tokio::sync::{mpsc, Notify, Semaphore};
 
 use super::frame::{read_frame, Channel, Frame, FrameError, FrameKind, HEADER_REST_LEN};
@@ -36,6 +36,7 @@ pub const MAX_DATA_CHUNK: usize = 128 << 10;
 /// Default limit on streams open at once on one connection.
 pub const DEFAULT_MAX_STREAMS: usize = 1024;
 const WRITE_BUFFER: usize = 256 << 10;
+const READ_BUFFER: usize = 64 << 10;
 
 /// Which end of the connection this is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -671,7 +672,9 @@ async fn write_loop<W: AsyncWrite + Unpin>(
     }
 }
 
-async fn read_loop<R: AsyncRead + Unpin>(shared: Arc<Shared>, live: Weak<Liveness>, mut reader: R) {
+async fn read_loop<R: AsyncRead + Unpin>(shared: Arc<Shared>, live: Weak<Liveness>, reader: R) {
+    // Small frames (window updates, messages) then cost no read syscall each.
+    let mut reader = BufReader::with_capacity(READ_BUFFER, reader);
     let max = shared.config.max_frame_len;
     loop {
         let frame = tokio::select! {
