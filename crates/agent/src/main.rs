@@ -1,7 +1,78 @@
-//! `tine-agent`: the guest agent. It serves the agent protocol over vsock
-//! (docs/agent-protocol.md). This binary currently only reports its version;
-//! the protocol lands with the agent issue.
+//! `tine-agent`: the guest agent binary. `tine-agent serve --unix PATH`
+//! serves the agent protocol (docs/agent-protocol.md) on a Unix socket;
+//! `--vsock-port N` serves it on vsock in a VM.
 
-fn main() {
-    println!("tine-agent {}", env!("CARGO_PKG_VERSION"));
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use clap::{Parser, Subcommand};
+use tine_agent::{Agent, AgentConfig};
+
+#[derive(Parser)]
+#[command(name = "tine-agent", version, about = "The tine guest agent")]
+struct Cli {
+    #[command(subcommand)]
+    command: Commands,
+}
+
+#[derive(Subcommand)]
+enum Commands {
+    /// Serve the agent protocol.
+    Serve {
+        /// Listen on this Unix socket path (replaced if it exists).
+        #[arg(long, conflicts_with = "vsock_port")]
+        unix: Option<PathBuf>,
+        /// Listen on this vsock port.
+        #[arg(long)]
+        vsock_port: Option<u32>,
+        /// Root for fix-ups and userdata state.
+        #[arg(long, default_value = "/")]
+        root: PathBuf,
+    },
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("TINE_AGENT_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let cli = Cli::parse();
+    let Commands::Serve {
+        unix,
+        vsock_port,
+        root,
+    } = cli.command;
+    let config = AgentConfig {
+        system_root: root,
+        ..AgentConfig::default()
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("start the async runtime")?;
+    runtime.block_on(async move {
+        let agent = Agent::new(config);
+        match (unix, vsock_port) {
+            (Some(path), _) => {
+                match std::fs::remove_file(&path) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(e).context(format!("remove {}", path.display())),
+                }
+                let listener = tokio::net::UnixListener::bind(&path)
+                    .with_context(|| format!("listen on {}", path.display()))?;
+                tracing::info!("serving on {}", path.display());
+                agent.serve(listener).await;
+                Ok(())
+            }
+            (None, Some(port)) => {
+                bail!("vsock port {port}: this build has no vsock listener yet (it comes with the system module)")
+            }
+            (None, None) => bail!("give --unix PATH or --vsock-port N"),
+        }
+    })
 }

@@ -1,0 +1,233 @@
+//! Building, signalling and reaping processes, shared by exec, background
+//! execs and the shell.
+//!
+//! Children are reaped by tokio (`waitpid` on their own pid after SIGCHLD).
+//! As PID 1 the agent also reaps orphans; that reaper must not take these
+//! children's statuses with a blanket `waitpid(-1)`, or their exits are lost.
+
+use std::collections::BTreeMap;
+use std::io;
+use std::os::unix::process::ExitStatusExt;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{killpg, Signal};
+use nix::unistd::Pid;
+use tine_proto::agent::{Command, ErrorCode, ExitStatus, ProcessOptions};
+use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio::sync::watch;
+
+use crate::error::OpError;
+
+/// `PATH` for processes when neither the request nor the agent has one (as
+/// PID 1 the agent starts with almost no environment).
+pub(crate) const DEFAULT_PATH: &str =
+    "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// After a process exits, its output is read until the pipe stays quiet this
+/// long: a background grandchild holding the pipe open must not keep the
+/// exec alive, but bytes already written are not lost.
+pub(crate) const LINGER: Duration = Duration::from_millis(200);
+
+/// Program and arguments for a [`Command`].
+pub(crate) fn argv(command: &Command) -> Result<Vec<String>, OpError> {
+    match command {
+        Command::Argv(argv) if argv.is_empty() || argv[0].is_empty() => {
+            Err(OpError::bad_request("argv is empty"))
+        }
+        Command::Argv(argv) => Ok(argv.clone()),
+        Command::Shell {
+            script,
+            interpreter,
+        } => Ok(vec![
+            interpreter.clone().unwrap_or_else(|| "/bin/sh".to_owned()),
+            "-c".to_owned(),
+            script.clone(),
+        ]),
+    }
+}
+
+/// A short description of a command for listings.
+pub(crate) fn describe(command: &Command) -> String {
+    match command {
+        Command::Argv(argv) => argv.join(" "),
+        Command::Shell { script, .. } => script.clone(),
+    }
+}
+
+/// An `/etc/passwd` entry.
+struct PasswdEntry {
+    name: String,
+    gid: u32,
+    home: String,
+}
+
+/// Looks `uid` up in `/etc/passwd` (parsed directly: a static binary cannot
+/// rely on NSS).
+fn lookup_user(uid: u32) -> Option<PasswdEntry> {
+    let passwd = std::fs::read_to_string("/etc/passwd").ok()?;
+    passwd.lines().find_map(|line| {
+        let fields: Vec<&str> = line.split(':').collect();
+        if fields.len() < 7 || fields[2].parse::<u32>().ok()? != uid {
+            return None;
+        }
+        Some(PasswdEntry {
+            name: fields[0].to_owned(),
+            gid: fields[3].parse().ok()?,
+            home: fields[5].to_owned(),
+        })
+    })
+}
+
+/// Builds a command with the request's environment, directory and identity.
+pub(crate) fn build(
+    argv: &[String],
+    options: &ProcessOptions,
+    extra_env: &BTreeMap<String, String>,
+) -> Result<tokio::process::Command, OpError> {
+    let (program, args) = argv
+        .split_first()
+        .ok_or_else(|| OpError::bad_request("argv is empty"))?;
+    let mut cmd = tokio::process::Command::new(program);
+    cmd.args(args);
+    if options.clear_env {
+        cmd.env_clear();
+    }
+    for key in options.env.keys() {
+        if key.is_empty() || key.contains('=') || key.contains('\0') {
+            return Err(OpError::bad_request(format!(
+                "invalid environment variable name {key:?}"
+            )));
+        }
+    }
+    let has_path = options.env.contains_key("PATH")
+        || (!options.clear_env && std::env::var_os("PATH").is_some());
+    if !has_path {
+        cmd.env("PATH", DEFAULT_PATH);
+    }
+    let mut defaults = extra_env.clone();
+    if let Some(uid) = options.uid {
+        let entry = lookup_user(uid);
+        let gid = options.gid.or(entry.as_ref().map(|e| e.gid)).unwrap_or(uid);
+        cmd.uid(uid).gid(gid);
+        if let Some(entry) = entry {
+            defaults.insert("HOME".to_owned(), entry.home);
+            defaults.insert("USER".to_owned(), entry.name.clone());
+            defaults.insert("LOGNAME".to_owned(), entry.name);
+        }
+    } else if let Some(gid) = options.gid {
+        cmd.gid(gid);
+    }
+    for (key, value) in defaults.iter().chain(&options.env) {
+        cmd.env(key, value);
+    }
+    if let Some(cwd) = &options.cwd {
+        let dir = Path::new(cwd);
+        if !dir.is_absolute() {
+            return Err(OpError::new(
+                ErrorCode::InvalidPath,
+                format!("working directory {cwd:?} is not absolute"),
+            ));
+        }
+        match std::fs::metadata(dir) {
+            Ok(meta) if meta.is_dir() => {}
+            Ok(_) => {
+                return Err(OpError::bad_request(format!(
+                    "working directory {cwd} is not a directory"
+                )))
+            }
+            Err(e) => return Err(OpError::path("working directory", dir, &e)),
+        }
+        cmd.current_dir(dir);
+    }
+    cmd.kill_on_drop(false);
+    Ok(cmd)
+}
+
+/// The error for a process that could not start.
+pub(crate) fn spawn_error(program: &str, err: &io::Error) -> OpError {
+    let code = match err.kind() {
+        io::ErrorKind::NotFound => ErrorCode::NotFound,
+        io::ErrorKind::PermissionDenied => ErrorCode::PermissionDenied,
+        _ => ErrorCode::SpawnFailed,
+    };
+    OpError::new(code, format!("cannot start {program:?}: {err}"))
+}
+
+/// Sends `signal` to every process in group `pgid`.
+pub(crate) fn signal_group(pgid: u32, signal: i32) -> Result<(), OpError> {
+    let signal = Signal::try_from(signal)
+        .map_err(|_| OpError::bad_request(format!("invalid signal number {signal}")))?;
+    let pgid = i32::try_from(pgid).map_err(|_| OpError::bad_request("invalid process id"))?;
+    match killpg(Pid::from_raw(pgid), signal) {
+        // The group is already gone: nothing left to signal.
+        Ok(()) | Err(nix::errno::Errno::ESRCH) => Ok(()),
+        Err(e) => Err(OpError::new(
+            ErrorCode::Io,
+            format!("cannot signal process group {pgid}: {e}"),
+        )),
+    }
+}
+
+/// Protocol form of an exit status.
+pub(crate) fn exit_status(
+    status: std::process::ExitStatus,
+    started: Instant,
+    timed_out: bool,
+) -> ExitStatus {
+    ExitStatus {
+        code: status.code(),
+        signal: status.signal(),
+        timed_out,
+        duration_ms: started.elapsed().as_millis().min(u128::from(u64::MAX)) as u64,
+    }
+}
+
+/// Reads from a process's output. Before `exited` turns true this is a
+/// plain read; afterwards a read that waits longer than [`LINGER`] counts
+/// as the end of the output. Returns 0 at the end.
+pub(crate) async fn read_output<R: AsyncRead + Unpin>(
+    pipe: &mut R,
+    buf: &mut [u8],
+    exited: &mut watch::Receiver<bool>,
+) -> io::Result<usize> {
+    loop {
+        if *exited.borrow_and_update() {
+            return match tokio::time::timeout(LINGER, pipe.read(buf)).await {
+                Ok(result) => result,
+                Err(_) => Ok(0),
+            };
+        }
+        tokio::select! {
+            result = pipe.read(buf) => return result,
+            changed = exited.changed() => {
+                if changed.is_err() {
+                    // Nobody will report the exit; read as if it happened.
+                    return match tokio::time::timeout(LINGER, pipe.read(buf)).await {
+                        Ok(result) => result,
+                        Err(_) => Ok(0),
+                    };
+                }
+            }
+        }
+    }
+}
+
+/// Waits for `child`, killing its process group with SIGKILL when
+/// `timeout` passes first. Returns the status and whether it timed out.
+pub(crate) async fn wait_with_timeout(
+    child: &mut tokio::process::Child,
+    pgid: u32,
+    timeout: Option<Duration>,
+) -> io::Result<(std::process::ExitStatus, bool)> {
+    let Some(timeout) = timeout else {
+        return Ok((child.wait().await?, false));
+    };
+    match tokio::time::timeout(timeout, child.wait()).await {
+        Ok(status) => Ok((status?, false)),
+        Err(_) => {
+            let _ = signal_group(pgid, libc::SIGKILL);
+            Ok((child.wait().await?, true))
+        }
+    }
+}

@@ -1,0 +1,81 @@
+//! Health, fix-ups and userdata: thin wrappers over [`crate::system`].
+
+use std::sync::Arc;
+
+use tine_proto::agent::{
+    ErrorCode, FixupReport, FixupRequest, Health, Response, UserdataStatus, PROTOCOL_VERSION,
+};
+
+use super::files::blocking;
+use crate::error::OpError;
+use crate::server::{Agent, AGENT_VERSION};
+use crate::system;
+
+fn millis(d: std::time::Duration) -> u64 {
+    d.as_millis().min(u128::from(u64::MAX)) as u64
+}
+
+fn userdata_wire(status: system::UserdataStatus) -> UserdataStatus {
+    UserdataStatus {
+        present: status.present,
+        ran: status.ran,
+        exit_code: status.exit_code,
+    }
+}
+
+/// Answers [`Response::Health`].
+pub(crate) async fn health(agent: &Arc<Agent>) -> Result<Response, OpError> {
+    let root = agent.config.system_root.clone();
+    let (system_uptime, userdata) =
+        blocking(move || Ok((system::system_uptime(), system::userdata_status(&root)))).await?;
+    Ok(Response::Health(Health {
+        agent_version: AGENT_VERSION.to_owned(),
+        protocol: PROTOCOL_VERSION,
+        agent_uptime_ms: millis(agent.uptime()),
+        system_uptime_ms: millis(system_uptime),
+        userdata: userdata_wire(userdata),
+    }))
+}
+
+/// Applies fix-ups and answers [`Response::Fixups`] with the report.
+pub(crate) async fn fixups(agent: &Arc<Agent>, req: FixupRequest) -> Result<Response, OpError> {
+    if let Some(name) = &req.hostname {
+        let valid = !name.is_empty()
+            && name.len() <= 64
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.');
+        if !valid {
+            return Err(OpError::new(
+                ErrorCode::BadRequest,
+                format!("invalid hostname {name:?}"),
+            ));
+        }
+    }
+    let root = agent.config.system_root.clone();
+    let request = system::FixupRequest {
+        hostname: req.hostname,
+        machine_id: req.machine_id,
+        ssh_host_keys: req.ssh_host_keys,
+        entropy: req.entropy,
+        clock_unix_nanos: req.clock_unix_nanos,
+    };
+    let report = blocking(move || Ok(system::apply_fixups(&request, &root))).await?;
+    Ok(Response::Fixups(FixupReport {
+        hostname: report.hostname,
+        machine_id: report.machine_id,
+        ssh_host_keys: report.ssh_host_keys,
+        entropy_bytes: report.entropy_bytes,
+        reseeded: report.reseeded,
+        clock_set: report.clock_set,
+        random_seed_removed: report.random_seed_removed,
+        errors: report.errors,
+    }))
+}
+
+/// Answers [`Response::Userdata`].
+pub(crate) async fn userdata(agent: &Arc<Agent>) -> Result<Response, OpError> {
+    let root = agent.config.system_root.clone();
+    let status = blocking(move || Ok(system::userdata_status(&root))).await?;
+    Ok(Response::Userdata(userdata_wire(status)))
+}
