@@ -12,7 +12,7 @@ pub mod cpio;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-pub use libtest_mimic::{Failed, Trial};
+pub use libtest_mimic::{Failed, Measurement, Trial};
 
 /// Where a test bed runs its command (the `TINE_TESTBED` variable).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
