@@ -186,3 +186,77 @@ fn test_synthetic_restore_corrupt_state_is_refused() {
         "unexpected error: {err}"
     );
 }
+
+/// A ring-3 guest talks to a real virtio-rng device through MMIO exits, the
+/// way a driver starts: magic, version, device ID, then Status ACKNOWLEDGE
+/// and ACKNOWLEDGE|DRIVER read back; it stores what it read and powers off.
+#[test]
+fn test_synthetic_mmio_exits_reach_virtio_transport() {
+    // rbx = 0xd0000000 (first virtio-mmio window), rdi = 0x200000 (results)
+    let code: &[u8] = &[
+        0xbb, 0x00, 0x00, 0x00, 0xd0, // mov ebx, 0xd0000000
+        0xbf, 0x00, 0x00, 0x20, 0x00, // mov edi, 0x200000
+        0x8b, 0x03, // mov eax, [rbx]        (MagicValue)
+        0x89, 0x07, // mov [rdi], eax
+        0x8b, 0x43, 0x04, // mov eax, [rbx+4]     (Version)
+        0x89, 0x47, 0x04, // mov [rdi+4], eax
+        0x8b, 0x43, 0x08, // mov eax, [rbx+8]     (DeviceID)
+        0x89, 0x47, 0x08, // mov [rdi+8], eax
+        0xc7, 0x43, 0x70, 0x01, 0x00, 0x00, 0x00, // mov dword [rbx+0x70], 1 (ACK)
+        0xc7, 0x43, 0x70, 0x03, 0x00, 0x00, 0x00, // mov dword [rbx+0x70], 3 (ACK|DRIVER)
+        0x8b, 0x43, 0x70, // mov eax, [rbx+0x70]  (Status)
+        0x89, 0x47, 0x0c, // mov [rdi+12], eax
+        0xb0, 0x00, // mov al, 0
+        0x66, 0xba, 0x01, 0x05, // mov dx, 0x501
+        0xee, // out dx, al
+        0xeb, 0xfe, // jmp $
+    ];
+    let mut config = raw_config(code);
+    config.devices.rng = true;
+    let mut vmm = Vmm::boot(&config, &ConsoleConfig::default()).expect("boot");
+    assert_eq!(vmm.wait(), StopReason::GuestPoweroff(0));
+    let mut words = [0u32; 4];
+    for (i, word) in words.iter_mut().enumerate() {
+        *word = vmm
+            .ram()
+            .mem
+            .read_obj(GuestAddress(COUNTER_ADDR + 4 * i as u64))
+            .expect("result");
+    }
+    assert_eq!(
+        words,
+        [0x7472_6976, 2, 4, 3],
+        "magic, version, rng id, status"
+    );
+}
+
+#[test]
+fn test_synthetic_restore_other_cpu_template_is_refused() {
+    use tine_vmm::snapshot::format;
+    use tine_vmm::vmm::MicrovmState;
+    let dir = tempfile::tempdir().expect("tmp");
+    let state = dir.path().join("vm.state");
+    let mem = dir.path().join("vm.mem");
+    let mut parent = Vmm::boot(&raw_config(COUNTER_LOOP), &ConsoleConfig::default()).expect("boot");
+    parent.pause().expect("pause");
+    parent.snapshot(&state, &mem).expect("snapshot");
+    parent.kill();
+    let mut saved: MicrovmState =
+        format::decode(&std::fs::read(&state).expect("read")).expect("decode");
+    saved.cpu_fingerprint ^= 1;
+    std::fs::write(&state, format::encode(&saved).expect("encode")).expect("write");
+    let err = Vmm::restore(
+        &state,
+        &mem,
+        None,
+        &ConsoleConfig::default(),
+        &RestoreOverrides::default(),
+        true,
+    )
+    .err()
+    .expect("a snapshot from another CPU template must be refused");
+    assert!(
+        err.to_string().contains("CPU template"),
+        "unexpected error: {err}"
+    );
+}

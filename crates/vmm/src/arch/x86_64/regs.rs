@@ -110,18 +110,20 @@ pub fn enter_user_mode(sregs: &mut kvm_sregs) {
     sregs.ss = data;
 }
 
-/// Rewrites the identity page tables with the user bit set on every level.
+/// Rewrites the identity page tables with the user bit set on every level,
+/// covering the first 4 GiB (the MMIO hole included) with 2 MiB pages in
+/// four page directories from [`PDE_START`] (0xb000-0xefff).
 pub fn write_user_page_tables<M: Bytes<GuestAddress>>(mem: &M) -> Result<(), RegsError> {
     const PRESENT_WRITABLE_USER: u64 = 0x7;
     const PAGE_SIZE_2M: u64 = 0x80;
     write_u64(mem, PDPTE_START | PRESENT_WRITABLE_USER, PML4_START)?;
-    write_u64(mem, PDE_START | PRESENT_WRITABLE_USER, PDPTE_START)?;
-    for i in 0..512u64 {
-        write_u64(
-            mem,
-            (i << 21) | PAGE_SIZE_2M | PRESENT_WRITABLE_USER,
-            PDE_START + i * 8,
-        )?;
+    for gib in 0..4u64 {
+        let pd = PDE_START + gib * 0x1000;
+        write_u64(mem, pd | PRESENT_WRITABLE_USER, PDPTE_START + gib * 8)?;
+        for i in 0..512u64 {
+            let addr = (gib << 30) | (i << 21);
+            write_u64(mem, addr | PAGE_SIZE_2M | PRESENT_WRITABLE_USER, pd + i * 8)?;
+        }
     }
     Ok(())
 }
