@@ -20,7 +20,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use tine_vmm::device_manager::RestoreOverrides;
-use tine_vmm::vmm::{BootConfig, ConsoleConfig, PreparedVm, RawImage, Vmm};
+use tine_vmm::vmm::{BootConfig, ConsoleConfig, PreparedVm, Vmm};
 use vm_memory::{Bytes, GuestAddress};
 
 const COUNTER_ADDR: u64 = 0x20_0000;
@@ -114,19 +114,7 @@ fn main() {
     let dir = tempfile::tempdir().expect("tmp");
     let state = dir.path().join("vm.state");
     let mem = dir.path().join("vm.mem");
-    let config = BootConfig {
-        kernel: PathBuf::new(),
-        initramfs: None,
-        cmdline: String::new(),
-        mem_mib: 64,
-        vcpus: 1,
-        devices: Default::default(),
-        raw: Some(RawImage {
-            bytes: COUNTER_LOOP.to_vec(),
-            load_addr: 0x10_0000,
-            entry: 0x10_0000,
-        }),
-    };
+    let config = BootConfig::raw_image(COUNTER_LOOP, 0x10_0000, 64);
     let console = ConsoleConfig::default();
     let mut parent = Vmm::boot(&config, &console).expect("boot synthetic guest");
     std::thread::sleep(Duration::from_millis(20));

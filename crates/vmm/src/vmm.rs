@@ -82,6 +82,26 @@ pub struct BootConfig {
     pub devices: DeviceConfigs,
 }
 
+impl BootConfig {
+    /// A VM of `mem_mib` MiB and one vCPU that runs `bytes` loaded and
+    /// entered at `addr` in ring 3 (see [`RawImage`]), with no devices.
+    pub fn raw_image(bytes: &[u8], addr: u64, mem_mib: u64) -> Self {
+        Self {
+            kernel: PathBuf::new(),
+            initramfs: None,
+            cmdline: String::new(),
+            mem_mib,
+            vcpus: 1,
+            raw: Some(RawImage {
+                bytes: bytes.to_vec(),
+                load_addr: addr,
+                entry: addr,
+            }),
+            devices: DeviceConfigs::default(),
+        }
+    }
+}
+
 /// Where the guest's console goes.
 #[derive(Debug, Clone, Default)]
 pub struct ConsoleConfig {
@@ -178,14 +198,18 @@ fn open(what: &'static str, path: &Path) -> Result<File, VmmError> {
     })
 }
 
-/// Checks a configuration before anything is created.
-pub fn validate(config: &BootConfig) -> Result<(), VmmError> {
-    if config.vcpus == 0 || config.vcpus > MAX_VCPUS {
+fn check_vcpus(count: u8) -> Result<(), VmmError> {
+    if count == 0 || count > MAX_VCPUS {
         return Err(VmmError::Config(format!(
-            "vcpus must be 1 to {MAX_VCPUS}, not {}",
-            config.vcpus
+            "vcpus must be 1 to {MAX_VCPUS}, not {count}"
         )));
     }
+    Ok(())
+}
+
+/// Checks a configuration before anything is created.
+pub fn validate(config: &BootConfig) -> Result<(), VmmError> {
+    check_vcpus(config.vcpus)?;
     for drive in &config.devices.drives {
         if !drive.path.is_file() && !drive.path.exists() {
             return Err(VmmError::Config(format!(
@@ -281,11 +305,7 @@ pub struct PreparedVm {
 impl PreparedVm {
     /// Creates the KVM VM (irqchip, PIT) and `num_vcpus` vCPUs.
     pub fn new(num_vcpus: u8) -> Result<Self, VmmError> {
-        if num_vcpus == 0 || num_vcpus > MAX_VCPUS {
-            return Err(VmmError::Config(format!(
-                "vcpus must be 1 to {MAX_VCPUS}, not {num_vcpus}"
-            )));
-        }
+        check_vcpus(num_vcpus)?;
         let vm = Vm::new()?;
         let cpuid_base = cpuid::supported_cpuid(&vm.kvm)?;
         let mut vcpus = Vec::with_capacity(num_vcpus as usize);

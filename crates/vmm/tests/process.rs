@@ -6,7 +6,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use tine_vmm::device_manager::RestoreOverrides;
-use tine_vmm::vmm::{BootConfig, ConsoleConfig, RawImage, Vmm};
+use tine_vmm::vmm::{BootConfig, ConsoleConfig, Vmm};
 
 const COUNTER_LOOP: &[u8] = &[0x48, 0xff, 0x04, 0x25, 0x00, 0x00, 0x20, 0x00, 0xeb, 0xf6];
 
@@ -34,19 +34,7 @@ fn request(stream: &mut BufReader<UnixStream>, line: &str) -> serde_json::Value 
 fn snapshot_files(dir: &std::path::Path) -> (std::path::PathBuf, std::path::PathBuf) {
     let state = dir.join("vm.state");
     let mem = dir.join("vm.mem");
-    let config = BootConfig {
-        kernel: Default::default(),
-        initramfs: None,
-        cmdline: String::new(),
-        mem_mib: 32,
-        vcpus: 1,
-        devices: Default::default(),
-        raw: Some(RawImage {
-            bytes: COUNTER_LOOP.to_vec(),
-            load_addr: 0x10_0000,
-            entry: 0x10_0000,
-        }),
-    };
+    let config = BootConfig::raw_image(COUNTER_LOOP, 0x10_0000, 32);
     let mut vmm = Vmm::boot(&config, &ConsoleConfig::default()).expect("boot");
     std::thread::sleep(Duration::from_millis(10));
     vmm.pause().expect("pause");

@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use tine_vmm::device_manager::RestoreOverrides;
-use tine_vmm::vmm::{BootConfig, ConsoleConfig, RawImage, RunState, Vmm};
+use tine_vmm::vmm::{BootConfig, ConsoleConfig, RunState, Vmm};
 use tine_vmm::vstate::vcpu::StopReason;
 use vm_memory::{Bytes, GuestAddress};
 
@@ -23,19 +23,7 @@ const COUNTER_LOOP: &[u8] = &[
 const POWEROFF_7: &[u8] = &[0xb0, 0x07, 0x66, 0xba, 0x01, 0x05, 0xee, 0xeb, 0xfe];
 
 fn raw_config(code: &[u8]) -> BootConfig {
-    BootConfig {
-        kernel: Default::default(),
-        initramfs: None,
-        cmdline: String::new(),
-        mem_mib: 32,
-        vcpus: 1,
-        devices: Default::default(),
-        raw: Some(RawImage {
-            bytes: code.to_vec(),
-            load_addr: CODE_ADDR,
-            entry: CODE_ADDR,
-        }),
-    }
+    BootConfig::raw_image(code, CODE_ADDR, 32)
 }
 
 fn counter(vmm: &Vmm) -> u64 {

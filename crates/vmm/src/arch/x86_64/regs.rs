@@ -39,20 +39,38 @@ fn write_u64<M: Bytes<GuestAddress>>(mem: &M, value: u64, addr: u64) -> Result<(
         .map_err(|_| RegsError::GuestMemory(addr))
 }
 
-/// Writes identity page tables mapping the first 1 GiB with 2 MiB pages.
-pub fn write_identity_page_tables<M: Bytes<GuestAddress>>(mem: &M) -> Result<(), RegsError> {
-    const PRESENT_WRITABLE: u64 = 0x3;
-    const PAGE_SIZE_2M: u64 = 0x80;
-    write_u64(mem, PDPTE_START | PRESENT_WRITABLE, PML4_START)?;
-    write_u64(mem, PDE_START | PRESENT_WRITABLE, PDPTE_START)?;
-    for i in 0..512u64 {
-        write_u64(
-            mem,
-            (i << 21) | PAGE_SIZE_2M | PRESENT_WRITABLE,
-            PDE_START + i * 8,
-        )?;
+/// Present, writable.
+const PAGE_PRESENT_WRITABLE: u64 = 0x3;
+/// Accessible from ring 3.
+const PAGE_USER: u64 = 0x4;
+/// A 2 MiB page (in a page directory entry).
+const PAGE_SIZE_2M: u64 = 0x80;
+
+/// Writes identity page tables for the first `gibs` GiB (at most 4) with
+/// 2 MiB pages: one PML4 entry, `gibs` PDPT entries, and page directories
+/// from [`PDE_START`] (0xb000-0xefff). `extra_flags` is ORed into every
+/// entry (e.g. the user bit).
+fn write_identity_map<M: Bytes<GuestAddress>>(
+    mem: &M,
+    gibs: u64,
+    extra_flags: u64,
+) -> Result<(), RegsError> {
+    let flags = PAGE_PRESENT_WRITABLE | extra_flags;
+    write_u64(mem, PDPTE_START | flags, PML4_START)?;
+    for gib in 0..gibs.min(4) {
+        let pd = PDE_START + gib * 0x1000;
+        write_u64(mem, pd | flags, PDPTE_START + gib * 8)?;
+        for i in 0..512u64 {
+            let addr = (gib << 30) | (i << 21);
+            write_u64(mem, addr | PAGE_SIZE_2M | flags, pd + i * 8)?;
+        }
     }
     Ok(())
+}
+
+/// Writes identity page tables mapping the first 1 GiB with 2 MiB pages.
+pub fn write_identity_page_tables<M: Bytes<GuestAddress>>(mem: &M) -> Result<(), RegsError> {
+    write_identity_map(mem, 1, 0)
 }
 
 /// Writes the boot GDT and a null IDT, and loads the matching segments,
@@ -111,21 +129,9 @@ pub fn enter_user_mode(sregs: &mut kvm_sregs) {
 }
 
 /// Rewrites the identity page tables with the user bit set on every level,
-/// covering the first 4 GiB (the MMIO hole included) with 2 MiB pages in
-/// four page directories from [`PDE_START`] (0xb000-0xefff).
+/// covering the first 4 GiB (the MMIO hole included).
 pub fn write_user_page_tables<M: Bytes<GuestAddress>>(mem: &M) -> Result<(), RegsError> {
-    const PRESENT_WRITABLE_USER: u64 = 0x7;
-    const PAGE_SIZE_2M: u64 = 0x80;
-    write_u64(mem, PDPTE_START | PRESENT_WRITABLE_USER, PML4_START)?;
-    for gib in 0..4u64 {
-        let pd = PDE_START + gib * 0x1000;
-        write_u64(mem, pd | PRESENT_WRITABLE_USER, PDPTE_START + gib * 8)?;
-        for i in 0..512u64 {
-            let addr = (gib << 30) | (i << 21);
-            write_u64(mem, addr | PAGE_SIZE_2M | PRESENT_WRITABLE_USER, pd + i * 8)?;
-        }
-    }
-    Ok(())
+    write_identity_map(mem, 4, PAGE_USER)
 }
 
 /// RFLAGS with IOPL 3 (port I/O allowed in ring 3) and interrupts off.
