@@ -1,6 +1,10 @@
-//! The guest-system side of the agent: fork fix-ups, userdata, child
-//! reaping, eth0 configuration and the vsock listener.
+//! The guest-system side of the agent: PID 1 duties, fork fix-ups, userdata,
+//! child reaping, eth0 configuration and the vsock listener.
 //!
+//! - [`start`]: the one call the binary makes at startup. As PID 1 (the min
+//!   image) it mounts the base file systems, sets the hostname, configures
+//!   eth0 from the kernel command line and handles shutdown signals; in every
+//!   mode it installs the process-wide child reaper and runs userdata once.
 //! - [`apply_fixups`]: make a fork unique (hostname, machine-id, SSH host
 //!   keys, CSPRNG reseed, clock). Against a root other than `/` the
 //!   kernel-level steps are skipped and say so in [`FixupReport::errors`].
@@ -15,9 +19,12 @@
 //!   `VMADDR_CID_ANY` and returns a [`vsock::VsockListener`] (tokio-vsock)
 //!   whose `accept()` yields [`vsock::VsockStream`]s, which implement tokio's
 //!   `AsyncRead + AsyncWrite`.
+//! - [`init`]: the PID 1 pieces (mounts, signals, shutdown and power off
+//!   through the VMM's debug-exit port 0x501).
 
 pub mod cmdline;
 mod fixups;
+pub mod init;
 pub mod net;
 pub mod reaper;
 mod ssh;
@@ -105,6 +112,57 @@ pub fn system_uptime() -> Duration {
         ),
         Err(_) => Duration::ZERO,
     }
+}
+
+/// How the agent was started, as found by [`start`].
+#[derive(Debug)]
+pub struct Started {
+    /// The agent is PID 1 (the min image) and did the init duties.
+    pub pid1: bool,
+    /// What PID 1 did at boot; `None` when not PID 1.
+    pub boot: Option<init::BootReport>,
+    /// The process-wide reaper every spawn must go through.
+    pub reaper: &'static reaper::Reaper,
+}
+
+/// Errors from [`start`].
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The child reaper could not be installed.
+    #[error("Cannot install the child reaper")]
+    Reaper(#[source] reaper::ReaperError),
+    /// The PID 1 signal handlers could not be installed.
+    #[error("Cannot install the PID 1 signal handlers")]
+    Signals(#[source] init::InitError),
+}
+
+/// The agent's startup: call it first thing in `main`, before any runtime or
+/// thread exists (it sets environment variables as PID 1).
+///
+/// As PID 1: [`init::boot`] (mounts, hostname, network, PATH), then the
+/// shutdown-signal thread ([`init::spawn_signal_thread`]). Always: installs
+/// the global [`reaper::Reaper`] in [`reaper::ReapMode::All`] and starts
+/// userdata ([`userdata::spawn_run_once`] on `/`) in the background.
+/// Problems that must not stop a boot (a mount, the network) are logged to
+/// stderr (the console) and listed in [`init::BootReport::warnings`].
+pub fn start() -> Result<Started, StartError> {
+    let pid1 = init::is_pid1();
+    let boot = if pid1 {
+        let report = init::boot(Path::new("/"));
+        for w in &report.warnings {
+            eprintln!("tine-agent: {w}");
+        }
+        Some(report)
+    } else {
+        None
+    };
+    let reaper =
+        reaper::Reaper::install_global(reaper::ReapMode::All).map_err(StartError::Reaper)?;
+    if pid1 {
+        init::spawn_signal_thread(init::DEFAULT_GRACE).map_err(StartError::Signals)?;
+    }
+    userdata::spawn_run_once(Path::new("/").to_path_buf());
+    Ok(Started { pid1, boot, reaper })
 }
 
 #[cfg(test)]
