@@ -14,9 +14,12 @@
 //! [`shutdown`] sends `SIGTERM` to every process, waits up to a grace
 //! period, sends `SIGKILL`, syncs, remounts `/` read-only and stops the VM:
 //! tine-vmm guests have no ACPI, so power off is a write of 0 to the VMM's
-//! debug-exit port 0x501 (falling back to `reboot(RB_POWER_OFF)`), and
-//! reboot is `reboot(RB_AUTOBOOT)` (the kernel pulses the i8042 reset line
-//! with `reboot=k`; tine-vmm then stops the VM).
+//! debug-exit port 0x501 (`ioperm`, which needs `CONFIG_X86_IOPL_IOPERM`,
+//! then `outb`), and reboot is `reboot(RB_AUTOBOOT)` (the kernel pulses the
+//! i8042 reset line with `reboot=k`; tine-vmm then stops the VM). When the
+//! port write does not stop the VM, power off falls back to
+//! `reboot(RB_POWER_OFF)` with ACPI and to a reset without it (a halt would
+//! leave the VM running).
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -442,11 +445,19 @@ pub fn shutdown(action: ShutdownAction, grace: Duration) -> ! {
     match action {
         ShutdownAction::Poweroff => {
             if let Err(e) = debug_exit(0) {
-                eprintln!("tine-agent: debug-exit port unavailable ({e}); halting");
+                eprintln!("tine-agent: cannot write the debug-exit port: {e}");
             }
-            // Not under tine-vmm (or the write did not stop us): the kernel
-            // halts the CPUs when there is no ACPI.
-            let _ = nix::sys::reboot::reboot(nix::sys::reboot::RebootMode::RB_POWER_OFF);
+            // Still running: not under tine-vmm, or a kernel without
+            // ioperm(). Without ACPI, RB_POWER_OFF would only halt the CPUs
+            // and leave the VM running; a reset (i8042, reboot=k) at least
+            // makes tine-vmm stop it.
+            let mode = if Path::new("/sys/firmware/acpi").exists() {
+                nix::sys::reboot::RebootMode::RB_POWER_OFF
+            } else {
+                eprintln!("tine-agent: no ACPI: resetting instead of powering off");
+                nix::sys::reboot::RebootMode::RB_AUTOBOOT
+            };
+            let _ = nix::sys::reboot::reboot(mode);
         }
         ShutdownAction::Reboot => {
             let _ = nix::sys::reboot::reboot(nix::sys::reboot::RebootMode::RB_AUTOBOOT);
@@ -501,8 +512,9 @@ fn terminate_all(grace: Duration) {
     wait_all_gone(Duration::from_secs(2));
 }
 
-/// Waits until `kill(-1, 0)` finds no process (zombies count, so they are
-/// reaped here too).
+/// Waits until no process other than this one is left (zombies count, so
+/// they are reaped here too). `kill(-1, 0)` cannot tell: it succeeds on
+/// kernel threads.
 fn wait_all_gone(limit: Duration) -> bool {
     let deadline = Instant::now() + limit;
     loop {
@@ -516,7 +528,7 @@ fn wait_all_gone(limit: Duration) -> bool {
                 while unsafe { libc::waitpid(-1, &mut st, libc::WNOHANG) } > 0 {}
             }
         }
-        if nix::sys::signal::kill(nix::unistd::Pid::from_raw(-1), None) == Err(nix::Error::ESRCH) {
+        if user_processes(Path::new("/proc")).is_empty() {
             return true;
         }
         if Instant::now() >= deadline {
@@ -524,6 +536,31 @@ fn wait_all_gone(limit: Duration) -> bool {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// `PF_KTHREAD` in the flags field of /proc/PID/stat.
+const PF_KTHREAD: u64 = 0x0020_0000;
+
+/// Pids of the processes in `proc` other than this one and kernel threads.
+fn user_processes(proc: &Path) -> Vec<u32> {
+    let me = std::process::id();
+    let Ok(rd) = std::fs::read_dir(proc) else {
+        return Vec::new();
+    };
+    rd.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| pid != me)
+        .filter(|pid| {
+            let stat = std::fs::read_to_string(proc.join(pid.to_string()).join("stat"))
+                .unwrap_or_default();
+            // Fields after "(comm)": state ppid pgrp session tty tpgid flags.
+            let flags = stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().nth(6))
+                .and_then(|f| f.parse::<u64>().ok());
+            // Gone meanwhile (no stat) is not left.
+            matches!(flags, Some(f) if f & PF_KTHREAD == 0)
+        })
+        .collect()
 }
 
 /// Writes `code` to the debug-exit port; under tine-vmm the VM stops with
@@ -565,6 +602,31 @@ mod tests {
         assert_eq!(unescape_mountinfo(r"/plain"), "/plain");
         assert_eq!(unescape_mountinfo(r"/end\04"), r"/end\04");
         assert_eq!(unescape_mountinfo(r"/big\777"), r"/big\777");
+    }
+
+    #[test]
+    fn test_user_processes_skips_self_and_kernel_threads() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let proc = dir.path();
+        let stat = |pid: u32, comm: &str, flags: u64| {
+            let d = proc.join(pid.to_string());
+            fs::create_dir_all(&d).expect("mkdir");
+            fs::write(
+                d.join("stat"),
+                format!("{pid} ({comm}) S 1 {pid} {pid} 0 -1 {flags} 0 0 0 0 0 0 0 0 20 0 1 0"),
+            )
+            .expect("stat");
+        };
+        stat(std::process::id(), "tine-agent", 0x400100);
+        stat(2, "kthreadd", 0x208040);
+        stat(40, "odd) name (x", 0x400000);
+        stat(41, "kworker/0:1", 0x4208060);
+        stat(42, "sh", 0x400100);
+        fs::create_dir_all(proc.join("43")).expect("gone: no stat");
+        fs::create_dir_all(proc.join("self")).expect("not a pid");
+        let mut left = user_processes(proc);
+        left.sort();
+        assert_eq!(left, vec![40, 42]);
     }
 
     /// Runs `f` on a thread in a private mount namespace whose mounts do not
