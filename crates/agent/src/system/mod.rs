@@ -145,6 +145,10 @@ pub enum StartError {
 /// userdata ([`userdata::spawn_run_once`] on `/`) in the background.
 /// Problems that must not stop a boot (a mount, the network) are logged to
 /// stderr (the console) and listed in [`init::BootReport::warnings`].
+///
+/// Not for host-side tests that embed the server in a test process: they
+/// would reap the harness's children and run the host's userdata. Those
+/// install `Reaper::install_global(ReapMode::RegisteredOnly)` instead.
 pub fn start() -> Result<Started, StartError> {
     let pid1 = init::is_pid1();
     let boot = if pid1 {

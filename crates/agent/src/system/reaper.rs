@@ -17,11 +17,16 @@
 //! # drop(child); Ok(()) }
 //! ```
 //!
-//! Children spawned another way (a PTY's `fork`, tokio's `Command`) are
-//! registered with [`Reaper::register_with`], which holds the registry lock
-//! across the spawn so the reaper cannot collect the child before it is
-//! registered. The status of an unregistered child is discarded (counted in
-//! [`Reaper::unknown_reaped`]).
+//! Children spawned another way (a PTY's `fork`) are registered with
+//! [`Reaper::register_with`], which holds the registry lock across the
+//! spawn so the reaper cannot collect the child before it is registered.
+//! Prefer `std::process::Command` to tokio's: a dropped tokio `Child` goes
+//! to tokio's orphan queue, which calls `waitpid` on its pid later and could
+//! take the status of an unrelated child that reused that pid. For async
+//! I/O, wrap the std pipes (`tokio::process::ChildStdout::from_std` etc.).
+//! The status of an unregistered child is discarded (counted in
+//! [`Reaper::unknown_reaped`]); a registered child whose status someone
+//! else took is reported as [`ReaperError::Lost`] rather than never.
 //!
 //! Host-side tests that run the agent inside a test harness must not reap
 //! the harness's children: they use [`ReapMode::RegisteredOnly`], which
@@ -191,8 +196,8 @@ impl Shared {
     fn reap(&self) -> usize {
         let mut waiters = lock(&self.waiters);
         let mut n = 0;
-        match self.mode {
-            ReapMode::All => loop {
+        if self.mode == ReapMode::All {
+            loop {
                 let mut raw = 0;
                 // SAFETY: waitpid writes the status into `raw`, a valid int.
                 let pid = unsafe { libc::waitpid(-1, &mut raw, libc::WNOHANG) };
@@ -204,41 +209,45 @@ impl Shared {
                             self.unknown_reaped.fetch_add(1, Ordering::Relaxed);
                         }
                     }
-                } else if pid < 0 && io::Error::last_os_error().raw_os_error() == Some(libc::EINTR)
-                {
+                } else if pid < 0 && last_errno() == Some(libc::EINTR) {
                     continue;
                 } else {
                     break; // 0: none ready; ECHILD: no children.
                 }
-            },
-            ReapMode::RegisteredOnly => {
-                let pids: Vec<libc::pid_t> = waiters.keys().copied().collect();
-                for pid in pids {
-                    let mut raw = 0;
-                    let r = loop {
-                        // SAFETY: as above, for one registered pid.
-                        let r = unsafe { libc::waitpid(pid, &mut raw, libc::WNOHANG) };
-                        if r < 0 && io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
-                            continue;
-                        }
-                        break r;
-                    };
-                    if r == pid {
-                        n += 1;
-                        if let Some(slot) = waiters.remove(&pid) {
-                            slot.finish(SlotState::Exited(ExitStatus::from_raw(raw)));
-                        }
-                    } else if r < 0 {
-                        // ECHILD: someone else collected it.
-                        if let Some(slot) = waiters.remove(&pid) {
-                            slot.finish(SlotState::Lost);
-                        }
-                    }
+            }
+        }
+        // Registered pids one by one: in RegisteredOnly mode this is the
+        // collection; in both modes a registered pid that is no longer our
+        // child (ECHILD: someone else waited for it) is reported lost
+        // instead of leaving its waiter hanging.
+        let pids: Vec<libc::pid_t> = waiters.keys().copied().collect();
+        for pid in pids {
+            let mut raw = 0;
+            let r = loop {
+                // SAFETY: as above, for one registered pid.
+                let r = unsafe { libc::waitpid(pid, &mut raw, libc::WNOHANG) };
+                if r < 0 && last_errno() == Some(libc::EINTR) {
+                    continue;
+                }
+                break r;
+            };
+            if r == pid {
+                n += 1;
+                if let Some(slot) = waiters.remove(&pid) {
+                    slot.finish(SlotState::Exited(ExitStatus::from_raw(raw)));
+                }
+            } else if r < 0 {
+                if let Some(slot) = waiters.remove(&pid) {
+                    slot.finish(SlotState::Lost);
                 }
             }
         }
         n
     }
+}
+
+fn last_errno() -> Option<i32> {
+    io::Error::last_os_error().raw_os_error()
 }
 
 /// A running reaper: a SIGCHLD handler, a registry of pids and a thread.
@@ -565,6 +574,25 @@ mod tests {
         // The unregistered child's status is still ours to collect.
         assert_eq!(other.wait().expect("wait").code(), Some(9));
         assert_eq!(r.unknown_reaped(), 0);
+    }
+
+    #[test]
+    fn test_status_taken_by_someone_else_is_reported_lost() {
+        let r = Reaper::start(ReapMode::RegisteredOnly).expect("reaper");
+        let (mut child, w) = r
+            .register_with(|| {
+                let mut child = sh("exit 1").spawn()?;
+                // Another waiter wins the race before registration ends.
+                child.wait()?;
+                let pid = child.id();
+                Ok((child, pid))
+            })
+            .expect("spawn");
+        assert!(matches!(
+            w.wait_timeout(Duration::from_secs(5)),
+            Err(ReaperError::Lost(_))
+        ));
+        assert!(child.try_wait().is_ok());
     }
 
     #[test]
