@@ -1,13 +1,199 @@
-//! Guest-system duties the protocol operations call: fork fix-ups, the
-//! userdata state and the system uptime.
+//! The guest-system side of the agent: PID 1 duties, fork fix-ups, userdata,
+//! child reaping, eth0 configuration and the vsock listener.
 //!
-//! This branch carries only host-safe stand-ins in `fallback.rs`; the guest
-//! implementation (PID 1, fix-ups through the kernel, userdata, vsock) lands
-//! from the system work and replaces this file at merge. The signatures
-//! below are the contract between the two.
+//! - [`start`]: the one call the binary makes at startup. As PID 1 (the min
+//!   image) it mounts the base file systems, sets the hostname, configures
+//!   eth0 from the kernel command line and handles shutdown signals; in every
+//!   mode it installs the process-wide child reaper and runs userdata once.
+//! - [`apply_fixups`]: make a fork unique (hostname, machine-id, SSH host
+//!   keys, CSPRNG reseed, clock). Against a root other than `/` the
+//!   kernel-level steps are skipped and say so in [`FixupReport::errors`].
+//! - [`userdata_status`], [`userdata::run_once`]: the run-once first-boot
+//!   script at `/etc/tine/userdata`.
+//! - [`reaper`]: the SIGCHLD-driven reaper. **Exec code must spawn through
+//!   [`reaper::Reaper::spawn`] (or `register_with`) and read exit statuses
+//!   from the returned [`reaper::ExitWatch`], never through `Child::wait`**:
+//!   as PID 1 the reaper collects every child with `waitpid(-1)`.
+//! - [`net`]: IPv4 address, default route and DNS for eth0 via ioctls.
+//! - [`vsock`]: [`vsock::listen`] binds an `AF_VSOCK` stream listener on
+//!   `VMADDR_CID_ANY` and returns a [`vsock::VsockListener`] (tokio-vsock)
+//!   whose `accept()` yields [`vsock::VsockStream`]s, which implement tokio's
+//!   `AsyncRead + AsyncWrite`.
+//! - [`init`]: the PID 1 pieces (mounts, signals, shutdown and power off
+//!   through the VMM's debug-exit port 0x501).
 
-mod fallback;
+pub mod cmdline;
+mod fixups;
+pub mod init;
+pub mod net;
+pub mod reaper;
+mod ssh;
+pub mod userdata;
+pub mod vsock;
 
-pub use fallback::{
-    apply_fixups, system_uptime, userdata_status, FixupReport, FixupRequest, UserdataStatus,
-};
+use std::path::Path;
+use std::time::Duration;
+
+pub use fixups::valid_hostname;
+
+/// What a fork asks the agent to change so that it differs from its siblings.
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+pub struct FixupRequest {
+    /// New hostname (kernel, `/etc/hostname`, the `127.0.1.1` line of `/etc/hosts`).
+    pub hostname: Option<String>,
+    /// Write a fresh `/etc/machine-id`.
+    pub machine_id: bool,
+    /// Regenerate the SSH host keys when sshd is installed.
+    pub ssh_host_keys: bool,
+    /// Bytes from the host's CSPRNG to credit to the kernel's pool before a
+    /// reseed; the saved random seeds are deleted too. `Some(vec![])` only
+    /// reseeds and deletes the seeds.
+    pub entropy: Option<Vec<u8>>,
+    /// The host's `CLOCK_REALTIME`, in nanoseconds since the Unix epoch.
+    pub clock_unix_nanos: Option<u128>,
+}
+
+/// What [`apply_fixups`] did. A step that was not asked for leaves its field
+/// at the default; a step that failed or was skipped says why in `errors`.
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+pub struct FixupReport {
+    /// The hostname now in effect, when one was set.
+    pub hostname: Option<String>,
+    /// The new machine-id (32 lowercase hex digits), when one was written.
+    pub machine_id: Option<String>,
+    /// The public halves of the regenerated SSH host keys
+    /// (`TYPE BASE64 COMMENT`, as in the `.pub` files).
+    pub ssh_host_keys: Vec<String>,
+    /// Bytes credited to the kernel's entropy pool (0 when skipped).
+    pub entropy_bytes: usize,
+    /// The kernel CRNG was reseeded (`RNDRESEEDCRNG`).
+    pub reseeded: bool,
+    /// `CLOCK_REALTIME` was set from the host's time.
+    pub clock_set: bool,
+    /// At least one saved random seed file was found and deleted.
+    pub random_seed_removed: bool,
+    /// One line per step that failed or was skipped, prefixed with the step.
+    pub errors: Vec<String>,
+}
+
+/// Applies the fix-ups in `req` to the system rooted at `root` ("/" in a VM).
+///
+/// The clock and the CSPRNG go first, so that the machine-id and the SSH keys
+/// are generated from reseeded randomness. Kernel-level steps (sethostname,
+/// `RNDADDENTROPY`/`RNDRESEEDCRNG`, `clock_settime`) run only when `root` is
+/// `/`; otherwise they are reported as skipped in `errors`.
+pub fn apply_fixups(req: &FixupRequest, root: &Path) -> FixupReport {
+    fixups::apply(req, root)
+}
+
+/// Whether userdata exists under `root` and whether it has run (and how).
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+pub struct UserdataStatus {
+    /// `/etc/tine/userdata` exists.
+    pub present: bool,
+    /// It has run to completion (or was interrupted and will not run again).
+    pub ran: bool,
+    /// Its exit code; `None` when it did not run, was killed by a signal or
+    /// was interrupted by a shutdown.
+    pub exit_code: Option<i32>,
+}
+
+/// Reads the userdata state under `root` ("/" in a VM).
+pub fn userdata_status(root: &Path) -> UserdataStatus {
+    userdata::status(root)
+}
+
+/// Time since the guest booted (`CLOCK_BOOTTIME`, which counts suspend).
+pub fn system_uptime() -> Duration {
+    match nix::time::clock_gettime(nix::time::ClockId::CLOCK_BOOTTIME) {
+        Ok(ts) => Duration::new(
+            u64::try_from(ts.tv_sec()).unwrap_or(0),
+            u32::try_from(ts.tv_nsec()).unwrap_or(0),
+        ),
+        Err(_) => Duration::ZERO,
+    }
+}
+
+/// How the agent was started, as found by [`start`].
+#[derive(Debug)]
+pub struct Started {
+    /// The agent is PID 1 (the min image) and did the init duties.
+    pub pid1: bool,
+    /// What PID 1 did at boot; `None` when not PID 1.
+    pub boot: Option<init::BootReport>,
+    /// The process-wide reaper every spawn must go through.
+    pub reaper: &'static reaper::Reaper,
+}
+
+/// Errors from [`start`].
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The child reaper could not be installed.
+    #[error("Cannot install the child reaper")]
+    Reaper(#[source] reaper::ReaperError),
+    /// The PID 1 signal handlers could not be installed.
+    #[error("Cannot install the PID 1 signal handlers")]
+    Signals(#[source] init::InitError),
+}
+
+/// The agent's startup: call it first thing in `main`, before any runtime or
+/// thread exists (it sets environment variables as PID 1).
+///
+/// As PID 1: [`init::boot`] (mounts, hostname, network, PATH), then the
+/// shutdown-signal thread ([`init::spawn_signal_thread`]). Always: installs
+/// the global [`reaper::Reaper`] in [`reaper::ReapMode::All`] and starts
+/// userdata ([`userdata::spawn_run_once`] on `/`) in the background.
+/// Problems that must not stop a boot (a mount, the network) are logged to
+/// stderr (the console) and listed in [`init::BootReport::warnings`].
+///
+/// Not for host-side tests that embed the server in a test process: they
+/// would reap the harness's children and run the host's userdata. Those
+/// install `Reaper::install_global(ReapMode::RegisteredOnly)` instead.
+pub fn start() -> Result<Started, StartError> {
+    let pid1 = init::is_pid1();
+    let boot = if pid1 {
+        let report = init::boot(Path::new("/"));
+        for w in &report.warnings {
+            eprintln!("tine-agent: {w}");
+        }
+        Some(report)
+    } else {
+        None
+    };
+    let reaper =
+        reaper::Reaper::install_global(reaper::ReapMode::All).map_err(StartError::Reaper)?;
+    if pid1 {
+        init::spawn_signal_thread(init::DEFAULT_GRACE).map_err(StartError::Signals)?;
+    }
+    userdata::spawn_run_once(Path::new("/").to_path_buf());
+    Ok(Started { pid1, boot, reaper })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_system_uptime_is_positive_and_monotonic() {
+        let a = system_uptime();
+        let b = system_uptime();
+        assert!(a > Duration::ZERO);
+        assert!(b >= a);
+    }
+
+    #[test]
+    fn test_contract_types_round_trip_through_serde() {
+        let req = FixupRequest {
+            hostname: Some("fork-1".into()),
+            machine_id: true,
+            ssh_host_keys: false,
+            entropy: Some(vec![1, 2, 3]),
+            clock_unix_nanos: Some(1_700_000_000_000_000_000),
+        };
+        let json = serde_json::to_string(&req).expect("serialize");
+        let back: FixupRequest = serde_json::from_str(&json).expect("deserialize");
+        assert_eq!(back.hostname.as_deref(), Some("fork-1"));
+        assert_eq!(back.entropy, Some(vec![1, 2, 3]));
+        assert_eq!(back.clock_unix_nanos, Some(1_700_000_000_000_000_000));
+    }
+}
