@@ -444,8 +444,11 @@ pub fn shutdown(action: ShutdownAction, grace: Duration) -> ! {
     nix::unistd::sync();
     match action {
         ShutdownAction::Poweroff => {
-            if let Err(e) = debug_exit(0) {
-                eprintln!("tine-agent: cannot write the debug-exit port: {e}");
+            match debug_exit(0) {
+                // The VMM stops the vCPUs asynchronously: a few more
+                // instructions may run. Give it time before falling back.
+                Ok(()) => std::thread::sleep(Duration::from_secs(2)),
+                Err(e) => eprintln!("tine-agent: cannot write the debug-exit port: {e}"),
             }
             // Still running: not under tine-vmm, or a kernel without
             // ioperm(). Without ACPI, RB_POWER_OFF would only halt the CPUs
