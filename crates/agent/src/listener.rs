@@ -24,3 +24,13 @@ impl Listener for tokio::net::UnixListener {
             .map(|(conn, _)| conn)
     }
 }
+
+impl Listener for tokio_vsock::VsockListener {
+    type Conn = tokio_vsock::VsockStream;
+
+    async fn accept(&mut self) -> io::Result<Self::Conn> {
+        tokio_vsock::VsockListener::accept(self)
+            .await
+            .map(|(conn, _)| conn)
+    }
+}

@@ -1,12 +1,15 @@
 //! `tine-agent`: the guest agent binary. `tine-agent serve --unix PATH`
 //! serves the agent protocol (docs/agent-protocol.md) on a Unix socket;
-//! `--vsock-port N` serves it on vsock in a VM.
+//! `--vsock-port N` serves it on vsock in a VM. Run as PID 1 without a
+//! `serve` command line (the min image's `/sbin/init`), it serves on vsock
+//! port [`AGENT_VSOCK_PORT`].
 
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
-use tine_agent::{Agent, AgentConfig};
+use tine_agent::{system, Agent, AgentConfig};
+use tine_proto::agent::AGENT_VSOCK_PORT;
 
 #[derive(Parser)]
 #[command(name = "tine-agent", version, about = "The tine guest agent")]
@@ -22,7 +25,7 @@ enum Commands {
         /// Listen on this Unix socket path (replaced if it exists).
         #[arg(long, conflicts_with = "vsock_port")]
         unix: Option<PathBuf>,
-        /// Listen on this vsock port.
+        /// Listen on this vsock port (52 in the tine images).
         #[arg(long)]
         vsock_port: Option<u32>,
         /// Root for fix-ups and userdata state.
@@ -31,7 +34,30 @@ enum Commands {
     },
 }
 
+/// The command line: as PID 1 the kernel passes init whatever parameters it
+/// did not recognise, so anything that is not a valid `serve` command line
+/// means the default, `serve --vsock-port 52`.
+fn parse_cli() -> Cli {
+    if !system::init::is_pid1() {
+        return Cli::parse();
+    }
+    match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(_) => Cli {
+            command: Commands::Serve {
+                unix: None,
+                vsock_port: Some(AGENT_VSOCK_PORT),
+                root: PathBuf::from("/"),
+            },
+        },
+    }
+}
+
 fn main() -> anyhow::Result<()> {
+    let cli = parse_cli();
+    // Before the runtime or any thread: PID 1 duties, the reaper every
+    // spawn goes through, userdata.
+    let started = system::start().context("start the guest system")?;
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
@@ -40,7 +66,6 @@ fn main() -> anyhow::Result<()> {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .init();
-    let cli = Cli::parse();
     let Commands::Serve {
         unix,
         vsock_port,
@@ -70,7 +95,10 @@ fn main() -> anyhow::Result<()> {
                 Ok(())
             }
             (None, Some(port)) => {
-                bail!("vsock port {port}: this build has no vsock listener yet (it comes with the system module)")
+                let listener = system::vsock::listen(port)?;
+                tracing::info!(pid1 = started.pid1, "serving on vsock port {port}");
+                agent.serve(listener).await;
+                Ok(())
             }
             (None, None) => bail!("give --unix PATH or --vsock-port N"),
         }

@@ -119,7 +119,8 @@ async fn test_negative_oversized_frame_closes_only_that_connection() {
     conn.write_all(&(MAX_FRAME_LEN + 1).to_be_bytes())
         .await
         .expect("write");
-    conn.write_all(&[0u8; 64]).await.expect("write");
+    // The agent may already have closed the connection after the header.
+    let _ = conn.write_all(&[0u8; 64]).await;
     let frame = read_frame(&mut conn, MAX_FRAME_LEN)
         .await
         .expect("read")
@@ -344,7 +345,7 @@ async fn test_agent_binary_serves_on_unix_socket() {
         .kill_on_drop(true)
         .spawn()
         .expect("start tine-agent");
-    assert!(wait_until(Duration::from_secs(10), || socket.exists()).await);
+    assert!(wait_until(Duration::from_secs(30), || socket.exists()).await);
 
     let client = tine_client::AgentClient::connect_unix(&socket)
         .await

@@ -3,6 +3,7 @@
 //! byte offsets, so a client can reattach, tail, follow, wait and kill.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::os::unix::process::CommandExt;
 use std::process::Stdio;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -266,15 +267,21 @@ pub(crate) async fn start(agent: &Arc<Agent>, req: ExecRequest) -> Result<Respon
     let mut inner = jobs.lock();
     jobs.make_room(&mut inner, 2 * ring_bytes)?;
     let started = Instant::now();
-    let mut child = cmd
-        .spawn()
-        .map_err(|e| process::spawn_error(&argv[0], &e))?;
+    let (mut child, exit) =
+        process::spawn(&mut cmd).map_err(|e| process::spawn_error(&argv[0], &e))?;
     drop(cmd);
-    let Some(pid) = child.id() else {
-        return Err(OpError::new(
-            ErrorCode::SpawnFailed,
-            "process exited at once",
-        ));
+    let pid = child.id();
+    let pipes = process::async_pipes(&mut child);
+    drop(child);
+    let (_, stdout, stderr) = match pipes {
+        Ok(pipes) => pipes,
+        Err(e) => {
+            let _ = signal_group(pid, libc::SIGKILL);
+            tokio::spawn(async move {
+                let _ = exit.wait().await;
+            });
+            return Err(OpError::io("set up process pipes", &e));
+        }
     };
     let id = inner.next_id;
     inner.next_id += 1;
@@ -303,18 +310,13 @@ pub(crate) async fn start(agent: &Arc<Agent>, req: ExecRequest) -> Result<Respon
     tokio::spawn(async move {
         let (exited_tx, exited_rx) = watch::channel(false);
         let stdout = tokio::spawn(pump_ring(
-            child.stdout.take(),
+            stdout,
             Channel::Stdout,
             job.clone(),
             exited_rx.clone(),
         ));
-        let stderr = tokio::spawn(pump_ring(
-            child.stderr.take(),
-            Channel::Stderr,
-            job.clone(),
-            exited_rx,
-        ));
-        let waited = process::wait_with_timeout(&mut child, pid, timeout).await;
+        let stderr = tokio::spawn(pump_ring(stderr, Channel::Stderr, job.clone(), exited_rx));
+        let waited = process::wait_with_timeout(&exit, pid, timeout).await;
         let _ = exited_tx.send(true);
         let _ = stdout.await;
         let _ = stderr.await;

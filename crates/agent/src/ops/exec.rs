@@ -2,11 +2,12 @@
 //! its stdout and stderr streamed back separately.
 
 use std::collections::BTreeMap;
+use std::os::unix::process::CommandExt;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use tine_proto::agent::mux::{Chunk, Inbound, StreamReceiver, StreamSender};
-use tine_proto::agent::{Channel, Control, ErrorCode, ExecRequest, Response};
+use tine_proto::agent::{Channel, Control, ExecRequest, Response};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, watch};
 
@@ -35,36 +36,33 @@ pub(crate) async fn run(
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     let started = Instant::now();
-    let mut child = cmd
-        .spawn()
-        .map_err(|e| process::spawn_error(&argv[0], &e))?;
+    let (mut child, exit) =
+        process::spawn(&mut cmd).map_err(|e| process::spawn_error(&argv[0], &e))?;
     drop(cmd);
-    let pid = child
-        .id()
-        .ok_or_else(|| OpError::new(ErrorCode::SpawnFailed, "process exited at once"))?;
+    let pid = child.id();
+    let pipes = process::async_pipes(&mut child);
+    drop(child);
+    let (stdin, stdout, stderr) = match pipes {
+        Ok(pipes) => pipes,
+        Err(e) => {
+            let _ = signal_group(pid, libc::SIGKILL);
+            let _ = exit.wait().await;
+            return Err(OpError::io("set up process pipes", &e));
+        }
+    };
 
     if tx.send_msg(&Response::Started { pid }).await.is_err() {
         let _ = signal_group(pid, libc::SIGKILL);
-        let _ = child.wait().await;
+        let _ = exit.wait().await;
         return Err(OpError::cancelled());
     }
     let (exited_tx, exited_rx) = watch::channel(false);
-    let stdout = tokio::spawn(pump(
-        child.stdout.take(),
-        Channel::Stdout,
-        tx.clone(),
-        exited_rx.clone(),
-    ));
-    let stderr = tokio::spawn(pump(
-        child.stderr.take(),
-        Channel::Stderr,
-        tx.clone(),
-        exited_rx,
-    ));
-    let control = tokio::spawn(control_loop(rx, child.stdin.take(), pid));
+    let stdout = tokio::spawn(pump(stdout, Channel::Stdout, tx.clone(), exited_rx.clone()));
+    let stderr = tokio::spawn(pump(stderr, Channel::Stderr, tx.clone(), exited_rx));
+    let control = tokio::spawn(control_loop(rx, stdin, pid));
 
     let timeout = req.timeout_ms.map(Duration::from_millis);
-    let waited = process::wait_with_timeout(&mut child, pid, timeout).await;
+    let waited = process::wait_with_timeout(&exit, pid, timeout).await;
     // The group leader is reaped: stop taking signals for its id.
     control.abort();
     let _ = exited_tx.send(true);

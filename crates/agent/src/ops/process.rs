@@ -1,13 +1,17 @@
 //! Building, signalling and reaping processes, shared by exec, background
 //! execs and the shell.
 //!
-//! Children are reaped by tokio (`waitpid` on their own pid after SIGCHLD).
-//! As PID 1 the agent also reaps orphans; that reaper must not take these
-//! children's statuses with a blanket `waitpid(-1)`, or their exits are lost.
+//! Every child is spawned through the process-wide [`Reaper`] and waited
+//! through its [`ExitWatch`], never with `Child::wait`: as PID 1 the reaper
+//! collects every child with `waitpid(-1)` ([`ReapMode::All`]), so any other
+//! wait would lose the status. When no reaper is installed (the agent
+//! embedded in a test harness or another program), one is installed lazily
+//! in [`ReapMode::RegisteredOnly`], which leaves the host's other children
+//! alone.
 
 use std::collections::BTreeMap;
 use std::io;
-use std::os::unix::process::ExitStatusExt;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -18,6 +22,7 @@ use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::sync::watch;
 
 use crate::error::OpError;
+use crate::system::reaper::{ExitWatch, ReapMode, Reaper};
 
 /// `PATH` for processes when neither the request nor the agent has one (as
 /// PID 1 the agent starts with almost no environment).
@@ -84,11 +89,11 @@ pub(crate) fn build(
     argv: &[String],
     options: &ProcessOptions,
     extra_env: &BTreeMap<String, String>,
-) -> Result<tokio::process::Command, OpError> {
+) -> Result<std::process::Command, OpError> {
     let (program, args) = argv
         .split_first()
         .ok_or_else(|| OpError::bad_request("argv is empty"))?;
-    let mut cmd = tokio::process::Command::new(program);
+    let mut cmd = std::process::Command::new(program);
     cmd.args(args);
     if options.clear_env {
         cmd.env_clear();
@@ -140,7 +145,6 @@ pub(crate) fn build(
         }
         cmd.current_dir(dir);
     }
-    cmd.kill_on_drop(false);
     Ok(cmd)
 }
 
@@ -213,21 +217,71 @@ pub(crate) async fn read_output<R: AsyncRead + Unpin>(
     }
 }
 
-/// Waits for `child`, killing its process group with SIGKILL when
-/// `timeout` passes first. Returns the status and whether it timed out.
+/// The process-wide reaper; installs one in [`ReapMode::RegisteredOnly`]
+/// when none is (host tests, embedders). As PID 1, `system::start` has
+/// already installed it in [`ReapMode::All`].
+pub(crate) fn reaper() -> io::Result<&'static Reaper> {
+    if let Some(r) = Reaper::global() {
+        return Ok(r);
+    }
+    match Reaper::install_global(ReapMode::RegisteredOnly) {
+        Ok(r) => Ok(r),
+        // Someone installed another mode in the meantime: use theirs.
+        Err(e) => Reaper::global().ok_or_else(|| io::Error::other(e)),
+    }
+}
+
+/// Spawns `cmd` through the global reaper. Never wait on the returned
+/// child: its status comes through the [`ExitWatch`].
+pub(crate) fn spawn(
+    cmd: &mut std::process::Command,
+) -> io::Result<(std::process::Child, ExitWatch)> {
+    reaper()?.spawn(cmd)
+}
+
+/// Takes a child's piped stdin, stdout and stderr as tokio pipes (must run
+/// inside the runtime).
+pub(crate) fn async_pipes(
+    child: &mut std::process::Child,
+) -> io::Result<(
+    Option<tokio::process::ChildStdin>,
+    Option<tokio::process::ChildStdout>,
+    Option<tokio::process::ChildStderr>,
+)> {
+    let stdin = child
+        .stdin
+        .take()
+        .map(tokio::process::ChildStdin::from_std)
+        .transpose()?;
+    let stdout = child
+        .stdout
+        .take()
+        .map(tokio::process::ChildStdout::from_std)
+        .transpose()?;
+    let stderr = child
+        .stderr
+        .take()
+        .map(tokio::process::ChildStderr::from_std)
+        .transpose()?;
+    Ok((stdin, stdout, stderr))
+}
+
+/// Waits for the child behind `exit`, killing its process group with
+/// SIGKILL when `timeout` passes first. Returns the status and whether it
+/// timed out.
 pub(crate) async fn wait_with_timeout(
-    child: &mut tokio::process::Child,
+    exit: &ExitWatch,
     pgid: u32,
     timeout: Option<Duration>,
 ) -> io::Result<(std::process::ExitStatus, bool)> {
     let Some(timeout) = timeout else {
-        return Ok((child.wait().await?, false));
+        return Ok((exit.wait().await.map_err(io::Error::other)?, false));
     };
-    match tokio::time::timeout(timeout, child.wait()).await {
-        Ok(status) => Ok((status?, false)),
+    match tokio::time::timeout(timeout, exit.wait()).await {
+        Ok(status) => Ok((status.map_err(io::Error::other)?, false)),
         Err(_) => {
             let _ = signal_group(pgid, libc::SIGKILL);
-            Ok((child.wait().await?, true))
+            Ok((exit.wait().await.map_err(io::Error::other)?, true))
         }
     }
 }

@@ -7,6 +7,7 @@ use std::fs::OpenOptions;
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::process::CommandExt;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
@@ -15,7 +16,7 @@ use std::time::Instant;
 use nix::fcntl::OFlag;
 use nix::pty::{grantpt, posix_openpt, ptsname_r, unlockpt};
 use tine_proto::agent::mux::{Chunk, Inbound, StreamReceiver, StreamSender};
-use tine_proto::agent::{Channel, Control, ErrorCode, Response, ShellRequest};
+use tine_proto::agent::{Channel, Control, Response, ShellRequest};
 use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::{mpsc, watch};
@@ -177,15 +178,12 @@ pub(crate) async fn run(
         });
     }
     let started = Instant::now();
-    let mut child = cmd
-        .spawn()
-        .map_err(|e| process::spawn_error(&argv[0], &e))?;
+    let (child, exit) = process::spawn(&mut cmd).map_err(|e| process::spawn_error(&argv[0], &e))?;
     // The slave must be closed here, or reading the master never ends.
     drop(cmd);
     drop(slave);
-    let pid = child
-        .id()
-        .ok_or_else(|| OpError::new(ErrorCode::SpawnFailed, "process exited at once"))?;
+    let pid = child.id();
+    drop(child);
     // SAFETY: `master` is an OwnedFd moved into the AsyncFd, so its
     // descriptor stays open and unchanged for the AsyncFd's whole life.
     let registered = unsafe { AsyncFd::register(master) };
@@ -196,7 +194,7 @@ pub(crate) async fn run(
 
     if tx.send_msg(&Response::Started { pid }).await.is_err() {
         let _ = signal_group(pid, libc::SIGKILL);
-        let _ = child.wait().await;
+        let _ = exit.wait().await;
         return Err(OpError::cancelled());
     }
     let (exited_tx, exited_rx) = watch::channel(false);
@@ -207,7 +205,7 @@ pub(crate) async fn run(
         exited_rx,
     ));
     let control = tokio::spawn(control_loop(rx, pty, pid));
-    let waited = child.wait().await;
+    let waited = exit.wait().await.map_err(io::Error::other);
     control.abort();
     let _ = exited_tx.send(true);
     let _ = output.await;

@@ -22,5 +22,9 @@ pub use mux::{
     StreamSender,
 };
 
+/// The vsock port the agent listens on in a VM (`tine-agent serve
+/// --vsock-port 52`, the default when it runs as PID 1 without arguments).
+pub const AGENT_VSOCK_PORT: u32 = 52;
+
 /// The protocol version this build speaks.
 pub const PROTOCOL_VERSION: ProtocolVersion = ProtocolVersion { major: 1, minor: 0 };
