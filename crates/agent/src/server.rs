@@ -204,6 +204,7 @@ async fn run(
         Request::Forward(req) => ops::forward::run(req, tx, rx).await,
         Request::Health => ops::system::health(&agent).await,
         Request::Fixups(req) => ops::system::fixups(&agent, req).await,
+        Request::Network(req) => ops::system::network(req).await,
         Request::UserdataStatus => ops::system::userdata(&agent).await,
     }
 }

@@ -141,6 +141,38 @@ async fn test_negative_oversized_frame_closes_only_that_connection() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn test_negative_network_bad_prefix_and_missing_interface_are_clear_errors() {
+    let agent = TestAgent::start().await;
+    let client = agent.client().await;
+    let request = |iface: &str, prefix: u8| tine_client::proto::NetworkRequest {
+        iface: iface.to_owned(),
+        address: "192.0.2.10".parse().expect("address"),
+        prefix,
+        gateway: None,
+        dns: Vec::new(),
+    };
+
+    let bad_prefix = client
+        .network(request("eth0", 33))
+        .await
+        .expect_err("prefix 33 must be refused");
+    let missing = client
+        .network(request("tine-nosuch0", 24))
+        .await
+        .expect_err("a missing interface must be an error");
+
+    assert!(
+        bad_prefix.to_string().contains("prefix length 33"),
+        "{bad_prefix}"
+    );
+    assert!(missing.to_string().contains("tine-nosuch0"), "{missing}");
+    assert!(
+        client.health().await.is_ok(),
+        "the connection keeps serving"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn test_negative_version_mismatch_is_refused_clearly() {
     let agent = TestAgent::start().await;
     let mut conn = UnixStream::connect(&agent.socket).await.expect("connect");

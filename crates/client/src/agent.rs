@@ -11,8 +11,9 @@ use tine_proto::agent::{
     client_handshake, BackgroundOptions, BgIdRequest, BgJob, BgKillRequest, BgLogsRequest,
     BgWaitRequest, Channel, CloseReason, Control, DirEntry, ErrorCode, ExecRequest, ExitStatus,
     FileAttrs, FileStat, FixupReport, FixupRequest, ForwardRequest, ForwardTarget, HandshakeError,
-    Health, Hello, MkdirRequest, PathRequest, RemoveRequest, Request, Response, ShellRequest,
-    StatRequest, UploadRequest, UploadTarRequest, UserdataStatus, Welcome, PROTOCOL_VERSION,
+    Health, Hello, MkdirRequest, NetworkRequest, PathRequest, RemoveRequest, Request, Response,
+    ShellRequest, StatRequest, UploadRequest, UploadTarRequest, UserdataStatus, Welcome,
+    PROTOCOL_VERSION,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
@@ -881,6 +882,15 @@ impl AgentClient {
     pub async fn fixups(&self, req: FixupRequest) -> Result<FixupReport> {
         match self.call(&Request::Fixups(req)).await? {
             Response::Fixups(report) => Ok(report),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Configures a network interface in the guest (address, default
+    /// route, DNS), e.g. to give a restored fork its own address.
+    pub async fn network(&self, req: NetworkRequest) -> Result<()> {
+        match self.call(&Request::Network(req)).await? {
+            Response::Ok => Ok(()),
             other => Err(unexpected(other)),
         }
     }

@@ -3,7 +3,8 @@
 use std::sync::Arc;
 
 use tine_proto::agent::{
-    ErrorCode, FixupReport, FixupRequest, Health, Response, UserdataStatus, PROTOCOL_VERSION,
+    ErrorCode, FixupReport, FixupRequest, Health, NetworkRequest, Response, UserdataStatus,
+    PROTOCOL_VERSION,
 };
 
 use super::files::blocking;
@@ -40,12 +41,7 @@ pub(crate) async fn health(agent: &Arc<Agent>) -> Result<Response, OpError> {
 /// Applies fix-ups and answers [`Response::Fixups`] with the report.
 pub(crate) async fn fixups(agent: &Arc<Agent>, req: FixupRequest) -> Result<Response, OpError> {
     if let Some(name) = &req.hostname {
-        let valid = !name.is_empty()
-            && name.len() <= 64
-            && name
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.');
-        if !valid {
+        if !system::valid_hostname(name) {
             return Err(OpError::new(
                 ErrorCode::BadRequest,
                 format!("invalid hostname {name:?}"),
@@ -78,4 +74,35 @@ pub(crate) async fn userdata(agent: &Arc<Agent>) -> Result<Response, OpError> {
     let root = agent.config.system_root.clone();
     let status = blocking(move || Ok(system::userdata_status(&root))).await?;
     Ok(Response::Userdata(userdata_wire(status)))
+}
+
+/// Applies an interface configuration and answers [`Response::Ok`].
+pub(crate) async fn network(req: NetworkRequest) -> Result<Response, OpError> {
+    if req.prefix > 32 {
+        return Err(OpError::new(
+            ErrorCode::BadRequest,
+            format!("prefix length {} is over 32", req.prefix),
+        ));
+    }
+    let config = system::net::NetConfig {
+        iface: req.iface,
+        addr: req.address,
+        prefix: req.prefix,
+        gateway: req.gateway,
+        dns: req.dns,
+    };
+    blocking(move || {
+        system::net::configure(&config).map_err(|e| {
+            let mut message = e.to_string();
+            let mut source = std::error::Error::source(&e);
+            while let Some(cause) = source {
+                message.push_str(": ");
+                message.push_str(&cause.to_string());
+                source = cause.source();
+            }
+            OpError::new(ErrorCode::Io, message)
+        })
+    })
+    .await?;
+    Ok(Response::Ok)
 }

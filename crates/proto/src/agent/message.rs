@@ -146,6 +146,9 @@ pub enum Request {
     Fixups(FixupRequest),
     /// Whether the first-boot userdata script is present and ran.
     UserdataStatus,
+    /// (Re)configure a network interface: address, default route, DNS.
+    /// A fork restored from a snapshot gets its own address this way.
+    Network(NetworkRequest),
 }
 
 impl Request {
@@ -170,6 +173,7 @@ impl Request {
         "health",
         "fixups",
         "userdata_status",
+        "network",
     ];
 }
 
@@ -542,6 +546,28 @@ pub enum ForwardTarget {
 pub struct ForwardRequest {
     /// Where to connect.
     pub target: ForwardTarget,
+}
+
+/// IPv4 configuration of one interface, applied by [`Request::Network`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetworkRequest {
+    /// Interface name (`eth0` when omitted).
+    #[serde(default = "default_iface")]
+    pub iface: String,
+    /// The interface's address.
+    pub address: std::net::Ipv4Addr,
+    /// Prefix length of the on-link network (0..=32).
+    pub prefix: u8,
+    /// Default gateway (must be on-link); none leaves no default route.
+    #[serde(default)]
+    pub gateway: Option<std::net::Ipv4Addr>,
+    /// Name servers for /etc/resolv.conf; empty leaves the file alone.
+    #[serde(default)]
+    pub dns: Vec<std::net::IpAddr>,
+}
+
+fn default_iface() -> String {
+    "eth0".to_owned()
 }
 
 /// Fix-ups that make a forked VM unique.
@@ -921,5 +947,21 @@ mod tests {
     #[test]
     fn test_error_code_display_is_snake_case() {
         assert_eq!(ErrorCode::UnknownOperation.to_string(), "unknown_operation");
+    }
+
+    #[test]
+    fn test_network_request_defaults_iface_and_round_trips() {
+        let req: Request = serde_json::from_str(
+            r#"{"op":"network","address":"192.0.2.7","prefix":24,"dns":["192.0.2.1"]}"#,
+        )
+        .expect("parse");
+        let Request::Network(net) = &req else {
+            panic!("not a network request: {req:?}");
+        };
+        assert_eq!(net.iface, "eth0");
+        assert_eq!(net.prefix, 24);
+        assert_eq!(net.gateway, None);
+        let text = serde_json::to_string(&req).expect("serialize");
+        assert_eq!(serde_json::from_str::<Request>(&text).expect("back"), req);
     }
 }
