@@ -165,8 +165,14 @@ pub const DEFAULT_TIMEOUT_SECS: u64 = 900;
 /// The `main` of a `harness = false` test target whose tests need KVM for
 /// Linux guests. Never returns.
 pub fn run_tests(tests: Vec<Trial>) -> ! {
-    if placement().is_some() {
-        let args = libtest_mimic::Arguments::from_args();
+    if let Some(place) = placement() {
+        let mut args = libtest_mimic::Arguments::from_args();
+        // Nested, every guest runs on two emulated L1 CPUs: several Linux
+        // guests booting at once starve each other (boots stalled past
+        // their deadlines, and L1 itself once died), so run one at a time.
+        if place == Placement::Nested && args.test_threads.is_none() {
+            args.test_threads = Some(1);
+        }
         libtest_mimic::run(&args, tests).exit();
     }
     // The guest-side helper must exist before the test bed starts (the
