@@ -92,16 +92,8 @@ pub(crate) async fn network(req: NetworkRequest) -> Result<Response, OpError> {
         dns: req.dns,
     };
     blocking(move || {
-        system::net::configure(&config).map_err(|e| {
-            let mut message = e.to_string();
-            let mut source = std::error::Error::source(&e);
-            while let Some(cause) = source {
-                message.push_str(": ");
-                message.push_str(&cause.to_string());
-                source = cause.source();
-            }
-            OpError::new(ErrorCode::Io, message)
-        })
+        system::net::configure(&config)
+            .map_err(|e| OpError::new(ErrorCode::Io, system::describe_error(&e)))
     })
     .await?;
     Ok(Response::Ok)

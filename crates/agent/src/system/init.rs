@@ -118,7 +118,8 @@ pub fn boot(root: &Path) -> BootReport {
 
     let m = mount_base(root);
     rep.mounted = m.mounted;
-    rep.warnings.extend(m.errors.iter().map(|e| describe(e)));
+    rep.warnings
+        .extend(m.errors.iter().map(|e| crate::system::describe_error(e)));
 
     rep.cmdline = match KernelCmdline::read() {
         Ok(c) => c,
@@ -151,16 +152,16 @@ pub fn boot(root: &Path) -> BootReport {
     rep.hostname = name;
 
     if let Err(e) = net::link_up("lo") {
-        rep.warnings.push(describe(&e));
+        rep.warnings.push(crate::system::describe_error(&e));
     }
     if let Some(cfg) = rep.cmdline.net.clone() {
         match net::configure_link(&cfg) {
             Ok(()) => rep.net = Some(cfg.clone()),
-            Err(e) => rep.warnings.push(describe(&e)),
+            Err(e) => rep.warnings.push(crate::system::describe_error(&e)),
         }
         if !cfg.dns.is_empty() {
             if let Err(e) = net::write_resolv_conf(root, &cfg.dns) {
-                rep.warnings.push(describe(&e));
+                rep.warnings.push(crate::system::describe_error(&e));
             }
         }
     }
@@ -348,17 +349,6 @@ fn unescape_mountinfo(s: &str) -> String {
         }
     }
     String::from_utf8_lossy(&out).into_owned()
-}
-
-fn describe(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
 }
 
 const HANDLED: &[(libc::c_int, &str)] = &[
@@ -701,7 +691,11 @@ mod tests {
             let again = mount_base(&root);
             (rep, (checks, again.mounted.len(), again.errors.len()))
         });
-        let errors: Vec<String> = rep.errors.iter().map(|e| describe(e)).collect();
+        let errors: Vec<String> = rep
+            .errors
+            .iter()
+            .map(|e| crate::system::describe_error(e))
+            .collect();
         assert!(errors.is_empty(), "{errors:?}");
         assert_eq!(rep.already, vec!["/dev"]);
         let ((fstypes, ptmx, stdout, pts_ptmx, tmp_mode, _), again_mounted, again_errors) = checks;

@@ -114,6 +114,19 @@ pub fn system_uptime() -> Duration {
     }
 }
 
+/// `e` and each of its sources, joined with ": ", for messages that leave
+/// the process (console lines, protocol errors).
+pub(crate) fn describe_error(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
 /// How the agent was started, as found by [`start`].
 #[derive(Debug)]
 pub struct Started {

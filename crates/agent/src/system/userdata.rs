@@ -171,22 +171,9 @@ pub fn spawn_run_once(root: PathBuf) -> Option<std::thread::JoinHandle<()>> {
                     .unwrap_or_else(|| "no exit code".into())
             ),
             Ok(_) => {}
-            Err(e) => eprintln!("tine-agent: userdata: {e}: {}", error_chain(&e)),
+            Err(e) => eprintln!("tine-agent: userdata: {}", super::describe_error(&e)),
         })
         .ok()
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = String::new();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        if !s.is_empty() {
-            s.push_str(": ");
-        }
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
 }
 
 #[cfg(test)]
