@@ -3,6 +3,8 @@
 //!
 //! [`agent`] holds the guest-agent protocol: framing, messages, handshake and
 //! the stream multiplexer shared by the agent and its client
-//! (docs/agent-protocol.md). REST bodies arrive with the daemon issue.
+//! (docs/agent-protocol.md). [`api`] holds the daemon's REST bodies
+//! (docs/api.md).
 
 pub mod agent;
+pub mod api;

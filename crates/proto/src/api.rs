@@ -1,0 +1,625 @@
+//! REST bodies between the daemon (`tine up`) and its clients (the CLI, SDKs).
+//!
+//! Resource shapes follow Slicer's where they fit (docs/api.md,
+//! docs/openapi.yaml): host groups and their nodes, `/vm/{hostname}`,
+//! NDJSON exec frames, errors as `{error, code}`.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// The body of every error response.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    /// What went wrong, naming the problem (for people).
+    pub error: String,
+    /// A stable machine-readable code (for scripts).
+    pub code: ErrorCode,
+}
+
+/// Stable error codes; each maps to one HTTP status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    /// The request is malformed or asks for something invalid (400).
+    BadRequest,
+    /// Missing or wrong bearer token (401).
+    Unauthorized,
+    /// No such host group, VM, commit or route (404).
+    NotFound,
+    /// The resource is in a state that forbids the request (409).
+    Conflict,
+    /// A wait ran past its timeout (408).
+    Timeout,
+    /// The guest agent cannot be reached (503).
+    AgentUnavailable,
+    /// The daemon failed (500).
+    Internal,
+}
+
+impl ErrorCode {
+    /// The HTTP status this code is sent with.
+    pub fn http_status(self) -> u16 {
+        match self {
+            ErrorCode::BadRequest => 400,
+            ErrorCode::Unauthorized => 401,
+            ErrorCode::NotFound => 404,
+            ErrorCode::Conflict => 409,
+            ErrorCode::Timeout => 408,
+            ErrorCode::AgentUnavailable => 503,
+            ErrorCode::Internal => 500,
+        }
+    }
+}
+
+/// `GET /info`: the daemon itself.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DaemonInfo {
+    /// The daemon's version.
+    pub version: String,
+    /// Its data directory.
+    pub data_dir: String,
+    /// Its process id.
+    pub pid: u32,
+    /// When it started (RFC 3339).
+    pub started_at: String,
+    /// Host group names.
+    pub host_groups: Vec<String>,
+    /// VMs recorded, in any state.
+    pub vms: usize,
+}
+
+/// `GET /hostgroup`: one host group as configured.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostGroupInfo {
+    /// Name; VMs are named `NAME-1`, `NAME-2`, ...
+    pub name: String,
+    /// VMs the daemon keeps running (0: API only).
+    pub count: u32,
+    /// Default vCPUs per VM.
+    pub cpus: u32,
+    /// Most vCPUs a VM may ask for.
+    pub max_cpus: u32,
+    /// Default RAM per VM in bytes.
+    pub ram_bytes: u64,
+    /// Most RAM a VM may ask for, in bytes.
+    pub max_ram_bytes: u64,
+    /// Root filesystem image.
+    pub image: String,
+    /// Virtual disk size per VM in bytes.
+    pub storage_bytes: u64,
+    /// Whether VMs keep their disk when they stop, by default.
+    pub persistent: bool,
+    /// Network mode: `none`, `bridge` or `isolated`.
+    pub network: String,
+    /// VMs of this group that exist now.
+    pub nodes: usize,
+}
+
+/// A VM's life-cycle state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VmState {
+    /// Recorded; disk and process being prepared.
+    Creating,
+    /// Its tine-vmm process runs; the agent has not answered yet.
+    Starting,
+    /// Running and its agent answered.
+    Running,
+    /// Asked to stop; waiting for the guest.
+    Stopping,
+    /// Stopped; a persistent VM keeps its disk and can be relaunched.
+    Stopped,
+    /// Its VMM or guest failed; `failure` says why.
+    Failed,
+}
+
+impl VmState {
+    /// The lower-case name used on the wire and in the database.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            VmState::Creating => "creating",
+            VmState::Starting => "starting",
+            VmState::Running => "running",
+            VmState::Stopping => "stopping",
+            VmState::Stopped => "stopped",
+            VmState::Failed => "failed",
+        }
+    }
+
+    /// Parses [`VmState::as_str`]'s output.
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "creating" => VmState::Creating,
+            "starting" => VmState::Starting,
+            "running" => VmState::Running,
+            "stopping" => VmState::Stopping,
+            "stopped" => VmState::Stopped,
+            "failed" => VmState::Failed,
+            _ => return None,
+        })
+    }
+
+    /// Whether a tine-vmm process belongs to the VM in this state.
+    pub fn is_live(self) -> bool {
+        matches!(
+            self,
+            VmState::Starting | VmState::Running | VmState::Stopping
+        )
+    }
+}
+
+impl std::fmt::Display for VmState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Per-VM network policy override (isolated mode): CIDRs or `IP:port`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetworkPolicy {
+    /// Destinations allowed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allow: Option<Vec<String>>,
+    /// Destinations dropped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drop: Option<Vec<String>>,
+}
+
+/// `POST /hostgroup/{group}/nodes`: create a VM. Omitted fields take the
+/// group's defaults.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateVmRequest {
+    /// vCPUs (at most the group's maximum).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpus: Option<u32>,
+    /// RAM in bytes (at most the group's maximum).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ram_bytes: Option<u64>,
+    /// Keep the disk when the VM stops (default: the group's setting).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub persistent: Option<bool>,
+    /// A script run once at first boot (replaces the group's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub userdata: Option<String>,
+    /// Tags, `key=value` or bare words.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tags: Vec<String>,
+    /// A friendly name, unique among VMs; the CLI accepts it in place of
+    /// the hostname (stored as the tag `name=NAME`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// Network policy override (isolated mode).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<NetworkPolicy>,
+}
+
+/// The network a VM got.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VmNetworkInfo {
+    /// `bridge` or `isolated`.
+    pub mode: String,
+    /// Host TAP device.
+    pub tap: String,
+    /// Guest MAC address.
+    pub mac: String,
+    /// Guest IPv4 address with prefix (`a.b.c.d/n`).
+    pub address: String,
+    /// Gateway (the host side).
+    pub gateway: String,
+    /// Effective allow list.
+    #[serde(default)]
+    pub allow: Vec<String>,
+    /// Effective drop list.
+    #[serde(default)]
+    pub drop: Vec<String>,
+    /// Where the policy came from: `host_group` or `override`.
+    pub policy_source: String,
+}
+
+/// `GET /vm/{hostname}`: one VM.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VmInfo {
+    /// Hostname, `GROUP-N`.
+    pub hostname: String,
+    /// Host group.
+    pub host_group: String,
+    /// State.
+    pub state: VmState,
+    /// vCPUs.
+    pub cpus: u32,
+    /// RAM in bytes.
+    pub ram_bytes: u64,
+    /// Whether its disk outlives a stop.
+    pub persistent: bool,
+    /// Tags.
+    pub tags: Vec<String>,
+    /// Guest IPv4 address, when it has a network.
+    #[serde(default)]
+    pub ip: Option<String>,
+    /// Network details, when it has a network.
+    #[serde(default)]
+    pub network: Option<VmNetworkInfo>,
+    /// The tine-vmm process id while it runs.
+    #[serde(default)]
+    pub pid: Option<u32>,
+    /// Why it stopped or failed, when it did.
+    #[serde(default)]
+    pub reason: Option<String>,
+    /// Created (RFC 3339).
+    pub created_at: String,
+    /// Last (re)started (RFC 3339).
+    #[serde(default)]
+    pub started_at: Option<String>,
+    /// Milliseconds from process start to agent ready, for the last boot.
+    #[serde(default)]
+    pub boot_ms: Option<u64>,
+    /// The commit this VM's disk was committed as, if any.
+    #[serde(default)]
+    pub commit_id: Option<String>,
+    /// The commit this VM was forked from, if any.
+    #[serde(default)]
+    pub parent_commit_id: Option<String>,
+    /// Disk file and format.
+    pub storage: StorageInfo,
+}
+
+/// A VM's disk.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StorageInfo {
+    /// Path on the host.
+    pub path: String,
+    /// `qcow2` or `raw`.
+    pub format: String,
+    /// Virtual size in bytes.
+    pub size_bytes: u64,
+    /// Bytes allocated on the host.
+    pub allocated_bytes: u64,
+}
+
+/// `POST /hostgroup/{group}/nodes` response.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CreateVmResponse {
+    /// The new VM's hostname.
+    pub hostname: String,
+    /// Its state when the response was sent.
+    pub state: VmState,
+    /// Guest IPv4 address, when it has a network.
+    #[serde(default)]
+    pub ip: Option<String>,
+    /// Milliseconds from the request to the answer.
+    pub elapsed_ms: u64,
+}
+
+/// `PATCH /vm/{hostname}/tags`: either `add`/`remove`, or `replace`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TagsPatch {
+    /// Tags to add.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub add: Vec<String>,
+    /// Tags to remove (a bare `key` removes every `key=...`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub remove: Vec<String>,
+    /// The new complete set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replace: Option<Vec<String>>,
+}
+
+/// `GET|PATCH /vm/{hostname}/tags` response.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TagsResponse {
+    /// The VM.
+    pub hostname: String,
+    /// Its tags now.
+    pub tags: Vec<String>,
+}
+
+/// `GET /vm/{hostname}/health`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct VmHealth {
+    /// The VM.
+    pub hostname: String,
+    /// Whether the agent answered.
+    pub agent_ready: bool,
+    /// The agent's version.
+    pub agent_version: String,
+    /// Milliseconds since the agent started.
+    pub agent_uptime_ms: u64,
+    /// Milliseconds since the guest booted.
+    pub system_uptime_ms: u64,
+    /// Whether userdata has run (or there is none).
+    pub userdata_ran: bool,
+    /// Milliseconds the request took (a round trip to the agent).
+    pub rtt_ms: f64,
+}
+
+/// One NDJSON line of `POST /vm/{hostname}/exec`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ExecFrame {
+    /// The process started.
+    Started {
+        /// Its pid in the guest.
+        pid: u32,
+    },
+    /// Bytes on its stdout, base64.
+    Stdout {
+        /// Base64 (standard alphabet, padded).
+        data: String,
+    },
+    /// Bytes on its stderr, base64.
+    Stderr {
+        /// Base64 (standard alphabet, padded).
+        data: String,
+    },
+    /// It ended.
+    Exit {
+        /// Exit code, when it exited.
+        #[serde(default)]
+        code: Option<i32>,
+        /// Signal, when one killed it.
+        #[serde(default)]
+        signal: Option<i32>,
+        /// Whether its timeout killed it.
+        #[serde(default)]
+        timed_out: bool,
+        /// Milliseconds from start to exit.
+        #[serde(default)]
+        duration_ms: u64,
+    },
+    /// The exec failed (never started, or the agent went away).
+    Error {
+        /// What went wrong.
+        error: String,
+        /// Code, as in [`ErrorBody`].
+        code: ErrorCode,
+    },
+}
+
+/// `GET /vm/{hostname}/logs` response (also available as plain text).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LogsResponse {
+    /// The VM.
+    pub hostname: String,
+    /// The serial console's last lines.
+    pub lines: Vec<String>,
+}
+
+/// `POST /vm/{hostname}/shutdown` response, also `relaunch` and `delete`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LifecycleResponse {
+    /// The VM.
+    pub hostname: String,
+    /// Its state after the request.
+    pub state: VmState,
+    /// Milliseconds the request took.
+    pub elapsed_ms: u64,
+}
+
+/// `POST /vm/{hostname}/commit` body.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CommitRequest {
+    /// Tags.
+    #[serde(default)]
+    pub tags: Vec<String>,
+    /// Labels.
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    /// A key unique among commits: a later run finds the commit by it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_key: Option<String>,
+}
+
+/// A commit: an immutable disk that forks boot from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CommitInfo {
+    /// `cmt-<group>-<16 hex>`.
+    pub commit_id: String,
+    /// Always `committed`.
+    pub status: String,
+    /// Always `disk` (disk state only).
+    pub mode: String,
+    /// The VM it was committed from.
+    pub source: String,
+    /// The source's host group.
+    pub host_group: String,
+    /// Tags.
+    pub tags: Vec<String>,
+    /// Labels.
+    pub labels: BTreeMap<String, String>,
+    /// Cache key, if any.
+    #[serde(default)]
+    pub cache_key: Option<String>,
+    /// The commit the source was forked from, if any.
+    #[serde(default)]
+    pub parent_commit_id: Option<String>,
+    /// The source's vCPUs and RAM (defaults for forks).
+    pub cpus: u32,
+    /// RAM in bytes.
+    pub ram_bytes: u64,
+    /// Disk virtual size in bytes.
+    pub size_bytes: u64,
+    /// Created (RFC 3339).
+    pub created_at: String,
+    /// Milliseconds the commit took.
+    pub elapsed_ms: u64,
+}
+
+/// `POST /vm/commits/{id}/fork` body. Omitted fields inherit from the
+/// commit's source; an empty list clears.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ForkRequest {
+    /// Tags for the fork (appended to the inherited ones, or replacing
+    /// them with `tag_mode: replace`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tags: Option<Vec<String>>,
+    /// `append` (default) or `replace`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tag_mode: Option<String>,
+    /// Friendly name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// Keep the disk when the fork stops (default true; false = `--rm`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub persistent: Option<bool>,
+    /// Fix-ups: any of `hostname`, `machine-id`, `ssh-host-keys`
+    /// (default all; `[]` none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fixups: Option<Vec<String>>,
+    /// Delete inherited secrets.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub no_secrets: bool,
+    /// vCPUs (within the group's limits).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpus: Option<u32>,
+    /// RAM in bytes (within the group's limits).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ram_bytes: Option<u64>,
+    /// Network: `none` to give the fork no NIC, or a policy override.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<ForkNetwork>,
+}
+
+/// A fork's network choice.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum ForkNetwork {
+    /// `"none"`: no NIC.
+    Mode(String),
+    /// A policy override.
+    Policy(NetworkPolicy),
+}
+
+/// `POST /vm/commits/{id}/fork` response.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ForkResponse {
+    /// The fork's hostname.
+    pub hostname: String,
+    /// The commit's source VM.
+    pub source_hostname: String,
+    /// The commit.
+    pub commit_id: String,
+    /// Always `forked`.
+    pub status: String,
+    /// The fork's state.
+    pub child_status: VmState,
+    /// Whether the fork keeps its disk when it stops.
+    pub persistent: bool,
+    /// Milliseconds from request to answer.
+    pub elapsed_ms: u64,
+}
+
+/// Query of the VM list routes.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ListQuery {
+    /// Only VMs with this exact tag.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tag: Option<String>,
+    /// Only VMs with a tag starting with this.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tag_prefix: Option<String>,
+}
+
+/// Formats a Unix time in milliseconds as RFC 3339 (UTC, millisecond
+/// precision).
+pub fn rfc3339_millis(unix_ms: u64) -> String {
+    let secs = unix_ms / 1000;
+    let ms = unix_ms % 1000;
+    let days = secs / 86_400;
+    let rem = secs % 86_400;
+    let (h, m, s) = (rem / 3600, (rem % 3600) / 60, rem % 60);
+    // Civil-from-days (Howard Hinnant's algorithm), for years >= 1970.
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let y = yoe + era * 400;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let mo = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = if mo <= 2 { y + 1 } else { y };
+    format!("{y:04}-{mo:02}-{d:02}T{h:02}:{m:02}:{s:02}.{ms:03}Z")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rfc3339_matches_known_instants() {
+        assert_eq!(rfc3339_millis(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(rfc3339_millis(951_782_400_123), "2000-02-29T00:00:00.123Z");
+        assert_eq!(
+            rfc3339_millis(1_796_083_200_000),
+            "2026-12-01T00:00:00.000Z"
+        );
+    }
+
+    #[test]
+    fn exec_frames_are_tagged_ndjson() {
+        let f = ExecFrame::Exit {
+            code: Some(3),
+            signal: None,
+            timed_out: false,
+            duration_ms: 5,
+        };
+        let line = serde_json::to_string(&f).expect("encode");
+        assert!(line.starts_with(r#"{"type":"exit","code":3"#), "{line}");
+        let back: ExecFrame = serde_json::from_str(&line).expect("decode");
+        assert_eq!(back, f);
+    }
+
+    #[test]
+    fn create_request_refuses_unknown_fields() {
+        let err =
+            serde_json::from_str::<CreateVmRequest>(r#"{"cpu": 2}"#).expect_err("unknown field");
+        assert!(err.to_string().contains("unknown field `cpu`"), "{err}");
+    }
+
+    #[test]
+    fn error_codes_map_to_statuses() {
+        assert_eq!(ErrorCode::NotFound.http_status(), 404);
+        let body = ErrorBody {
+            error: "no VM x".into(),
+            code: ErrorCode::NotFound,
+        };
+        assert_eq!(
+            serde_json::to_string(&body).expect("encode"),
+            r#"{"error":"no VM x","code":"not_found"}"#
+        );
+    }
+
+    #[test]
+    fn vm_states_round_trip() {
+        for s in [
+            VmState::Creating,
+            VmState::Starting,
+            VmState::Running,
+            VmState::Stopping,
+            VmState::Stopped,
+            VmState::Failed,
+        ] {
+            assert_eq!(VmState::parse(s.as_str()), Some(s));
+        }
+        assert_eq!(VmState::parse("bogus"), None);
+    }
+
+    #[test]
+    fn fork_network_accepts_mode_or_policy() {
+        let r: ForkRequest = serde_json::from_str(r#"{"network":"none"}"#).expect("mode");
+        assert_eq!(r.network, Some(ForkNetwork::Mode("none".into())));
+        let r: ForkRequest = serde_json::from_str(r#"{"network":{"allow":[]}}"#).expect("policy");
+        assert_eq!(
+            r.network,
+            Some(ForkNetwork::Policy(NetworkPolicy {
+                allow: Some(vec![]),
+                drop: None
+            }))
+        );
+    }
+}
