@@ -206,5 +206,6 @@ async fn run(
         Request::Fixups(req) => ops::system::fixups(&agent, req).await,
         Request::Network(req) => ops::system::network(req).await,
         Request::UserdataStatus => ops::system::userdata(&agent).await,
+        Request::UserdataRun(req) => ops::system::userdata_run(&agent, req).await,
     }
 }

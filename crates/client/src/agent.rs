@@ -12,8 +12,8 @@ use tine_proto::agent::{
     BgWaitRequest, Channel, CloseReason, Control, DirEntry, ErrorCode, ExecRequest, ExitStatus,
     FileAttrs, FileStat, FixupReport, FixupRequest, ForwardRequest, ForwardTarget, HandshakeError,
     Health, Hello, MkdirRequest, NetworkRequest, PathRequest, RemoveRequest, Request, Response,
-    ShellRequest, StatRequest, UploadRequest, UploadTarRequest, UserdataStatus, Welcome,
-    PROTOCOL_VERSION,
+    ShellRequest, StatRequest, UploadRequest, UploadTarRequest, UserdataRunRequest, UserdataStatus,
+    Welcome, PROTOCOL_VERSION,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
@@ -895,7 +895,19 @@ impl AgentClient {
         }
     }
 
-    /// Whether the userdata script is present and ran.
+    /// Installs the first-boot userdata script (unless userdata already ran
+    /// on this disk) and starts it in the background.
+    pub async fn userdata_run(&self, script: &str) -> Result<UserdataStatus> {
+        let req = Request::UserdataRun(UserdataRunRequest {
+            script: script.to_owned(),
+        });
+        match self.call(&req).await? {
+            Response::Userdata(status) => Ok(status),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Whether the first-boot userdata script is present and ran.
     pub async fn userdata_status(&self) -> Result<UserdataStatus> {
         match self.call(&Request::UserdataStatus).await? {
             Response::Userdata(status) => Ok(status),

@@ -3,8 +3,8 @@
 use std::sync::Arc;
 
 use tine_proto::agent::{
-    ErrorCode, FixupReport, FixupRequest, Health, NetworkRequest, Response, UserdataStatus,
-    PROTOCOL_VERSION,
+    ErrorCode, FixupReport, FixupRequest, Health, NetworkRequest, Response, UserdataRunRequest,
+    UserdataStatus, PROTOCOL_VERSION,
 };
 
 use super::files::blocking;
@@ -73,6 +73,27 @@ pub(crate) async fn fixups(agent: &Arc<Agent>, req: FixupRequest) -> Result<Resp
 pub(crate) async fn userdata(agent: &Arc<Agent>) -> Result<Response, OpError> {
     let root = agent.config.system_root.clone();
     let status = blocking(move || Ok(system::userdata_status(&root))).await?;
+    Ok(Response::Userdata(userdata_wire(status)))
+}
+
+/// Installs the userdata script unless userdata already ran here, starts
+/// it in the background and answers [`Response::Userdata`] (the state
+/// before it runs; poll `userdata_status` for the result).
+pub(crate) async fn userdata_run(
+    agent: &Arc<Agent>,
+    req: UserdataRunRequest,
+) -> Result<Response, OpError> {
+    let root = agent.config.system_root.clone();
+    let status = blocking(move || {
+        system::userdata::install(&root, &req.script)
+            .map_err(|e| OpError::new(ErrorCode::Io, system::describe_error(&e)))?;
+        let status = system::userdata_status(&root);
+        if !status.ran {
+            system::userdata::spawn_run_once(root);
+        }
+        Ok(status)
+    })
+    .await?;
     Ok(Response::Userdata(userdata_wire(status)))
 }
 

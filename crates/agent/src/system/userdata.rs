@@ -50,6 +50,26 @@ pub enum UserdataError {
     },
 }
 
+/// Writes `script` as the userdata (mode 0755, atomically) unless userdata
+/// already ran or started under `root`: then the disk keeps what it has.
+pub fn install(root: &Path, script: &str) -> Result<(), UserdataError> {
+    let _guard = RUNNING.lock().unwrap_or_else(|e| e.into_inner());
+    if under(root, DONE).exists() || under(root, STARTED).exists() {
+        return Ok(());
+    }
+    let path = under(root, USERDATA);
+    if let Some(dir) = path.parent() {
+        fs::create_dir_all(dir).map_err(|source| UserdataError::Write {
+            path: path.clone(),
+            source,
+        })?;
+    }
+    write_atomic(&path, script.as_bytes(), 0o755).map_err(|source| UserdataError::Write {
+        path: path.clone(),
+        source,
+    })
+}
+
 /// Serializes runs within this process.
 static RUNNING: Mutex<()> = Mutex::new(());
 

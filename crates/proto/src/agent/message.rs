@@ -146,6 +146,9 @@ pub enum Request {
     Fixups(FixupRequest),
     /// Whether the first-boot userdata script is present and ran.
     UserdataStatus,
+    /// Install a first-boot userdata script and start it in the background,
+    /// unless userdata already ran on this disk (forks never rerun it).
+    UserdataRun(UserdataRunRequest),
     /// (Re)configure a network interface: address, default route, DNS.
     /// A fork restored from a snapshot gets its own address this way.
     Network(NetworkRequest),
@@ -173,6 +176,7 @@ impl Request {
         "health",
         "fixups",
         "userdata_status",
+        "userdata_run",
         "network",
     ];
 }
@@ -568,6 +572,13 @@ pub struct NetworkRequest {
 
 fn default_iface() -> String {
     "eth0".to_owned()
+}
+
+/// Installs and starts the userdata script ([`Request::UserdataRun`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UserdataRunRequest {
+    /// The script (run with `/bin/sh` unless it starts with `#!`).
+    pub script: String,
 }
 
 /// Fix-ups that make a forked VM unique.

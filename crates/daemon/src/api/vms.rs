@@ -1,0 +1,208 @@
+//! Host groups and the VM life cycle.
+
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{StatusCode, Uri};
+use axum::Json;
+use tine_proto::api::{
+    self, CreateVmRequest, DaemonInfo, HostGroupInfo, ListQuery, LogsResponse, TagsPatch,
+};
+
+use super::{
+    parse_json, parse_timeout, parse_wait, query_get, query_num, query_only, query_pairs, AppState,
+};
+use crate::daemon::{Wait, DEFAULT_SHUTDOWN_TIMEOUT};
+use crate::error::{ApiError, ApiResult};
+
+/// Default `timeout` of waits for the agent.
+pub const DEFAULT_WAIT: Duration = Duration::from_secs(60);
+
+pub(super) async fn info(State(d): State<AppState>) -> ApiResult<Json<DaemonInfo>> {
+    Ok(Json(DaemonInfo {
+        version: env!("CARGO_PKG_VERSION").into(),
+        data_dir: d.data_dir.display().to_string(),
+        pid: std::process::id(),
+        started_at: api::rfc3339_millis(d.started_ms),
+        host_groups: d
+            .config
+            .host_groups
+            .iter()
+            .map(|g| g.name.clone())
+            .collect(),
+        vms: d.store.list_vms(None)?.len(),
+    }))
+}
+
+pub(super) async fn host_groups(State(d): State<AppState>) -> ApiResult<Json<Vec<HostGroupInfo>>> {
+    let mut out = Vec::new();
+    for g in &d.config.host_groups {
+        let image_size = d
+            .store
+            .get_image(&g.image)?
+            .map(|i| i.size_bytes)
+            .unwrap_or(0);
+        out.push(HostGroupInfo {
+            name: g.name.clone(),
+            count: g.count,
+            cpus: g.cpus,
+            max_cpus: g.max_cpus(),
+            ram_bytes: g.ram_mb << 20,
+            max_ram_bytes: g.max_ram_mb() << 20,
+            image: g.image.clone(),
+            storage_bytes: g
+                .storage_bytes()
+                .map_err(|e| ApiError::internal(e.to_string()))?
+                .unwrap_or(image_size),
+            persistent: g.persistent,
+            network: serde_json::to_value(g.network.mode)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_owned))
+                .unwrap_or_default(),
+            nodes: d.store.list_vms(Some(&g.name))?.len(),
+        });
+    }
+    Ok(Json(out))
+}
+
+fn list_query(uri: &Uri) -> ApiResult<ListQuery> {
+    let q = query_pairs(uri);
+    query_only(&q, &["tag", "tag_prefix"])?;
+    Ok(ListQuery {
+        tag: query_get(&q, "tag").map(str::to_owned),
+        tag_prefix: query_get(&q, "tag_prefix").map(str::to_owned),
+    })
+}
+
+pub(super) async fn group_nodes(
+    State(d): State<AppState>,
+    Path(group): Path<String>,
+    uri: Uri,
+) -> ApiResult<Json<Vec<api::VmInfo>>> {
+    Ok(Json(d.list(Some(&group), &list_query(&uri)?)?))
+}
+
+pub(super) async fn nodes(
+    State(d): State<AppState>,
+    uri: Uri,
+) -> ApiResult<Json<Vec<api::VmInfo>>> {
+    Ok(Json(d.list(None, &list_query(&uri)?)?))
+}
+
+pub(super) async fn create(
+    State(d): State<AppState>,
+    Path(group): Path<String>,
+    uri: Uri,
+    body: Bytes,
+) -> ApiResult<(StatusCode, Json<api::CreateVmResponse>)> {
+    let q = query_pairs(&uri);
+    query_only(&q, &["wait", "timeout"])?;
+    let wait = parse_wait(query_get(&q, "wait"), Wait::None)?;
+    let timeout = parse_timeout(query_get(&q, "timeout"), DEFAULT_WAIT)?;
+    d.group(&group)?;
+    let req: CreateVmRequest = parse_json(&body)?;
+    let r = d.create_vm(&group, req, wait, timeout, false).await?;
+    Ok((StatusCode::CREATED, Json(r)))
+}
+
+pub(super) async fn describe(
+    State(d): State<AppState>,
+    Path(hostname): Path<String>,
+) -> ApiResult<Json<api::VmInfo>> {
+    let vm = d.vm(&hostname)?;
+    Ok(Json(d.describe(&vm)))
+}
+
+pub(super) async fn delete(
+    State(d): State<AppState>,
+    Path(hostname): Path<String>,
+) -> ApiResult<Json<api::LifecycleResponse>> {
+    Ok(Json(d.delete(&hostname).await?))
+}
+
+pub(super) async fn delete_in_group(
+    State(d): State<AppState>,
+    Path((group, hostname)): Path<(String, String)>,
+) -> ApiResult<Json<api::LifecycleResponse>> {
+    d.group(&group)?;
+    let vm = d.vm(&hostname)?;
+    if vm.host_group != group {
+        return Err(ApiError::not_found(format!(
+            "{} is in host group `{}`, not `{group}`",
+            vm.hostname, vm.host_group
+        )));
+    }
+    Ok(Json(d.delete(&vm.hostname).await?))
+}
+
+pub(super) async fn tags(
+    State(d): State<AppState>,
+    Path(hostname): Path<String>,
+) -> ApiResult<Json<api::TagsResponse>> {
+    let vm = d.vm(&hostname)?;
+    Ok(Json(api::TagsResponse {
+        hostname: vm.hostname,
+        tags: vm.tags,
+    }))
+}
+
+pub(super) async fn patch_tags(
+    State(d): State<AppState>,
+    Path(hostname): Path<String>,
+    body: Bytes,
+) -> ApiResult<Json<api::TagsResponse>> {
+    let patch: TagsPatch = parse_json(&body)?;
+    Ok(Json(d.patch_tags(&hostname, patch).await?))
+}
+
+pub(super) async fn logs(
+    State(d): State<AppState>,
+    Path(hostname): Path<String>,
+    uri: Uri,
+) -> ApiResult<Json<LogsResponse>> {
+    let q = query_pairs(&uri);
+    query_only(&q, &["lines"])?;
+    let lines: usize = query_num(&q, "lines")?.unwrap_or(200).min(100_000);
+    let vm = d.vm(&hostname)?;
+    let path = d.paths(&vm.hostname).serial;
+    let lines = tokio::task::spawn_blocking(move || crate::process::last_lines(&path, lines))
+        .await
+        .map_err(|e| ApiError::internal(format!("read log: {e}")))?;
+    Ok(Json(LogsResponse {
+        hostname: vm.hostname,
+        lines,
+    }))
+}
+
+pub(super) async fn shutdown(
+    State(d): State<AppState>,
+    Path(hostname): Path<String>,
+    uri: Uri,
+) -> ApiResult<Json<api::LifecycleResponse>> {
+    let q = query_pairs(&uri);
+    query_only(&q, &["action", "timeout"])?;
+    let poweroff = match query_get(&q, "action") {
+        None | Some("shutdown") => false,
+        Some("poweroff") => true,
+        Some(other) => {
+            return Err(ApiError::bad_request(format!(
+                "action `{other}` is not one of shutdown, poweroff"
+            )))
+        }
+    };
+    let timeout = parse_timeout(query_get(&q, "timeout"), DEFAULT_SHUTDOWN_TIMEOUT)?;
+    Ok(Json(d.shutdown(&hostname, poweroff, timeout).await?))
+}
+
+pub(super) async fn relaunch(
+    State(d): State<AppState>,
+    Path(hostname): Path<String>,
+    uri: Uri,
+) -> ApiResult<Json<api::LifecycleResponse>> {
+    let q = query_pairs(&uri);
+    query_only(&q, &["wait", "timeout"])?;
+    let wait = parse_wait(query_get(&q, "wait"), Wait::None)?;
+    let timeout = parse_timeout(query_get(&q, "timeout"), DEFAULT_WAIT)?;
+    Ok(Json(d.relaunch(&hostname, wait, timeout).await?))
+}

@@ -1,0 +1,279 @@
+//! Guest kernel, images and the `tine-vmm` binary: where the daemon finds
+//! them, and how images become immutable bases for VM disks.
+//!
+//! An image named in a host group (`min`) is looked up in, in order:
+//! `$TINE_IMAGE_<NAME>` (a file), `<data_dir>/images/<name>.img`, and the
+//! project's build cache (`$XDG_CACHE_HOME/tine/images/<name>/*/rootfs.ext4`,
+//! newest first). The first use copies it to
+//! `<data_dir>/images/<name>-<key>.base` (read-only), so a later rebuild of
+//! the cache never changes the base under existing VM disks.
+
+use std::path::{Path, PathBuf};
+
+use crate::db::{ImageRecord, Store};
+
+/// Errors finding or importing artifacts.
+#[derive(Debug, thiserror::Error)]
+pub enum ArtifactError {
+    /// Nothing found; the message says where the daemon looked.
+    #[error("{what} not found; looked in: {looked}. {hint}")]
+    NotFound {
+        /// What was looked for.
+        what: String,
+        /// Where.
+        looked: String,
+        /// How to get one.
+        hint: &'static str,
+    },
+    /// Copying an image failed.
+    #[error("cannot import image {}: {source}", path.display())]
+    Import {
+        /// The source.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The state database failed.
+    #[error(transparent)]
+    Db(#[from] crate::db::DbError),
+}
+
+fn cache_root() -> PathBuf {
+    if let Some(x) = std::env::var_os("XDG_CACHE_HOME") {
+        return PathBuf::from(x).join("tine");
+    }
+    std::env::var_os("HOME")
+        .map(|h| PathBuf::from(h).join(".cache/tine"))
+        .unwrap_or_else(|| PathBuf::from("/root/.cache/tine"))
+}
+
+/// The newest `<dir>/*/<file>` by modification time.
+fn newest_in(dir: &Path, file: &str) -> Option<PathBuf> {
+    let mut best: Option<(std::time::SystemTime, PathBuf)> = None;
+    for entry in std::fs::read_dir(dir).ok()?.flatten() {
+        let candidate = entry.path().join(file);
+        if let Ok(meta) = std::fs::metadata(&candidate) {
+            let mtime = meta.modified().unwrap_or(std::time::UNIX_EPOCH);
+            if best.as_ref().is_none_or(|(t, _)| mtime > *t) {
+                best = Some((mtime, candidate));
+            }
+        }
+    }
+    best.map(|(_, p)| p)
+}
+
+/// The guest kernel: `configured`, else `$TINE_KERNEL`, else
+/// `<data_dir>/kernel/vmlinux`, else the newest build in the cache.
+pub fn find_kernel(configured: Option<&Path>, data_dir: &Path) -> Result<PathBuf, ArtifactError> {
+    let mut looked = Vec::new();
+    if let Some(p) = configured {
+        if p.is_file() {
+            return Ok(p.to_owned());
+        }
+        looked.push(p.display().to_string());
+    } else {
+        if let Some(p) = std::env::var_os("TINE_KERNEL").map(PathBuf::from) {
+            if p.is_file() {
+                return Ok(p);
+            }
+            looked.push(format!("$TINE_KERNEL={}", p.display()));
+        }
+        let local = data_dir.join("kernel/vmlinux");
+        if local.is_file() {
+            return Ok(local);
+        }
+        looked.push(local.display().to_string());
+        let cache = cache_root().join("kernel");
+        if let Some(p) = newest_in(&cache, "vmlinux") {
+            return Ok(p);
+        }
+        looked.push(format!("{}/*/vmlinux", cache.display()));
+    }
+    Err(ArtifactError::NotFound {
+        what: "guest kernel".into(),
+        looked: looked.join(", "),
+        hint: "Build it with scripts/build-kernel (or set `kernel:` in tine.yaml).",
+    })
+}
+
+/// The `tine-vmm` binary: `configured`, else next to the running binary,
+/// else on PATH.
+pub fn find_vmm(configured: Option<&Path>) -> Result<PathBuf, ArtifactError> {
+    if let Some(p) = configured {
+        if p.is_file() {
+            return Ok(p.to_owned());
+        }
+        return Err(ArtifactError::NotFound {
+            what: "tine-vmm".into(),
+            looked: p.display().to_string(),
+            hint: "Fix `vmm:` in tine.yaml.",
+        });
+    }
+    let mut looked = Vec::new();
+    if let Ok(exe) = std::env::current_exe() {
+        // Next to us, or one level up (test binaries live in target/*/deps).
+        for dir in exe.ancestors().skip(1).take(2) {
+            let p = dir.join("tine-vmm");
+            if p.is_file() {
+                return Ok(p);
+            }
+            looked.push(p.display().to_string());
+        }
+    }
+    if let Some(path) = std::env::var_os("PATH") {
+        for dir in std::env::split_paths(&path) {
+            let p = dir.join("tine-vmm");
+            if p.is_file() {
+                return Ok(p);
+            }
+        }
+        looked.push("$PATH".into());
+    }
+    Err(ArtifactError::NotFound {
+        what: "tine-vmm".into(),
+        looked: looked.join(", "),
+        hint: "Build it with `cargo build -p tine-vmm` (or set `vmm:` in tine.yaml).",
+    })
+}
+
+fn image_source(name: &str, data_dir: &Path) -> Result<PathBuf, ArtifactError> {
+    if name.contains('/') {
+        let p = PathBuf::from(name);
+        if p.is_file() {
+            return Ok(p);
+        }
+        return Err(ArtifactError::NotFound {
+            what: format!("image {name}"),
+            looked: name.into(),
+            hint: "Fix `image:` in tine.yaml.",
+        });
+    }
+    let mut looked = Vec::new();
+    let env = format!("TINE_IMAGE_{}", name.to_ascii_uppercase().replace('-', "_"));
+    if let Some(p) = std::env::var_os(&env).map(PathBuf::from) {
+        if p.is_file() {
+            return Ok(p);
+        }
+        looked.push(format!("${env}={}", p.display()));
+    }
+    let local = data_dir.join("images").join(format!("{name}.img"));
+    if local.is_file() {
+        return Ok(local);
+    }
+    looked.push(local.display().to_string());
+    let cache = cache_root().join("images").join(name);
+    if let Some(p) = newest_in(&cache, "rootfs.ext4") {
+        return Ok(p);
+    }
+    looked.push(format!("{}/*/rootfs.ext4", cache.display()));
+    Err(ArtifactError::NotFound {
+        what: format!("image `{name}`"),
+        looked: looked.join(", "),
+        hint: "Build the min image with guest/rootfs/min/build (scripts/setup does).",
+    })
+}
+
+/// The immutable base file for image `name`, importing it on first use.
+pub fn image_base(
+    store: &Store,
+    name: &str,
+    data_dir: &Path,
+) -> Result<ImageRecord, ArtifactError> {
+    if let Some(img) = store.get_image(name)? {
+        if Path::new(&img.path).is_file() {
+            return Ok(img);
+        }
+    }
+    let source = image_source(name, data_dir)?;
+    let import = |source_err: std::io::Error| ArtifactError::Import {
+        path: source.clone(),
+        source: source_err,
+    };
+    let meta = std::fs::metadata(&source).map_err(import)?;
+    let mtime = meta
+        .modified()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    let key = fnv1a(format!("{}:{}:{mtime}", source.display(), meta.len()).as_bytes());
+    let dir = data_dir.join("images");
+    std::fs::create_dir_all(&dir).map_err(import)?;
+    let safe: String = name
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    let dest = dir.join(format!("{safe}-{key:016x}.base"));
+    if !dest.is_file() {
+        let tmp = dir.join(format!(".{safe}-{key:016x}.tmp"));
+        std::fs::copy(&source, &tmp).map_err(import)?;
+        let f = std::fs::File::open(&tmp).map_err(import)?;
+        f.sync_all().map_err(import)?;
+        let mut perms = f.metadata().map_err(import)?.permissions();
+        perms.set_readonly(true);
+        std::fs::set_permissions(&tmp, perms).map_err(import)?;
+        std::fs::rename(&tmp, &dest).map_err(import)?;
+    }
+    let img = ImageRecord {
+        name: name.to_owned(),
+        source: source.display().to_string(),
+        path: dest.display().to_string(),
+        size_bytes: meta.len(),
+    };
+    store.put_image(&img)?;
+    Ok(img)
+}
+
+/// 64-bit FNV-1a.
+pub fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn images_are_imported_once_and_read_only() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let src = dir.path().join("root.ext4");
+        std::fs::write(&src, b"image bytes").expect("write");
+        let store = Store::in_memory().expect("db");
+        let data = dir.path().join("data");
+        let a = image_base(&store, src.to_str().expect("utf8"), &data).expect("import");
+        assert_eq!(std::fs::read(&a.path).expect("read"), b"image bytes");
+        assert!(std::fs::metadata(&a.path)
+            .expect("meta")
+            .permissions()
+            .readonly());
+        let b = image_base(&store, src.to_str().expect("utf8"), &data).expect("again");
+        assert_eq!(a, b);
+    }
+
+    #[test]
+    fn missing_images_name_where_they_were_looked_for() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let store = Store::in_memory().expect("db");
+        let err = image_base(&store, "no-such-image", dir.path()).expect_err("missing");
+        let msg = err.to_string();
+        assert!(msg.contains("image `no-such-image` not found"), "{msg}");
+        assert!(msg.contains("no-such-image.img"), "{msg}");
+        let err = image_base(&store, "/nope/x.img", dir.path()).expect_err("missing");
+        assert!(err.to_string().contains("/nope/x.img"));
+    }
+
+    #[test]
+    fn a_configured_kernel_must_exist() {
+        let err =
+            find_kernel(Some(Path::new("/nope/vmlinux")), Path::new("/tmp")).expect_err("missing");
+        assert!(err.to_string().contains("/nope/vmlinux"));
+    }
+}

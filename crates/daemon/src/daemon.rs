@@ -1,0 +1,995 @@
+//! The daemon's core: host groups, VM life cycles and their supervision,
+//! independent of HTTP (the `api` module maps routes onto these methods).
+//!
+//! Every VM change is recorded in the [`Store`] before files or processes
+//! are touched and after they are done, so start-up reconciliation
+//! (`Daemon::reconcile`) can finish or undo whatever a `kill -9` interrupted.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tine_client::AgentClient;
+use tine_proto::agent::{FixupRequest, AGENT_VSOCK_PORT};
+use tine_proto::api::{self, CreateVmRequest, VmState};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::watch;
+
+use crate::artifacts;
+use crate::config::{Config, HostGroup, Reconcile, MIN_RAM_MB};
+use crate::db::{now_ms, NewVm, Store, VmRecord};
+use crate::error::{ApiError, ApiResult};
+use crate::process::{self, LaunchSpec, VmPaths};
+use crate::storage;
+
+/// Kernel command line for every VM (the image's init is the agent).
+pub const BASE_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 pci=off nomodule nokaslr \
+     i8042.noaux i8042.nomux i8042.dumbkbd i8042.nopnp swiotlb=noforce cryptomgr.notests \
+     quiet root=/dev/vda rw init=/sbin/init";
+
+/// Fix-ups a fork gets unless it asks otherwise.
+pub const DEFAULT_FIXUPS: &[&str] = &["hostname", "machine-id", "ssh-host-keys"];
+
+/// How long a graceful shutdown waits before killing.
+pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// What a create or fork waits for before answering.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wait {
+    /// Answer once the process runs.
+    None,
+    /// Answer once the agent has answered and the set-up is done.
+    Agent,
+}
+
+/// The daemon.
+#[derive(Debug)]
+pub struct Daemon {
+    /// Configuration.
+    pub config: Config,
+    /// Data directory.
+    pub data_dir: PathBuf,
+    /// State.
+    pub store: Store,
+    /// tine-vmm binary.
+    pub vmm: PathBuf,
+    /// Default guest kernel.
+    pub kernel: PathBuf,
+    /// When the daemon started (Unix ms).
+    pub started_ms: u64,
+    /// Bumped on every VM state change; waiters re-read the store.
+    changes: watch::Sender<u64>,
+    /// Serialises life-cycle operations per VM.
+    locks: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+fn internal(what: &str, e: impl std::fmt::Display) -> ApiError {
+    ApiError::internal(format!("{what}: {e}"))
+}
+
+/// Checks a tag: 1..=128 printable characters without spaces or commas.
+pub fn validate_tag(tag: &str) -> ApiResult<()> {
+    if tag.is_empty()
+        || tag.len() > 128
+        || tag
+            .chars()
+            .any(|c| c.is_whitespace() || c.is_control() || c == ',')
+    {
+        return Err(ApiError::bad_request(format!(
+            "tag `{tag}` is invalid: use 1-128 characters without spaces or commas, like key=value"
+        )));
+    }
+    Ok(())
+}
+
+/// Checks a friendly name: like a hostname label.
+pub fn validate_name(name: &str) -> ApiResult<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 63
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.')
+        && !name.starts_with('-');
+    if ok {
+        Ok(())
+    } else {
+        Err(ApiError::bad_request(format!(
+            "name `{name}` is invalid: use 1-63 letters, digits, '-', '_' or '.'"
+        )))
+    }
+}
+
+impl Daemon {
+    /// Opens the state in `data_dir` (which the caller has locked).
+    pub fn new(config: Config, data_dir: PathBuf) -> anyhow::Result<Arc<Self>> {
+        use anyhow::Context;
+        std::fs::create_dir_all(data_dir.join("vms"))
+            .with_context(|| format!("create {}", data_dir.display()))?;
+        let store = Store::open(&data_dir.join("tine.db"))
+            .with_context(|| format!("open {}", data_dir.join("tine.db").display()))?;
+        let vmm = artifacts::find_vmm(config.vmm.as_deref())?;
+        let kernel = artifacts::find_kernel(config.kernel.as_deref(), &data_dir)?;
+        let (changes, _) = watch::channel(0);
+        Ok(Arc::new(Daemon {
+            config,
+            data_dir,
+            store,
+            vmm,
+            kernel,
+            started_ms: now_ms(),
+            changes,
+            locks: std::sync::Mutex::new(HashMap::new()),
+        }))
+    }
+
+    /// The files of a VM.
+    pub fn paths(&self, hostname: &str) -> VmPaths {
+        VmPaths::new(&self.data_dir, hostname)
+    }
+
+    fn notify(&self) {
+        self.changes.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    async fn lock_vm(&self, hostname: &str) -> tokio::sync::OwnedMutexGuard<()> {
+        let m = {
+            let mut locks = self.locks.lock().unwrap_or_else(|p| p.into_inner());
+            locks.entry(hostname.to_owned()).or_default().clone()
+        };
+        m.lock_owned().await
+    }
+
+    /// The group called `name`, or 404.
+    pub fn group(&self, name: &str) -> ApiResult<&HostGroup> {
+        self.config.group(name).ok_or_else(|| {
+            let known: Vec<&str> = self
+                .config
+                .host_groups
+                .iter()
+                .map(|g| g.name.as_str())
+                .collect();
+            ApiError::not_found(format!(
+                "no host group `{name}` (known: {})",
+                known.join(", ")
+            ))
+        })
+    }
+
+    /// The VM with this hostname or friendly name, or 404.
+    pub fn vm(&self, key: &str) -> ApiResult<VmRecord> {
+        self.store
+            .find_vm(key)?
+            .ok_or_else(|| ApiError::not_found(format!("no VM called `{key}`")))
+    }
+
+    /// Describes a VM for the API.
+    pub fn describe(&self, vm: &VmRecord) -> api::VmInfo {
+        let (size, allocated, format) = storage::describe(Path::new(&vm.disk));
+        let network = vm.network.as_ref().and_then(crate::vmnet::describe);
+        api::VmInfo {
+            hostname: vm.hostname.clone(),
+            host_group: vm.host_group.clone(),
+            state: vm.state,
+            cpus: vm.cpus,
+            ram_bytes: vm.ram_bytes,
+            persistent: vm.persistent,
+            tags: vm.tags.clone(),
+            ip: network
+                .as_ref()
+                .map(|n| n.address.split('/').next().unwrap_or_default().to_owned()),
+            network,
+            pid: if vm.state.is_live() { vm.pid } else { None },
+            reason: vm.reason.clone(),
+            created_at: api::rfc3339_millis(vm.created_ms),
+            started_at: vm.started_ms.map(api::rfc3339_millis),
+            boot_ms: vm.boot_ms,
+            commit_id: vm.commit_id.clone(),
+            parent_commit_id: vm.parent_commit_id.clone(),
+            storage: api::StorageInfo {
+                path: vm.disk.clone(),
+                format,
+                size_bytes: size,
+                allocated_bytes: allocated,
+            },
+        }
+    }
+
+    /// Waits until `hostname` is running (agent ready), failed, stopped or
+    /// gone, or `timeout` passes.
+    pub async fn wait_running(&self, hostname: &str, timeout: Duration) -> ApiResult<VmRecord> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut rx = self.changes.subscribe();
+        loop {
+            rx.borrow_and_update();
+            let vm = self.store.find_vm(hostname)?.ok_or_else(|| {
+                ApiError::internal(format!("{hostname} failed to start and was removed"))
+            })?;
+            match vm.state {
+                VmState::Running => return Ok(vm),
+                VmState::Failed | VmState::Stopped => {
+                    return Err(ApiError::internal(format!(
+                        "{hostname} {} before its agent answered: {}",
+                        vm.state,
+                        vm.reason.as_deref().unwrap_or("no reason recorded")
+                    )))
+                }
+                _ => {}
+            }
+            match tokio::time::timeout_at(deadline, rx.changed()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => return Err(ApiError::internal("the daemon is shutting down")),
+                Err(_) => {
+                    return Err(ApiError::timeout(format!(
+                        "{hostname} is still {} after {}; it keeps booting",
+                        vm.state,
+                        humantime::format_duration(timeout)
+                    )))
+                }
+            }
+        }
+    }
+
+    /// Checks a create request against its group and fills in defaults.
+    pub fn plan_vm(
+        &self,
+        group: &HostGroup,
+        req: &CreateVmRequest,
+        managed: bool,
+    ) -> ApiResult<NewVm> {
+        let cpus = req.cpus.unwrap_or(group.cpus);
+        if cpus == 0 || cpus > group.max_cpus() {
+            return Err(ApiError::bad_request(format!(
+                "cpus {cpus} is outside 1..={} allowed by host group `{}`",
+                group.max_cpus(),
+                group.name
+            )));
+        }
+        let ram_bytes = req.ram_bytes.unwrap_or(group.ram_mb << 20);
+        let max = group.max_ram_mb() << 20;
+        if ram_bytes > max || ram_bytes < (MIN_RAM_MB << 20) || !ram_bytes.is_multiple_of(1 << 20) {
+            return Err(ApiError::bad_request(format!(
+                "ram_bytes {ram_bytes} is outside {}..={max} (whole MiB) allowed by host group `{}`",
+                MIN_RAM_MB << 20,
+                group.name
+            )));
+        }
+        for t in &req.tags {
+            validate_tag(t)?;
+        }
+        let mut tags = req.tags.clone();
+        if let Some(name) = &req.name {
+            validate_name(name)?;
+            if self.store.find_vm(name)?.is_some() {
+                return Err(ApiError::conflict(format!(
+                    "the name `{name}` is already used"
+                )));
+            }
+            tags.retain(|t| !t.starts_with("name="));
+            tags.push(format!("name={name}"));
+        }
+        let userdata = match &req.userdata {
+            Some(u) => Some(u.clone()),
+            None => group
+                .userdata()
+                .map_err(|e| ApiError::internal(e.to_string()))?,
+        };
+        let policy = match &req.network {
+            Some(p) => {
+                crate::vmnet::validate_policy(p)
+                    .map_err(|e| ApiError::bad_request(e.to_string()))?;
+                Some(serde_json::to_value(p).map_err(|e| internal("encode policy", e))?)
+            }
+            None => None,
+        };
+        Ok(NewVm {
+            host_group: group.name.clone(),
+            cpus,
+            ram_bytes,
+            persistent: managed || req.persistent.unwrap_or(group.persistent),
+            managed,
+            tags,
+            name: req.name.clone(),
+            userdata,
+            policy,
+            parent_commit_id: None,
+            fixups: None,
+            booted_once: false,
+        })
+    }
+
+    /// Creates a VM in `group` and starts it; the work finishes even if the
+    /// caller goes away. With [`Wait::Agent`] it answers once the agent is
+    /// ready.
+    pub async fn create_vm(
+        self: &Arc<Self>,
+        group: &str,
+        req: CreateVmRequest,
+        wait: Wait,
+        timeout: Duration,
+        managed: bool,
+    ) -> ApiResult<api::CreateVmResponse> {
+        let started = Instant::now();
+        let group = self.group(group)?.clone();
+        let new = self.plan_vm(&group, &req, managed)?;
+        let this = self.clone();
+        let image = group.image.clone();
+        let size = group
+            .storage_bytes()
+            .map_err(|e| ApiError::internal(e.to_string()))?;
+        let job = tokio::spawn(async move {
+            let this2 = this.clone();
+            let base = tokio::task::spawn_blocking(move || {
+                artifacts::image_base(&this2.store, &image, &this2.data_dir)
+            })
+            .await
+            .map_err(|e| internal("import image", e))??;
+            let data_dir = this.data_dir.clone();
+            let vm = this.store.insert_vm(&new, |h| {
+                VmPaths::new(&data_dir, h)
+                    .dir
+                    .join("disk.qcow2")
+                    .display()
+                    .to_string()
+            })?;
+            this.notify();
+            let hostname = vm.hostname.clone();
+            let result = async {
+                let paths = this.paths(&hostname);
+                std::fs::create_dir_all(&paths.dir).map_err(|e| internal("create VM folder", e))?;
+                storage::create_disk(Path::new(&base.path), Path::new(&vm.disk), size)
+                    .map_err(|e| internal("create disk", e))?;
+                this.start(&hostname).await
+            }
+            .await;
+            if let Err(e) = result {
+                // Nothing behind: no record, no files, no network.
+                this.discard(&hostname).await;
+                return Err(e);
+            }
+            Ok(hostname)
+        });
+        let hostname = job.await.map_err(|e| internal("create", e))??;
+        let vm = match wait {
+            Wait::Agent => self.wait_running(&hostname, timeout).await?,
+            Wait::None => self.vm(&hostname)?,
+        };
+        let info = self.describe(&vm);
+        Ok(api::CreateVmResponse {
+            hostname,
+            state: vm.state,
+            ip: info.ip,
+            elapsed_ms: started.elapsed().as_millis() as u64,
+        })
+    }
+
+    /// Removes every trace of a VM (record, files, network).
+    async fn discard(&self, hostname: &str) {
+        if let Ok(Some(vm)) = self.store.find_vm(hostname) {
+            self.release_network(&vm);
+            if let (Some(pid), Some(start)) = (vm.pid, vm.pid_start) {
+                process::kill_if_ours(pid, start, &self.paths(hostname));
+            }
+        }
+        let _ = std::fs::remove_dir_all(self.paths(hostname).dir);
+        let _ = self.store.delete_vm(hostname);
+        self.notify();
+    }
+
+    fn release_network(&self, vm: &VmRecord) {
+        if let Some(n) = &vm.network {
+            if let Err(e) = crate::vmnet::release(n) {
+                tracing::warn!(vm = %vm.hostname, "release network: {e}");
+            }
+            let _ = self.store.set_network(&vm.hostname, None);
+        }
+    }
+
+    /// Launches the VM's process and supervises it: the set-up at
+    /// agent-ready, then its exit.
+    async fn start(self: &Arc<Self>, hostname: &str) -> ApiResult<()> {
+        let vm = self.vm(hostname)?;
+        let group = self.group(&vm.host_group)?.clone();
+        let paths = self.paths(hostname);
+        let network = crate::vmnet::attach(self, &group, &vm)
+            .map_err(|e| ApiError::internal(format!("network for {hostname}: {e}")))?;
+        self.store.set_network(hostname, network.as_ref())?;
+        let mut cmdline = BASE_CMDLINE.to_owned();
+        if let Some(extra) = &self.config.cmdline {
+            cmdline.push(' ');
+            cmdline.push_str(extra);
+        }
+        let spec = LaunchSpec {
+            vmm: self.vmm.clone(),
+            kernel: group.kernel.clone().unwrap_or_else(|| self.kernel.clone()),
+            cmdline,
+            cpus: vm.cpus,
+            ram_mib: vm.ram_bytes >> 20,
+            disk: PathBuf::from(&vm.disk),
+            net: network.as_ref().and_then(crate::vmnet::tap_and_mac),
+        };
+        let child = process::launch(&spec, &paths)
+            .map_err(|e| internal(&format!("start {} for {hostname}", self.vmm.display()), e))?;
+        let pid = child.id();
+        let pid_start = process::start_time(pid).unwrap_or(0);
+        self.store.set_process(hostname, pid, pid_start)?;
+        self.notify();
+        tracing::info!(vm = hostname, pid, "started");
+        self.supervise(hostname.to_owned(), pid, pid_start, Some(child));
+        Ok(())
+    }
+
+    /// Watches a VM process: finishes its boot and handles its exit.
+    fn supervise(
+        self: &Arc<Self>,
+        hostname: String,
+        pid: u32,
+        pid_start: u64,
+        child: Option<std::process::Child>,
+    ) {
+        let this = self.clone();
+        let h = hostname.clone();
+        let boot = tokio::spawn(async move {
+            if let Err(e) = this.finish_boot(&h).await {
+                tracing::warn!(vm = %h, "boot set-up: {}", e.message);
+                if this
+                    .store
+                    .transition(&h, &[VmState::Starting], VmState::Failed, Some(&e.message))
+                    .unwrap_or(false)
+                {
+                    this.notify();
+                    // The guest is of no use without its set-up.
+                    let paths = this.paths(&h);
+                    process::kill_if_ours(pid, pid_start, &paths);
+                }
+            }
+        });
+        let this = self.clone();
+        tokio::spawn(async move {
+            let status = match child {
+                Some(mut child) => tokio::task::spawn_blocking(move || child.wait().ok())
+                    .await
+                    .ok()
+                    .flatten(),
+                None => {
+                    process::wait_adopted(pid, pid_start).await;
+                    None
+                }
+            };
+            boot.abort();
+            this.on_exit(&hostname, status).await;
+        });
+    }
+
+    /// Connects to a VM's agent once (vsock `CONNECT`, then the handshake).
+    pub async fn connect_agent(&self, hostname: &str) -> Result<AgentClient, String> {
+        let paths = self.paths(hostname);
+        let mut io = tokio::net::UnixStream::connect(&paths.vsock)
+            .await
+            .map_err(|e| format!("vsock socket {}: {e}", paths.vsock.display()))?;
+        io.write_all(format!("CONNECT {AGENT_VSOCK_PORT}\n").as_bytes())
+            .await
+            .map_err(|e| format!("vsock CONNECT: {e}"))?;
+        // Read the answer byte by byte: nothing after its newline may be
+        // consumed, it belongs to the agent protocol.
+        let mut line = String::new();
+        let read = tokio::time::timeout(Duration::from_secs(5), async {
+            let mut byte = [0u8; 1];
+            while line.len() < 128 {
+                if io.read(&mut byte).await? == 0 {
+                    break;
+                }
+                if byte[0] == b'\n' {
+                    break;
+                }
+                line.push(byte[0] as char);
+            }
+            Ok::<usize, std::io::Error>(line.len())
+        })
+        .await;
+        match read {
+            Ok(Ok(_)) if line.starts_with("OK ") => {}
+            Ok(Ok(_)) => return Err(format!("the agent's port is not open (answer {line:?})")),
+            Ok(Err(e)) => return Err(format!("vsock: {e}")),
+            Err(_) => return Err("vsock CONNECT got no answer in 5s".into()),
+        }
+        tokio::time::timeout(Duration::from_secs(10), AgentClient::handshake(io))
+            .await
+            .map_err(|_| "agent handshake timed out".to_string())?
+            .map_err(|e| format!("agent handshake: {e}"))
+    }
+
+    /// An agent connection for a request: the VM must be running.
+    pub async fn agent(&self, key: &str) -> ApiResult<(VmRecord, AgentClient)> {
+        let vm = self.vm(key)?;
+        if !matches!(vm.state, VmState::Running | VmState::Starting) {
+            return Err(ApiError::conflict(format!(
+                "{} is {}; start it with relaunch first",
+                vm.hostname, vm.state
+            )));
+        }
+        let client = self.connect_agent(&vm.hostname).await.map_err(|e| {
+            ApiError::agent(format!("agent of {} does not answer: {e}", vm.hostname))
+        })?;
+        Ok((vm, client))
+    }
+
+    /// Waits for the agent, applies fix-ups, network and first-boot
+    /// userdata, then marks the VM running.
+    async fn finish_boot(&self, hostname: &str) -> ApiResult<()> {
+        let began = Instant::now();
+        let vm = self.vm(hostname)?;
+        let started_ms = vm.started_ms.unwrap_or_else(now_ms);
+        // Boots in a nested test bed take tens of seconds; give up only when
+        // the process is gone (supervise aborts this task) or very late.
+        let deadline = Instant::now() + Duration::from_secs(600);
+        let client = loop {
+            match self.connect_agent(hostname).await {
+                Ok(c) => break c,
+                Err(e) if Instant::now() > deadline => {
+                    return Err(ApiError::agent(format!("agent never answered: {e}")))
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+            }
+        };
+        let fixups = vm.fixups.clone().unwrap_or_default();
+        let first = !vm.booted_once;
+        let mut entropy = vec![0u8; 64];
+        getrandom::fill(&mut entropy).map_err(|e| internal("entropy", e))?;
+        let clock = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .ok();
+        let req = FixupRequest {
+            hostname: Some(hostname.to_owned()),
+            machine_id: first || fixups.iter().any(|f| f == "machine-id"),
+            ssh_host_keys: first || fixups.iter().any(|f| f == "ssh-host-keys"),
+            entropy: Some(entropy),
+            clock_unix_nanos: clock,
+        };
+        client
+            .fixups(req)
+            .await
+            .map_err(|e| ApiError::agent(format!("fix-ups: {e}")))?;
+        if let Some(n) = vm.network.as_ref().and_then(crate::vmnet::agent_request) {
+            client
+                .network(n)
+                .await
+                .map_err(|e| ApiError::agent(format!("network set-up: {e}")))?;
+        }
+        if first {
+            if let Some(script) = &vm.userdata {
+                client
+                    .userdata_run(script)
+                    .await
+                    .map_err(|e| ApiError::agent(format!("userdata: {e}")))?;
+            }
+        }
+        let boot_ms = now_ms().saturating_sub(started_ms);
+        self.store.set_running(hostname, boot_ms)?;
+        self.notify();
+        tracing::info!(
+            vm = hostname,
+            boot_ms,
+            setup_ms = began.elapsed().as_millis() as u64,
+            "agent ready"
+        );
+        Ok(())
+    }
+
+    /// A VM process ended: record why, release what it held, remove an
+    /// ephemeral VM's disk.
+    async fn on_exit(self: &Arc<Self>, hostname: &str, status: Option<std::process::ExitStatus>) {
+        let _guard = self.lock_vm(hostname).await;
+        let Ok(Some(vm)) = self.store.find_vm(hostname) else {
+            return;
+        };
+        if !vm.state.is_live() {
+            return;
+        }
+        let paths = self.paths(hostname);
+        let stop = process::stop_reason(&paths, status);
+        let requested = vm.state == VmState::Stopping;
+        let state = if stop.clean || requested {
+            VmState::Stopped
+        } else {
+            VmState::Failed
+        };
+        tracing::info!(vm = hostname, reason = %stop.reason, "{state}");
+        self.release_network(&vm);
+        if vm.persistent {
+            let _ = self
+                .store
+                .clear_process(hostname, state, Some(&stop.reason));
+        } else if state == VmState::Stopped {
+            // Ephemeral: gone with its disk.
+            let _ = self.store.delete_vm(hostname);
+            let _ = std::fs::remove_dir_all(&paths.dir);
+        } else {
+            // Ephemeral and failed: the disk goes, the record stays to say why.
+            let _ = self
+                .store
+                .clear_process(hostname, state, Some(&stop.reason));
+            let _ = std::fs::remove_file(&vm.disk);
+        }
+        self.notify();
+    }
+
+    /// Stops a VM: Ctrl-Alt-Del and wait (`poweroff`: kill at once), kill
+    /// after `timeout`.
+    pub async fn shutdown(
+        self: &Arc<Self>,
+        key: &str,
+        poweroff: bool,
+        timeout: Duration,
+    ) -> ApiResult<api::LifecycleResponse> {
+        let began = Instant::now();
+        let vm = self.vm(key)?;
+        let hostname = vm.hostname.clone();
+        {
+            let _guard = self.lock_vm(&hostname).await;
+            let vm = self.vm(&hostname)?;
+            if !vm.state.is_live() {
+                return Err(ApiError::conflict(format!(
+                    "{hostname} is already {}",
+                    vm.state
+                )));
+            }
+            self.store.transition(
+                &hostname,
+                &[VmState::Starting, VmState::Running, VmState::Stopping],
+                VmState::Stopping,
+                None,
+            )?;
+            self.notify();
+        }
+        self.stop_process(&vm, poweroff, timeout).await;
+        let state = self
+            .store
+            .find_vm(&hostname)?
+            .map(|v| v.state)
+            .unwrap_or(VmState::Stopped);
+        Ok(api::LifecycleResponse {
+            hostname,
+            state,
+            elapsed_ms: began.elapsed().as_millis() as u64,
+        })
+    }
+
+    /// Asks the process to stop and waits for the exit handler to run.
+    async fn stop_process(self: &Arc<Self>, vm: &VmRecord, poweroff: bool, timeout: Duration) {
+        let paths = self.paths(&vm.hostname);
+        let (Some(pid), Some(start)) = (vm.pid, vm.pid_start) else {
+            return;
+        };
+        let op = if poweroff { "kill" } else { "shutdown" };
+        let _ = process::control(&paths, serde_json::json!({ "op": op })).await;
+        if !self.wait_not_live(&vm.hostname, timeout).await {
+            tracing::warn!(vm = %vm.hostname, "did not stop within {timeout:?}; killing it");
+            let _ = process::control(&paths, serde_json::json!({ "op": "kill" })).await;
+            if !self
+                .wait_not_live(&vm.hostname, Duration::from_secs(5))
+                .await
+            {
+                process::kill_if_ours(pid, start, &paths);
+                self.wait_not_live(&vm.hostname, Duration::from_secs(5))
+                    .await;
+            }
+        }
+    }
+
+    async fn wait_not_live(&self, hostname: &str, timeout: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut rx = self.changes.subscribe();
+        loop {
+            rx.borrow_and_update();
+            match self.store.find_vm(hostname) {
+                Ok(Some(vm)) if vm.state.is_live() => {}
+                _ => return true,
+            }
+            if tokio::time::timeout_at(deadline, rx.changed())
+                .await
+                .is_err()
+            {
+                return false;
+            }
+        }
+    }
+
+    /// Boots a stopped (or failed) persistent VM from its disk.
+    pub async fn relaunch(
+        self: &Arc<Self>,
+        key: &str,
+        wait: Wait,
+        timeout: Duration,
+    ) -> ApiResult<api::LifecycleResponse> {
+        let began = Instant::now();
+        let vm = self.vm(key)?;
+        {
+            let _guard = self.lock_vm(&vm.hostname).await;
+            let vm = self.vm(&vm.hostname)?;
+            if vm.state.is_live() || vm.state == VmState::Creating {
+                return Err(ApiError::conflict(format!(
+                    "{} is {}",
+                    vm.hostname, vm.state
+                )));
+            }
+            if !Path::new(&vm.disk).is_file() {
+                return Err(ApiError::conflict(format!(
+                    "{} has no disk left ({} is missing); delete it",
+                    vm.hostname, vm.disk
+                )));
+            }
+            self.start(&vm.hostname).await?;
+        }
+        let vm = match wait {
+            Wait::Agent => self.wait_running(&vm.hostname, timeout).await?,
+            Wait::None => self.vm(&vm.hostname)?,
+        };
+        Ok(api::LifecycleResponse {
+            hostname: vm.hostname,
+            state: vm.state,
+            elapsed_ms: began.elapsed().as_millis() as u64,
+        })
+    }
+
+    /// Stops a VM if it runs and removes it with its disk.
+    pub async fn delete(self: &Arc<Self>, key: &str) -> ApiResult<api::LifecycleResponse> {
+        let began = Instant::now();
+        let vm = self.vm(key)?;
+        if vm.state.is_live() {
+            {
+                let _guard = self.lock_vm(&vm.hostname).await;
+                let _ = self.store.transition(
+                    &vm.hostname,
+                    &[VmState::Starting, VmState::Running, VmState::Stopping],
+                    VmState::Stopping,
+                    Some("deleting"),
+                );
+            }
+            self.stop_process(&vm, true, Duration::from_secs(5)).await;
+        }
+        let _guard = self.lock_vm(&vm.hostname).await;
+        let vm = self.vm(&vm.hostname)?;
+        if vm.state.is_live() {
+            return Err(ApiError::internal(format!(
+                "{} did not stop; not deleted",
+                vm.hostname
+            )));
+        }
+        if let Some(id) = &vm.commit_id {
+            // The source's own disk is an overlay on the commit; the commit
+            // stays and keeps its record.
+            tracing::info!(vm = %vm.hostname, commit = %id, "deleting a committed source");
+        }
+        self.release_network(&vm);
+        // Record first, files after: a crash in between leaves an orphan
+        // folder that the next start removes.
+        self.store.delete_vm(&vm.hostname)?;
+        let _ = std::fs::remove_dir_all(self.paths(&vm.hostname).dir);
+        self.notify();
+        Ok(api::LifecycleResponse {
+            hostname: vm.hostname,
+            state: VmState::Stopped,
+            elapsed_ms: began.elapsed().as_millis() as u64,
+        })
+    }
+
+    /// Applies a tag change.
+    pub async fn patch_tags(
+        &self,
+        key: &str,
+        patch: api::TagsPatch,
+    ) -> ApiResult<api::TagsResponse> {
+        let vm = self.vm(key)?;
+        let _guard = self.lock_vm(&vm.hostname).await;
+        let vm = self.vm(&vm.hostname)?;
+        for t in patch.add.iter().chain(patch.replace.iter().flatten()) {
+            validate_tag(t)?;
+        }
+        if patch.replace.is_some() && (!patch.add.is_empty() || !patch.remove.is_empty()) {
+            return Err(ApiError::bad_request(
+                "use either replace, or add and remove",
+            ));
+        }
+        let name_tag = vm.name.as_ref().map(|n| format!("name={n}"));
+        let mut tags = match patch.replace {
+            Some(r) => r,
+            None => {
+                let mut t = vm.tags.clone();
+                t.retain(|x| {
+                    !patch.remove.iter().any(|r| {
+                        x == r || (!r.contains('=') && x.split('=').next() == Some(r.as_str()))
+                    })
+                });
+                for a in patch.add {
+                    if !t.contains(&a) {
+                        t.push(a);
+                    }
+                }
+                t
+            }
+        };
+        // The friendly name is identity: it stays.
+        if let Some(n) = name_tag {
+            tags.retain(|t| !t.starts_with("name="));
+            tags.push(n);
+        }
+        self.store.set_tags(&vm.hostname, &tags)?;
+        Ok(api::TagsResponse {
+            hostname: vm.hostname,
+            tags,
+        })
+    }
+
+    /// Lists VMs, filtered by group and tags.
+    pub fn list(&self, group: Option<&str>, q: &api::ListQuery) -> ApiResult<Vec<api::VmInfo>> {
+        if let Some(g) = group {
+            self.group(g)?;
+        }
+        Ok(self
+            .store
+            .list_vms(group)?
+            .iter()
+            .filter(|vm| q.tag.as_ref().is_none_or(|t| vm.tags.contains(t)))
+            .filter(|vm| {
+                q.tag_prefix
+                    .as_ref()
+                    .is_none_or(|p| vm.tags.iter().any(|t| t.starts_with(p.as_str())))
+            })
+            .map(|vm| self.describe(vm))
+            .collect())
+    }
+
+    /// Start-up: adopt live VMs, finish or undo interrupted changes, remove
+    /// orphans, relaunch persistent VMs (per `reconcile`), keep `count`.
+    pub async fn reconcile(self: &Arc<Self>) -> anyhow::Result<ReconcileReport> {
+        let mut report = ReconcileReport::default();
+        let vms = self.store.list_vms(None)?;
+        let vms_dir = self.data_dir.join("vms");
+        for vm in &vms {
+            let paths = self.paths(&vm.hostname);
+            match vm.state {
+                VmState::Creating => {
+                    self.discard(&vm.hostname).await;
+                    report.removed.push(vm.hostname.clone());
+                }
+                s if s.is_live() => {
+                    let alive = matches!((vm.pid, vm.pid_start), (Some(p), Some(t)) if process::is_ours(p, t, &paths));
+                    if alive {
+                        let (pid, start) = (vm.pid.unwrap_or(0), vm.pid_start.unwrap_or(0));
+                        if s == VmState::Stopping {
+                            let _ = self.store.transition(
+                                &vm.hostname,
+                                &[VmState::Stopping],
+                                VmState::Running,
+                                None,
+                            );
+                        }
+                        self.supervise(vm.hostname.clone(), pid, start, None);
+                        report.adopted.push(vm.hostname.clone());
+                    } else if !vm.persistent {
+                        self.discard(&vm.hostname).await;
+                        report.removed.push(vm.hostname.clone());
+                    } else {
+                        let reason = "its process ended while the daemon was down";
+                        self.store
+                            .clear_process(&vm.hostname, VmState::Stopped, Some(reason))?;
+                        self.release_network(vm);
+                        if self.config.reconcile == Reconcile::Relaunch {
+                            match self.start(&vm.hostname).await {
+                                Ok(()) => report.relaunched.push(vm.hostname.clone()),
+                                Err(e) => {
+                                    self.store.set_state(
+                                        &vm.hostname,
+                                        VmState::Failed,
+                                        Some(&e.message),
+                                    )?;
+                                    report.failed.push(vm.hostname.clone());
+                                }
+                            }
+                        } else {
+                            report.stopped.push(vm.hostname.clone());
+                        }
+                    }
+                }
+                _ => {
+                    if vm.managed
+                        && self.config.reconcile == Reconcile::Relaunch
+                        && Path::new(&vm.disk).is_file()
+                    {
+                        match self.start(&vm.hostname).await {
+                            Ok(()) => report.relaunched.push(vm.hostname.clone()),
+                            Err(e) => {
+                                self.store.set_state(
+                                    &vm.hostname,
+                                    VmState::Failed,
+                                    Some(&e.message),
+                                )?;
+                                report.failed.push(vm.hostname.clone());
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        // Processes nobody recorded (a crash between launch and record).
+        let known: HashMap<String, VmRecord> = self
+            .store
+            .list_vms(None)?
+            .into_iter()
+            .map(|v| (v.hostname.clone(), v))
+            .collect();
+        for (pid, host) in process::find_vmm_processes(&vms_dir) {
+            let recorded = known
+                .get(&host)
+                .is_some_and(|v| v.pid == Some(pid) && v.state.is_live());
+            if !recorded {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid as i32),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+                report.killed.push(format!("{host} (pid {pid})"));
+            }
+        }
+        // Folders nobody recorded.
+        if let Ok(entries) = std::fs::read_dir(&vms_dir) {
+            for e in entries.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                if !known.contains_key(&name) {
+                    let _ = std::fs::remove_dir_all(e.path());
+                    report.removed.push(name);
+                }
+            }
+        }
+        crate::vmnet::cleanup_orphans(self);
+        // Keep `count` VMs per group.
+        for g in self.config.host_groups.clone() {
+            let have = self
+                .store
+                .list_vms(Some(&g.name))?
+                .iter()
+                .filter(|v| v.managed)
+                .count() as u32;
+            for _ in have..g.count {
+                match self
+                    .create_vm(
+                        &g.name,
+                        CreateVmRequest::default(),
+                        Wait::None,
+                        Duration::ZERO,
+                        true,
+                    )
+                    .await
+                {
+                    Ok(r) => report.created.push(r.hostname),
+                    Err(e) => {
+                        tracing::error!(group = %g.name, "cannot keep count: {}", e.message);
+                        break;
+                    }
+                }
+            }
+        }
+        self.notify();
+        Ok(report)
+    }
+}
+
+/// What start-up reconciliation did.
+#[derive(Debug, Default, Clone, serde::Serialize)]
+pub struct ReconcileReport {
+    /// Live VMs taken over.
+    pub adopted: Vec<String>,
+    /// Persistent VMs booted again.
+    pub relaunched: Vec<String>,
+    /// Persistent VMs recorded as stopped (`reconcile: report`).
+    pub stopped: Vec<String>,
+    /// Records or folders removed.
+    pub removed: Vec<String>,
+    /// Unrecorded processes killed.
+    pub killed: Vec<String>,
+    /// VMs that could not be relaunched.
+    pub failed: Vec<String>,
+    /// VMs created to keep `count`.
+    pub created: Vec<String>,
+}

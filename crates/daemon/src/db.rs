@@ -1,0 +1,913 @@
+//! The daemon's state: an embedded SQLite database with migrations.
+//!
+//! Every change is one transaction (WAL journal, `synchronous=FULL`), so a
+//! `kill -9` of the daemon leaves either the state before a change or the
+//! state after it. The daemon records intent first (a VM row in state
+//! `creating`) and creates files after; start-up reconciliation
+//! (`crate::reconcile`) removes what an interrupted change left.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::{Mutex, MutexGuard};
+
+use rusqlite::{params, Connection, OptionalExtension, Row, Transaction};
+use tine_proto::api::VmState;
+
+/// Errors from the store.
+#[derive(Debug, thiserror::Error)]
+pub enum DbError {
+    /// SQLite failed.
+    #[error("state database: {0}")]
+    Sqlite(#[from] rusqlite::Error),
+    /// A stored value does not parse (the file was edited or corrupted).
+    #[error("state database: bad value in {what}: {detail}")]
+    Corrupt {
+        /// Which column.
+        what: &'static str,
+        /// Why.
+        detail: String,
+    },
+    /// A uniqueness rule: the value is taken.
+    #[error("{0}")]
+    Conflict(String),
+    /// The database was written by a newer tine.
+    #[error("state database schema version {found} is newer than this tine understands ({known})")]
+    TooNew {
+        /// Version in the file.
+        found: i64,
+        /// Latest known here.
+        known: i64,
+    },
+}
+
+/// Result alias.
+pub type Result<T> = std::result::Result<T, DbError>;
+
+/// Schema migrations, applied in order; `PRAGMA user_version` records how
+/// many ran.
+const MIGRATIONS: &[&str] = &[
+    // 1: VMs, commits, images.
+    "CREATE TABLE vms (
+        hostname TEXT PRIMARY KEY,
+        host_group TEXT NOT NULL,
+        idx INTEGER NOT NULL,
+        state TEXT NOT NULL,
+        cpus INTEGER NOT NULL,
+        ram_bytes INTEGER NOT NULL,
+        persistent INTEGER NOT NULL,
+        managed INTEGER NOT NULL DEFAULT 0,
+        tags TEXT NOT NULL DEFAULT '[]',
+        name TEXT UNIQUE,
+        userdata TEXT,
+        disk TEXT NOT NULL,
+        network TEXT,
+        policy TEXT,
+        pid INTEGER,
+        pid_start INTEGER,
+        reason TEXT,
+        created_ms INTEGER NOT NULL,
+        started_ms INTEGER,
+        boot_ms INTEGER,
+        booted_once INTEGER NOT NULL DEFAULT 0,
+        commit_id TEXT,
+        parent_commit_id TEXT,
+        fixups TEXT,
+        UNIQUE(host_group, idx)
+    );
+    CREATE TABLE commits (
+        id TEXT PRIMARY KEY,
+        host_group TEXT NOT NULL,
+        source TEXT NOT NULL,
+        disk TEXT NOT NULL,
+        tags TEXT NOT NULL,
+        labels TEXT NOT NULL,
+        cache_key TEXT UNIQUE,
+        parent_commit_id TEXT,
+        cpus INTEGER NOT NULL,
+        ram_bytes INTEGER NOT NULL,
+        size_bytes INTEGER NOT NULL,
+        created_ms INTEGER NOT NULL,
+        elapsed_ms INTEGER NOT NULL
+    );
+    CREATE TABLE images (
+        name TEXT PRIMARY KEY,
+        source TEXT NOT NULL,
+        path TEXT NOT NULL,
+        size_bytes INTEGER NOT NULL,
+        imported_ms INTEGER NOT NULL
+    );",
+];
+
+/// One VM as recorded.
+#[derive(Debug, Clone, PartialEq)]
+pub struct VmRecord {
+    /// `GROUP-N`.
+    pub hostname: String,
+    /// Host group.
+    pub host_group: String,
+    /// N.
+    pub idx: u32,
+    /// State.
+    pub state: VmState,
+    /// vCPUs.
+    pub cpus: u32,
+    /// RAM in bytes.
+    pub ram_bytes: u64,
+    /// Keeps its disk when stopped.
+    pub persistent: bool,
+    /// Kept running by the group's `count`.
+    pub managed: bool,
+    /// Tags.
+    pub tags: Vec<String>,
+    /// Friendly name.
+    pub name: Option<String>,
+    /// Userdata to install at first boot.
+    pub userdata: Option<String>,
+    /// Disk file.
+    pub disk: String,
+    /// Network the VM got (JSON of `network::VmNetwork`).
+    pub network: Option<serde_json::Value>,
+    /// Network policy override (JSON of `api::NetworkPolicy`).
+    pub policy: Option<serde_json::Value>,
+    /// tine-vmm pid while live.
+    pub pid: Option<u32>,
+    /// That process's start time (clock ticks since boot, /proc stat field
+    /// 22): a pid reused by another process does not match.
+    pub pid_start: Option<u64>,
+    /// Why it stopped or failed.
+    pub reason: Option<String>,
+    /// Created, Unix ms.
+    pub created_ms: u64,
+    /// Last started, Unix ms.
+    pub started_ms: Option<u64>,
+    /// Process start to agent ready, last boot.
+    pub boot_ms: Option<u64>,
+    /// Whether the first boot's set-up (userdata) was done.
+    pub booted_once: bool,
+    /// Commit made from this VM.
+    pub commit_id: Option<String>,
+    /// Commit this VM was forked from.
+    pub parent_commit_id: Option<String>,
+    /// Fix-ups still to apply at the next agent-ready (JSON list).
+    pub fixups: Option<Vec<String>>,
+}
+
+/// A new VM's fields; the store picks the hostname.
+#[derive(Debug, Clone, Default)]
+pub struct NewVm {
+    /// Host group.
+    pub host_group: String,
+    /// vCPUs.
+    pub cpus: u32,
+    /// RAM in bytes.
+    pub ram_bytes: u64,
+    /// Keeps its disk when stopped.
+    pub persistent: bool,
+    /// Kept running by `count`.
+    pub managed: bool,
+    /// Tags.
+    pub tags: Vec<String>,
+    /// Friendly name.
+    pub name: Option<String>,
+    /// Userdata.
+    pub userdata: Option<String>,
+    /// Policy override.
+    pub policy: Option<serde_json::Value>,
+    /// Parent commit (forks).
+    pub parent_commit_id: Option<String>,
+    /// Fix-ups for the first agent-ready (forks).
+    pub fixups: Option<Vec<String>>,
+    /// Whether first-boot set-up is already done (forks inherit it).
+    pub booted_once: bool,
+}
+
+/// One commit as recorded.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CommitRecord {
+    /// `cmt-<group>-<16 hex>`.
+    pub id: String,
+    /// Source's group.
+    pub host_group: String,
+    /// Source VM.
+    pub source: String,
+    /// The immutable disk.
+    pub disk: String,
+    /// Tags.
+    pub tags: Vec<String>,
+    /// Labels.
+    pub labels: BTreeMap<String, String>,
+    /// Cache key.
+    pub cache_key: Option<String>,
+    /// The source's own parent commit.
+    pub parent_commit_id: Option<String>,
+    /// Source vCPUs.
+    pub cpus: u32,
+    /// Source RAM.
+    pub ram_bytes: u64,
+    /// Disk virtual size.
+    pub size_bytes: u64,
+    /// Created, Unix ms.
+    pub created_ms: u64,
+    /// How long the commit took.
+    pub elapsed_ms: u64,
+}
+
+/// An image imported into the data directory.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ImageRecord {
+    /// Name or the source path.
+    pub name: String,
+    /// Where it came from.
+    pub source: String,
+    /// The immutable copy.
+    pub path: String,
+    /// Size in bytes.
+    pub size_bytes: u64,
+}
+
+/// The database.
+#[derive(Debug)]
+pub struct Store {
+    conn: Mutex<Connection>,
+}
+
+fn json_vec(s: &str, what: &'static str) -> Result<Vec<String>> {
+    serde_json::from_str(s).map_err(|e| DbError::Corrupt {
+        what,
+        detail: e.to_string(),
+    })
+}
+
+fn json_value(s: Option<String>, what: &'static str) -> Result<Option<serde_json::Value>> {
+    s.map(|s| {
+        serde_json::from_str(&s).map_err(|e| DbError::Corrupt {
+            what,
+            detail: e.to_string(),
+        })
+    })
+    .transpose()
+}
+
+fn to_json<T: serde::Serialize>(v: &T) -> String {
+    // Vec<String>, maps and Values always serialize.
+    serde_json::to_string(v).unwrap_or_else(|_| "null".into())
+}
+
+const VM_COLUMNS: &str = "hostname, host_group, idx, state, cpus, ram_bytes, persistent, managed, \
+     tags, name, userdata, disk, network, policy, pid, pid_start, reason, created_ms, started_ms, \
+     boot_ms, booted_once, commit_id, parent_commit_id, fixups";
+
+fn vm_from_row(row: &Row<'_>) -> rusqlite::Result<std::result::Result<VmRecord, DbError>> {
+    let state: String = row.get(3)?;
+    let tags: String = row.get(8)?;
+    let network: Option<String> = row.get(12)?;
+    let policy: Option<String> = row.get(13)?;
+    let fixups: Option<String> = row.get(23)?;
+    let build = || -> Result<VmRecord> {
+        Ok(VmRecord {
+            hostname: row.get(0)?,
+            host_group: row.get(1)?,
+            idx: row.get(2)?,
+            state: VmState::parse(&state).ok_or_else(|| DbError::Corrupt {
+                what: "vms.state",
+                detail: state.clone(),
+            })?,
+            cpus: row.get(4)?,
+            ram_bytes: row.get::<_, i64>(5)? as u64,
+            persistent: row.get(6)?,
+            managed: row.get(7)?,
+            tags: json_vec(&tags, "vms.tags")?,
+            name: row.get(9)?,
+            userdata: row.get(10)?,
+            disk: row.get(11)?,
+            network: json_value(network, "vms.network")?,
+            policy: json_value(policy, "vms.policy")?,
+            pid: row.get(14)?,
+            pid_start: row.get::<_, Option<i64>>(15)?.map(|v| v as u64),
+            reason: row.get(16)?,
+            created_ms: row.get::<_, i64>(17)? as u64,
+            started_ms: row.get::<_, Option<i64>>(18)?.map(|v| v as u64),
+            boot_ms: row.get::<_, Option<i64>>(19)?.map(|v| v as u64),
+            booted_once: row.get(20)?,
+            commit_id: row.get(21)?,
+            parent_commit_id: row.get(22)?,
+            fixups: fixups.map(|f| json_vec(&f, "vms.fixups")).transpose()?,
+        })
+    };
+    Ok(build())
+}
+
+const COMMIT_COLUMNS: &str = "id, host_group, source, disk, tags, labels, cache_key, \
+     parent_commit_id, cpus, ram_bytes, size_bytes, created_ms, elapsed_ms";
+
+fn commit_from_row(row: &Row<'_>) -> rusqlite::Result<std::result::Result<CommitRecord, DbError>> {
+    let tags: String = row.get(4)?;
+    let labels: String = row.get(5)?;
+    let build = || -> Result<CommitRecord> {
+        Ok(CommitRecord {
+            id: row.get(0)?,
+            host_group: row.get(1)?,
+            source: row.get(2)?,
+            disk: row.get(3)?,
+            tags: json_vec(&tags, "commits.tags")?,
+            labels: serde_json::from_str(&labels).map_err(|e| DbError::Corrupt {
+                what: "commits.labels",
+                detail: e.to_string(),
+            })?,
+            cache_key: row.get(6)?,
+            parent_commit_id: row.get(7)?,
+            cpus: row.get(8)?,
+            ram_bytes: row.get::<_, i64>(9)? as u64,
+            size_bytes: row.get::<_, i64>(10)? as u64,
+            created_ms: row.get::<_, i64>(11)? as u64,
+            elapsed_ms: row.get::<_, i64>(12)? as u64,
+        })
+    };
+    Ok(build())
+}
+
+/// Current Unix time in milliseconds.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+impl Store {
+    /// Opens (creating if needed) the database at `path` and migrates it.
+    pub fn open(path: &Path) -> Result<Self> {
+        let conn = Connection::open(path)?;
+        Self::setup(conn)
+    }
+
+    /// An in-memory store, for tests.
+    pub fn in_memory() -> Result<Self> {
+        Self::setup(Connection::open_in_memory()?)
+    }
+
+    fn setup(mut conn: Connection) -> Result<Self> {
+        conn.busy_timeout(std::time::Duration::from_secs(5))?;
+        conn.pragma_update(None, "journal_mode", "WAL")?;
+        conn.pragma_update(None, "synchronous", "FULL")?;
+        let version: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
+        let known = MIGRATIONS.len() as i64;
+        if version > known {
+            return Err(DbError::TooNew {
+                found: version,
+                known,
+            });
+        }
+        for (i, sql) in MIGRATIONS.iter().enumerate().skip(version as usize) {
+            let tx = conn.transaction()?;
+            tx.execute_batch(sql)?;
+            tx.pragma_update(None, "user_version", (i + 1) as i64)?;
+            tx.commit()?;
+        }
+        Ok(Store {
+            conn: Mutex::new(conn),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Connection> {
+        // A panic while holding the lock cannot leave a half transaction
+        // (rusqlite rolls back on drop), so a poisoned lock is still usable.
+        self.conn.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs `f` in one transaction.
+    pub fn transaction<T>(&self, f: impl FnOnce(&Transaction<'_>) -> Result<T>) -> Result<T> {
+        let mut conn = self.lock();
+        let tx = conn.transaction()?;
+        let out = f(&tx)?;
+        tx.commit()?;
+        Ok(out)
+    }
+
+    /// Records a new VM in state `creating` with the next free `GROUP-N`
+    /// hostname; `disk_for` names its disk from the hostname.
+    pub fn insert_vm(&self, new: &NewVm, disk_for: impl Fn(&str) -> String) -> Result<VmRecord> {
+        self.transaction(|tx| {
+            if let Some(name) = &new.name {
+                let taken: Option<String> = tx
+                    .query_row("SELECT hostname FROM vms WHERE name = ?1", [name], |r| {
+                        r.get(0)
+                    })
+                    .optional()?;
+                if let Some(h) = taken {
+                    return Err(DbError::Conflict(format!(
+                        "the name `{name}` is already used by {h}"
+                    )));
+                }
+            }
+            let idx: u32 = tx.query_row(
+                "SELECT COALESCE(MAX(idx), 0) + 1 FROM vms WHERE host_group = ?1",
+                [&new.host_group],
+                |r| r.get(0),
+            )?;
+            let hostname = format!("{}-{idx}", new.host_group);
+            let disk = disk_for(&hostname);
+            tx.execute(
+                "INSERT INTO vms (hostname, host_group, idx, state, cpus, ram_bytes, persistent, \
+                 managed, tags, name, userdata, disk, policy, created_ms, booted_once, \
+                 parent_commit_id, fixups) \
+                 VALUES (?1, ?2, ?3, 'creating', ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, \
+                 ?15, ?16)",
+                params![
+                    hostname,
+                    new.host_group,
+                    idx,
+                    new.cpus,
+                    new.ram_bytes as i64,
+                    new.persistent,
+                    new.managed,
+                    to_json(&new.tags),
+                    new.name,
+                    new.userdata,
+                    disk,
+                    new.policy.as_ref().map(to_json),
+                    now_ms() as i64,
+                    new.booted_once,
+                    new.parent_commit_id,
+                    new.fixups.as_ref().map(to_json),
+                ],
+            )?;
+            get_vm_tx(tx, &hostname)?.ok_or_else(|| DbError::Corrupt {
+                what: "vms",
+                detail: format!("{hostname} vanished after insert"),
+            })
+        })
+    }
+
+    /// The VM with this hostname, or with this friendly name.
+    pub fn find_vm(&self, key: &str) -> Result<Option<VmRecord>> {
+        let conn = self.lock();
+        let sql = format!("SELECT {VM_COLUMNS} FROM vms WHERE hostname = ?1 OR name = ?1 LIMIT 1");
+        conn.query_row(&sql, [key], vm_from_row)
+            .optional()?
+            .transpose()
+    }
+
+    /// Every VM, optionally of one group, ordered by group and number.
+    pub fn list_vms(&self, group: Option<&str>) -> Result<Vec<VmRecord>> {
+        let conn = self.lock();
+        let sql = format!(
+            "SELECT {VM_COLUMNS} FROM vms WHERE (?1 IS NULL OR host_group = ?1) \
+             ORDER BY host_group, idx"
+        );
+        let mut stmt = conn.prepare(&sql)?;
+        let rows = stmt.query_map([group], vm_from_row)?;
+        let mut out = Vec::new();
+        for row in rows {
+            out.push(row??);
+        }
+        Ok(out)
+    }
+
+    /// Sets a VM's state and reason; `None` reason clears it.
+    pub fn set_state(&self, hostname: &str, state: VmState, reason: Option<&str>) -> Result<()> {
+        self.lock().execute(
+            "UPDATE vms SET state = ?2, reason = ?3 WHERE hostname = ?1",
+            params![hostname, state.as_str(), reason],
+        )?;
+        Ok(())
+    }
+
+    /// Sets the state only if it is currently one of `from`; returns whether
+    /// it changed.
+    pub fn transition(
+        &self,
+        hostname: &str,
+        from: &[VmState],
+        to: VmState,
+        reason: Option<&str>,
+    ) -> Result<bool> {
+        self.transaction(|tx| {
+            let Some(vm) = get_vm_tx(tx, hostname)? else {
+                return Ok(false);
+            };
+            if !from.contains(&vm.state) {
+                return Ok(false);
+            }
+            tx.execute(
+                "UPDATE vms SET state = ?2, reason = ?3 WHERE hostname = ?1",
+                params![hostname, to.as_str(), reason],
+            )?;
+            Ok(true)
+        })
+    }
+
+    /// Records a started process.
+    pub fn set_process(&self, hostname: &str, pid: u32, pid_start: u64) -> Result<()> {
+        self.lock().execute(
+            "UPDATE vms SET state = 'starting', pid = ?2, pid_start = ?3, started_ms = ?4, \
+             reason = NULL, boot_ms = NULL WHERE hostname = ?1",
+            params![hostname, pid, pid_start as i64, now_ms() as i64],
+        )?;
+        Ok(())
+    }
+
+    /// Records that the process is gone.
+    pub fn clear_process(
+        &self,
+        hostname: &str,
+        state: VmState,
+        reason: Option<&str>,
+    ) -> Result<()> {
+        self.lock().execute(
+            "UPDATE vms SET state = ?2, reason = ?3, pid = NULL, pid_start = NULL \
+             WHERE hostname = ?1",
+            params![hostname, state.as_str(), reason],
+        )?;
+        Ok(())
+    }
+
+    /// Marks the agent ready after this boot's set-up.
+    pub fn set_running(&self, hostname: &str, boot_ms: u64) -> Result<()> {
+        self.lock().execute(
+            "UPDATE vms SET state = 'running', boot_ms = ?2, booted_once = 1, fixups = NULL \
+             WHERE hostname = ?1 AND state = 'starting'",
+            params![hostname, boot_ms as i64],
+        )?;
+        Ok(())
+    }
+
+    /// Stores the VM's network.
+    pub fn set_network(&self, hostname: &str, network: Option<&serde_json::Value>) -> Result<()> {
+        self.lock().execute(
+            "UPDATE vms SET network = ?2 WHERE hostname = ?1",
+            params![hostname, network.map(to_json)],
+        )?;
+        Ok(())
+    }
+
+    /// Replaces a VM's tags.
+    pub fn set_tags(&self, hostname: &str, tags: &[String]) -> Result<()> {
+        self.lock().execute(
+            "UPDATE vms SET tags = ?2 WHERE hostname = ?1",
+            params![hostname, to_json(&tags)],
+        )?;
+        Ok(())
+    }
+
+    /// Points a VM at another disk file.
+    pub fn set_disk(&self, hostname: &str, disk: &str) -> Result<()> {
+        self.lock().execute(
+            "UPDATE vms SET disk = ?2 WHERE hostname = ?1",
+            params![hostname, disk],
+        )?;
+        Ok(())
+    }
+
+    /// Removes a VM's record.
+    pub fn delete_vm(&self, hostname: &str) -> Result<()> {
+        self.lock()
+            .execute("DELETE FROM vms WHERE hostname = ?1", [hostname])?;
+        Ok(())
+    }
+
+    /// Records a commit and marks its source, in one transaction; a taken
+    /// cache key or an already committed source is a conflict.
+    pub fn insert_commit(&self, c: &CommitRecord, source_new_disk: &str) -> Result<()> {
+        self.transaction(|tx| {
+            if let Some(key) = &c.cache_key {
+                let taken: Option<String> = tx
+                    .query_row("SELECT id FROM commits WHERE cache_key = ?1", [key], |r| {
+                        r.get(0)
+                    })
+                    .optional()?;
+                if let Some(id) = taken {
+                    return Err(DbError::Conflict(format!(
+                        "the cache key `{key}` is already used by commit {id}"
+                    )));
+                }
+            }
+            let source = get_vm_tx(tx, &c.source)?.ok_or_else(|| {
+                DbError::Conflict(format!("{} was deleted during the commit", c.source))
+            })?;
+            if let Some(id) = source.commit_id {
+                return Err(DbError::Conflict(format!(
+                    "{} was already committed as {id}",
+                    c.source
+                )));
+            }
+            tx.execute(
+                &format!("INSERT INTO commits ({COMMIT_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)"),
+                params![
+                    c.id,
+                    c.host_group,
+                    c.source,
+                    c.disk,
+                    to_json(&c.tags),
+                    to_json(&c.labels),
+                    c.cache_key,
+                    c.parent_commit_id,
+                    c.cpus,
+                    c.ram_bytes as i64,
+                    c.size_bytes as i64,
+                    c.created_ms as i64,
+                    c.elapsed_ms as i64,
+                ],
+            )?;
+            tx.execute(
+                "UPDATE vms SET commit_id = ?2, disk = ?3 WHERE hostname = ?1",
+                params![c.source, c.id, source_new_disk],
+            )?;
+            Ok(())
+        })
+    }
+
+    /// One commit.
+    pub fn get_commit(&self, id: &str) -> Result<Option<CommitRecord>> {
+        let conn = self.lock();
+        let sql = format!("SELECT {COMMIT_COLUMNS} FROM commits WHERE id = ?1");
+        conn.query_row(&sql, [id], commit_from_row)
+            .optional()?
+            .transpose()
+    }
+
+    /// Commits matching every given filter, oldest first.
+    pub fn list_commits(
+        &self,
+        tag: Option<&str>,
+        cache_key: Option<&str>,
+        source: Option<&str>,
+    ) -> Result<Vec<CommitRecord>> {
+        let conn = self.lock();
+        let sql = format!(
+            "SELECT {COMMIT_COLUMNS} FROM commits WHERE (?1 IS NULL OR cache_key = ?1) \
+             AND (?2 IS NULL OR source = ?2) ORDER BY created_ms, id"
+        );
+        let mut stmt = conn.prepare(&sql)?;
+        let rows = stmt.query_map(params![cache_key, source], commit_from_row)?;
+        let mut out = Vec::new();
+        for row in rows {
+            let c = row??;
+            if tag.is_none_or(|t| c.tags.iter().any(|x| x == t)) {
+                out.push(c);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Deletes a commit unless a VM depends on it (its source still exists,
+    /// or a fork of it); the conflict names them.
+    pub fn delete_commit(&self, id: &str) -> Result<Option<CommitRecord>> {
+        self.transaction(|tx| {
+            let sql = format!("SELECT {COMMIT_COLUMNS} FROM commits WHERE id = ?1");
+            let Some(c) = tx
+                .query_row(&sql, [id], commit_from_row)
+                .optional()?
+                .transpose()?
+            else {
+                return Ok(None);
+            };
+            let mut stmt = tx.prepare(
+                "SELECT hostname FROM vms WHERE commit_id = ?1 OR parent_commit_id = ?1 \
+                 ORDER BY hostname",
+            )?;
+            let users: Vec<String> = stmt
+                .query_map([id], |r| r.get(0))?
+                .collect::<rusqlite::Result<_>>()?;
+            let mut children =
+                tx.prepare("SELECT id FROM commits WHERE parent_commit_id = ?1 ORDER BY id")?;
+            let child_commits: Vec<String> = children
+                .query_map([id], |r| r.get(0))?
+                .collect::<rusqlite::Result<_>>()?;
+            if !users.is_empty() || !child_commits.is_empty() {
+                let mut names = users;
+                names.extend(child_commits);
+                return Err(DbError::Conflict(format!(
+                    "commit {id} is still used by {}; delete them first",
+                    names.join(", ")
+                )));
+            }
+            tx.execute("DELETE FROM commits WHERE id = ?1", [id])?;
+            Ok(Some(c))
+        })
+    }
+
+    /// An imported image.
+    pub fn get_image(&self, name: &str) -> Result<Option<ImageRecord>> {
+        self.lock()
+            .query_row(
+                "SELECT name, source, path, size_bytes FROM images WHERE name = ?1",
+                [name],
+                |r| {
+                    Ok(ImageRecord {
+                        name: r.get(0)?,
+                        source: r.get(1)?,
+                        path: r.get(2)?,
+                        size_bytes: r.get::<_, i64>(3)? as u64,
+                    })
+                },
+            )
+            .optional()
+            .map_err(Into::into)
+    }
+
+    /// Records (or replaces) an imported image.
+    pub fn put_image(&self, img: &ImageRecord) -> Result<()> {
+        self.lock().execute(
+            "INSERT OR REPLACE INTO images (name, source, path, size_bytes, imported_ms) \
+             VALUES (?1, ?2, ?3, ?4, ?5)",
+            params![
+                img.name,
+                img.source,
+                img.path,
+                img.size_bytes as i64,
+                now_ms() as i64
+            ],
+        )?;
+        Ok(())
+    }
+
+    /// Every image path recorded.
+    pub fn image_paths(&self) -> Result<Vec<String>> {
+        let conn = self.lock();
+        let mut stmt = conn.prepare("SELECT path FROM images")?;
+        let out = stmt
+            .query_map([], |r| r.get(0))?
+            .collect::<rusqlite::Result<_>>()?;
+        Ok(out)
+    }
+}
+
+fn get_vm_tx(tx: &Transaction<'_>, hostname: &str) -> Result<Option<VmRecord>> {
+    let sql = format!("SELECT {VM_COLUMNS} FROM vms WHERE hostname = ?1");
+    tx.query_row(&sql, [hostname], vm_from_row)
+        .optional()?
+        .transpose()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn new_vm(group: &str) -> NewVm {
+        NewVm {
+            host_group: group.into(),
+            cpus: 1,
+            ram_bytes: 256 << 20,
+            ..NewVm::default()
+        }
+    }
+
+    fn disk(h: &str) -> String {
+        format!("/d/{h}.qcow2")
+    }
+
+    #[test]
+    fn hostnames_count_up_per_group() {
+        let s = Store::in_memory().expect("open");
+        let a = s.insert_vm(&new_vm("dev"), disk).expect("a");
+        let b = s.insert_vm(&new_vm("dev"), disk).expect("b");
+        let c = s.insert_vm(&new_vm("ci"), disk).expect("c");
+        assert_eq!(
+            (
+                a.hostname.as_str(),
+                b.hostname.as_str(),
+                c.hostname.as_str()
+            ),
+            ("dev-1", "dev-2", "ci-1")
+        );
+        assert_eq!(a.state, VmState::Creating);
+        assert_eq!(b.disk, "/d/dev-2.qcow2");
+        assert_eq!(s.list_vms(Some("dev")).expect("list").len(), 2);
+        assert_eq!(s.list_vms(None).expect("list").len(), 3);
+    }
+
+    #[test]
+    fn names_are_unique_and_find_works_by_name() {
+        let s = Store::in_memory().expect("open");
+        let mut n = new_vm("dev");
+        n.name = Some("web".into());
+        s.insert_vm(&n, disk).expect("first");
+        let err = s.insert_vm(&n, disk).expect_err("taken");
+        assert!(
+            err.to_string().contains("`web` is already used by dev-1"),
+            "{err}"
+        );
+        assert_eq!(
+            s.find_vm("web").expect("find").map(|v| v.hostname),
+            Some("dev-1".into())
+        );
+        assert!(s.find_vm("nope").expect("find").is_none());
+    }
+
+    #[test]
+    fn state_changes_and_processes_are_recorded() {
+        let s = Store::in_memory().expect("open");
+        let vm = s.insert_vm(&new_vm("dev"), disk).expect("vm");
+        s.set_process(&vm.hostname, 42, 7).expect("proc");
+        let got = s.find_vm(&vm.hostname).expect("find").expect("some");
+        assert_eq!(
+            (got.state, got.pid, got.pid_start),
+            (VmState::Starting, Some(42), Some(7))
+        );
+        s.set_running(&vm.hostname, 120).expect("running");
+        assert!(!s
+            .transition(&vm.hostname, &[VmState::Stopped], VmState::Failed, None)
+            .expect("no-op"));
+        s.clear_process(&vm.hostname, VmState::Failed, Some("boom"))
+            .expect("clear");
+        let got = s.find_vm(&vm.hostname).expect("find").expect("some");
+        assert_eq!(
+            (got.state, got.pid, got.reason.as_deref(), got.boot_ms),
+            (VmState::Failed, None, Some("boom"), Some(120))
+        );
+        assert!(got.booted_once);
+    }
+
+    fn commit(id: &str, source: &str, key: Option<&str>) -> CommitRecord {
+        CommitRecord {
+            id: id.into(),
+            host_group: "dev".into(),
+            source: source.into(),
+            disk: format!("/c/{id}.qcow2"),
+            tags: vec!["t".into()],
+            labels: BTreeMap::new(),
+            cache_key: key.map(Into::into),
+            parent_commit_id: None,
+            cpus: 1,
+            ram_bytes: 1,
+            size_bytes: 1,
+            created_ms: 1,
+            elapsed_ms: 1,
+        }
+    }
+
+    #[test]
+    fn commits_guard_cache_keys_sources_and_dependants() {
+        let s = Store::in_memory().expect("open");
+        let a = s.insert_vm(&new_vm("dev"), disk).expect("a");
+        let b = s.insert_vm(&new_vm("dev"), disk).expect("b");
+        s.insert_commit(&commit("cmt-dev-1", &a.hostname, Some("k")), "/d/new")
+            .expect("commit");
+        let vm = s.find_vm(&a.hostname).expect("find").expect("some");
+        assert_eq!(
+            (vm.commit_id.as_deref(), vm.disk.as_str()),
+            (Some("cmt-dev-1"), "/d/new")
+        );
+        let again = s
+            .insert_commit(&commit("cmt-dev-2", &a.hostname, None), "/x")
+            .expect_err("twice");
+        assert!(
+            again.to_string().contains("already committed as cmt-dev-1"),
+            "{again}"
+        );
+        let key = s
+            .insert_commit(&commit("cmt-dev-3", &b.hostname, Some("k")), "/x")
+            .expect_err("key");
+        assert!(key
+            .to_string()
+            .contains("cache key `k` is already used by commit cmt-dev-1"));
+        assert!(
+            s.get_commit("cmt-dev-3").expect("get").is_none(),
+            "no half commit"
+        );
+        assert_eq!(
+            s.list_commits(None, Some("k"), None).expect("list").len(),
+            1
+        );
+        assert_eq!(
+            s.list_commits(Some("t"), None, None).expect("list").len(),
+            1
+        );
+        assert_eq!(
+            s.list_commits(Some("x"), None, None).expect("list").len(),
+            0
+        );
+
+        let mut fork = new_vm("dev");
+        fork.parent_commit_id = Some("cmt-dev-1".into());
+        let f = s.insert_vm(&fork, disk).expect("fork");
+        let guard = s.delete_commit("cmt-dev-1").expect_err("in use");
+        assert!(
+            guard.to_string().contains("still used by dev-1, dev-3"),
+            "{guard}"
+        );
+        s.delete_vm(&a.hostname).expect("del");
+        s.delete_vm(&f.hostname).expect("del");
+        assert!(s.delete_commit("cmt-dev-1").expect("delete").is_some());
+        assert!(s.delete_commit("cmt-dev-1").expect("gone").is_none());
+    }
+
+    #[test]
+    fn a_file_store_survives_reopen_and_refuses_newer_schemas() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let path = dir.path().join("t.db");
+        {
+            let s = Store::open(&path).expect("open");
+            s.insert_vm(&new_vm("dev"), disk).expect("vm");
+        }
+        let s = Store::open(&path).expect("reopen");
+        assert_eq!(s.list_vms(None).expect("list").len(), 1);
+        drop(s);
+        let conn = Connection::open(&path).expect("raw");
+        conn.pragma_update(None, "user_version", 99).expect("bump");
+        drop(conn);
+        let err = Store::open(&path).expect_err("too new");
+        assert!(err.to_string().contains("schema version 99"), "{err}");
+    }
+}

@@ -1,0 +1,384 @@
+//! One `tine-vmm` process per VM: launching it, recognising it after a
+//! daemon restart, asking it to stop, and reading why it stopped.
+//!
+//! The process runs in its own process group with stdout and stderr
+//! appended to `vmm.log` in the VM's folder, never a pipe to the daemon: a
+//! `kill -9` of the daemon leaves every VM running, and the next daemon
+//! adopts it by pid plus start time (a reused pid does not match) plus its
+//! command line naming the VM's folder.
+
+use std::io::{BufRead, Read, Seek, SeekFrom};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+
+/// The files of one VM, all inside `<data_dir>/vms/<hostname>/`.
+#[derive(Debug, Clone)]
+pub struct VmPaths {
+    /// The folder.
+    pub dir: PathBuf,
+    /// vsock Unix socket (`CONNECT <port>`).
+    pub vsock: PathBuf,
+    /// tine-vmm control socket.
+    pub control: PathBuf,
+    /// Serial console log.
+    pub serial: PathBuf,
+    /// tine-vmm's stdout and stderr.
+    pub log: PathBuf,
+}
+
+impl VmPaths {
+    /// Paths for `hostname` under `data_dir`.
+    pub fn new(data_dir: &Path, hostname: &str) -> Self {
+        let dir = data_dir.join("vms").join(hostname);
+        VmPaths {
+            vsock: dir.join("vsock.sock"),
+            control: dir.join("control.sock"),
+            serial: dir.join("serial.log"),
+            log: dir.join("vmm.log"),
+            dir,
+        }
+    }
+}
+
+/// What to launch.
+#[derive(Debug, Clone)]
+pub struct LaunchSpec {
+    /// tine-vmm binary.
+    pub vmm: PathBuf,
+    /// Guest kernel.
+    pub kernel: PathBuf,
+    /// Kernel command line.
+    pub cmdline: String,
+    /// vCPUs.
+    pub cpus: u32,
+    /// RAM in MiB.
+    pub ram_mib: u64,
+    /// Root disk.
+    pub disk: PathBuf,
+    /// TAP and MAC, when the VM has a NIC.
+    pub net: Option<(String, String)>,
+}
+
+/// The serial log is capped at this many bytes per boot.
+pub const SERIAL_LOG_LIMIT: u64 = 8 << 20;
+
+/// Starts tine-vmm for a VM; returns the child (the caller reaps it).
+pub fn launch(spec: &LaunchSpec, paths: &VmPaths) -> std::io::Result<Child> {
+    std::fs::create_dir_all(&paths.dir)?;
+    for stale in [&paths.vsock, &paths.control] {
+        match std::fs::remove_file(stale) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
+    }
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&paths.log)?;
+    let mut cmd = Command::new(&spec.vmm);
+    cmd.arg("--kernel")
+        .arg(&spec.kernel)
+        .arg("--cmdline")
+        .arg(&spec.cmdline)
+        .arg("--vcpus")
+        .arg(spec.cpus.to_string())
+        .arg("--mem-mib")
+        .arg(spec.ram_mib.to_string())
+        .arg("--drive")
+        .arg(&spec.disk)
+        .arg("--vsock")
+        .arg(format!("3,{}", paths.vsock.display()))
+        .arg("--rng")
+        .arg("--control-socket")
+        .arg(&paths.control)
+        .arg("--serial-log")
+        .arg(&paths.serial)
+        .arg("--serial-log-limit")
+        .arg(SERIAL_LOG_LIMIT.to_string());
+    if let Some((tap, mac)) = &spec.net {
+        cmd.arg("--net").arg(format!("{tap},{mac}"));
+    }
+    cmd.stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        // Its own group: signals for the daemon's terminal or group do not
+        // reach VMs.
+        .process_group(0);
+    cmd.spawn()
+}
+
+/// A process's start time (clock ticks since boot, `/proc/PID/stat` field
+/// 22), or `None` when it does not exist.
+pub fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may contain spaces and parentheses: fields
+    // after it start past the last ')'.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// Whether `pid` is still the tine-vmm process launched for `paths`.
+pub fn is_ours(pid: u32, pid_start: u64, paths: &VmPaths) -> bool {
+    if start_time(pid) != Some(pid_start) {
+        return false;
+    }
+    // A zombie has an empty command line; it is not a running VM.
+    let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+        return false;
+    };
+    let needle = paths.control.display().to_string();
+    cmdline
+        .split(|b| *b == 0)
+        .any(|arg| arg == needle.as_bytes())
+}
+
+/// tine-vmm processes whose control socket lies under `vms_dir`, with the
+/// hostname folder each belongs to.
+pub fn find_vmm_processes(vms_dir: &Path) -> Vec<(u32, String)> {
+    let mut out = Vec::new();
+    let prefix = format!("{}/", vms_dir.display());
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return out;
+    };
+    for entry in entries.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+        let Some(pos) = args.iter().position(|a| *a == b"--control-socket") else {
+            continue;
+        };
+        let Some(sock) = args.get(pos + 1).and_then(|a| std::str::from_utf8(a).ok()) else {
+            continue;
+        };
+        if let Some(rest) = sock.strip_prefix(&prefix) {
+            if let Some((host, _)) = rest.split_once('/') {
+                out.push((pid, host.to_owned()));
+            }
+        }
+    }
+    out
+}
+
+/// Waits until a process that is not our child exits (polling, as the
+/// daemon cannot reap it).
+pub async fn wait_adopted(pid: u32, pid_start: u64) {
+    loop {
+        match start_time(pid) {
+            Some(t) if t == pid_start => {
+                // A zombie whose parent has not reaped it yet counts as gone.
+                if std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                    .map(|s| {
+                        s.rsplit(')')
+                            .next()
+                            .unwrap_or("")
+                            .trim_start()
+                            .starts_with('Z')
+                    })
+                    .unwrap_or(true)
+                {
+                    return;
+                }
+            }
+            _ => return,
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Why a VM's process ended, from the last `stopped` event in its log, or
+/// the last lines it wrote when it has none (a crash, a start-up error).
+pub fn stop_reason(paths: &VmPaths, status: Option<std::process::ExitStatus>) -> StopInfo {
+    let tail = read_tail(&paths.log, 16 * 1024);
+    let mut reason = None;
+    for line in tail.lines().rev() {
+        if let Ok(v) = serde_json::from_str::<serde_json::Value>(line) {
+            if v.get("event").and_then(|e| e.as_str()) == Some("stopped") {
+                let r = v["stop"]["reason"].as_str().unwrap_or("unknown").to_owned();
+                let detail = v["stop"]["detail"]
+                    .as_str()
+                    .map(str::to_owned)
+                    .or_else(|| v["stop"]["detail"].as_u64().map(|d| d.to_string()));
+                reason = Some((r, detail));
+                break;
+            }
+        }
+    }
+    match reason {
+        Some((r, detail)) => {
+            let clean = matches!(r.as_str(), "guest_poweroff" | "guest_reboot" | "killed");
+            let text = match detail {
+                Some(d) if !d.is_empty() => format!("{r}: {d}"),
+                _ => r,
+            };
+            StopInfo {
+                clean,
+                reason: text,
+            }
+        }
+        None => {
+            let last: Vec<&str> = tail
+                .lines()
+                .filter(|l| !l.trim().is_empty() && !l.starts_with('{'))
+                .collect();
+            let last = last[last.len().saturating_sub(3)..].join(" | ");
+            let how = match status {
+                Some(s) => match (s.code(), std::os::unix::process::ExitStatusExt::signal(&s)) {
+                    (Some(c), _) => format!("tine-vmm exited with status {c}"),
+                    (_, Some(sig)) => format!("tine-vmm was killed by signal {sig}"),
+                    _ => "tine-vmm exited".to_owned(),
+                },
+                None => "tine-vmm exited without a stop report".to_owned(),
+            };
+            StopInfo {
+                clean: false,
+                reason: if last.is_empty() {
+                    how
+                } else {
+                    format!("{how}: {last}")
+                },
+            }
+        }
+    }
+}
+
+/// How a VM process ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StopInfo {
+    /// A guest poweroff, reboot or a requested kill: not a failure.
+    pub clean: bool,
+    /// For people: `guest_poweroff: 0`, `triple_fault`, `tine-vmm was killed by signal 9: ...`.
+    pub reason: String,
+}
+
+/// The last `limit` bytes of a file as text (lossy), empty if unreadable.
+pub fn read_tail(path: &Path, limit: u64) -> String {
+    let Ok(mut f) = std::fs::File::open(path) else {
+        return String::new();
+    };
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    if f.seek(SeekFrom::Start(len.saturating_sub(limit))).is_err() {
+        return String::new();
+    }
+    let mut buf = Vec::new();
+    let _ = f.take(limit).read_to_end(&mut buf);
+    String::from_utf8_lossy(&buf).into_owned()
+}
+
+/// The last `n` lines of a file.
+pub fn last_lines(path: &Path, n: usize) -> Vec<String> {
+    let text = read_tail(path, (n as u64 + 1) * 512);
+    let lines: Vec<String> = BufRead::lines(std::io::Cursor::new(text))
+        .map_while(Result::ok)
+        .collect();
+    lines[lines.len().saturating_sub(n)..].to_vec()
+}
+
+/// Sends one request line to a VM's control socket and returns its answer.
+pub async fn control(
+    paths: &VmPaths,
+    request: serde_json::Value,
+) -> std::io::Result<serde_json::Value> {
+    let io = tokio::net::UnixStream::connect(&paths.control).await?;
+    let (r, mut w) = io.into_split();
+    let mut line = request.to_string();
+    line.push('\n');
+    w.write_all(line.as_bytes()).await?;
+    let mut answer = String::new();
+    let mut reader = BufReader::new(r.take(64 * 1024));
+    reader.read_line(&mut answer).await?;
+    serde_json::from_str(&answer)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+}
+
+/// Sends SIGKILL to `pid` if it is still the process launched for `paths`.
+pub fn kill_if_ours(pid: u32, pid_start: u64, paths: &VmPaths) {
+    if is_ours(pid, pid_start, paths) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn our_own_start_time_is_readable_and_stable() {
+        let pid = std::process::id();
+        let a = start_time(pid).expect("self");
+        assert_eq!(start_time(pid), Some(a));
+        assert!(start_time(u32::MAX - 1).is_none());
+    }
+
+    #[test]
+    fn stop_reasons_come_from_the_last_stopped_event() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let paths = VmPaths::new(dir.path(), "dev-1");
+        std::fs::create_dir_all(&paths.dir).expect("dir");
+        std::fs::write(
+            &paths.log,
+            "{\"event\":\"ready\",\"pid\":1}\n{\"event\":\"stopped\",\"stop\":{\"reason\":\"guest_poweroff\",\"detail\":\"0\"}}\n",
+        )
+        .expect("write");
+        assert_eq!(
+            stop_reason(&paths, None),
+            StopInfo {
+                clean: true,
+                reason: "guest_poweroff: 0".into()
+            }
+        );
+        std::fs::write(&paths.log, "error: cannot open kernel /x: No such file\n").expect("write");
+        let info = stop_reason(&paths, None);
+        assert!(!info.clean);
+        assert!(
+            info.reason.contains("cannot open kernel /x"),
+            "{}",
+            info.reason
+        );
+        std::fs::write(
+            &paths.log,
+            "{\"event\":\"stopped\",\"stop\":{\"reason\":\"triple_fault\"}}\n",
+        )
+        .expect("write");
+        assert_eq!(stop_reason(&paths, None).reason, "triple_fault");
+        assert!(!stop_reason(&paths, None).clean);
+    }
+
+    #[test]
+    fn last_lines_returns_the_tail() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let p = dir.path().join("log");
+        let text: String = (0..100).map(|i| format!("line {i}\n")).collect();
+        std::fs::write(&p, text).expect("write");
+        assert_eq!(
+            last_lines(&p, 2),
+            vec!["line 98".to_string(), "line 99".to_string()]
+        );
+        assert!(last_lines(&dir.path().join("none"), 5).is_empty());
+    }
+
+    #[test]
+    fn a_foreign_process_is_not_ours() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let paths = VmPaths::new(dir.path(), "dev-1");
+        let pid = std::process::id();
+        let start = start_time(pid).expect("self");
+        assert!(!is_ours(pid, start, &paths));
+        assert!(!is_ours(pid, start + 1, &paths));
+        assert!(find_vmm_processes(&dir.path().join("vms")).is_empty());
+    }
+}
