@@ -132,7 +132,7 @@ impl Daemon {
         self.changes.send_modify(|n| *n = n.wrapping_add(1));
     }
 
-    async fn lock_vm(&self, hostname: &str) -> tokio::sync::OwnedMutexGuard<()> {
+    pub(crate) async fn lock_vm(&self, hostname: &str) -> tokio::sync::OwnedMutexGuard<()> {
         let m = {
             let mut locks = self.locks.lock().unwrap_or_else(|p| p.into_inner());
             locks.entry(hostname.to_owned()).or_default().clone()
@@ -364,7 +364,7 @@ impl Daemon {
     }
 
     /// Removes every trace of a VM (record, files, network).
-    async fn discard(&self, hostname: &str) {
+    pub(crate) async fn discard(&self, hostname: &str) {
         if let Ok(Some(vm)) = self.store.find_vm(hostname) {
             self.release_network(&vm);
             if let (Some(pid), Some(start)) = (vm.pid, vm.pid_start) {
@@ -387,7 +387,7 @@ impl Daemon {
 
     /// Launches the VM's process and supervises it: the set-up at
     /// agent-ready, then its exit.
-    async fn start(self: &Arc<Self>, hostname: &str) -> ApiResult<()> {
+    pub(crate) async fn start(self: &Arc<Self>, hostname: &str) -> ApiResult<()> {
         let vm = self.vm(hostname)?;
         let group = self.group(&vm.host_group)?.clone();
         let paths = self.paths(hostname);
@@ -939,6 +939,23 @@ impl Daemon {
                 if !known.contains_key(&name) {
                     let _ = std::fs::remove_dir_all(e.path());
                     report.removed.push(name);
+                }
+            }
+        }
+        for p in self.remove_orphan_commit_files() {
+            report.removed.push(p);
+        }
+        // Disk files in VM folders that no record names (a crash between a
+        // commit's record and the removal of the source's old disk name).
+        for vm in self.store.list_vms(None)? {
+            let dir = self.paths(&vm.hostname).dir;
+            if let Ok(entries) = std::fs::read_dir(&dir) {
+                for e in entries.flatten() {
+                    let name = e.file_name().to_string_lossy().into_owned();
+                    if name.starts_with("disk") && name.ends_with(".qcow2") && e.path().display().to_string() != vm.disk {
+                        let _ = std::fs::remove_file(e.path());
+                        report.removed.push(e.path().display().to_string());
+                    }
                 }
             }
         }

@@ -81,6 +81,7 @@ const MIGRATIONS: &[&str] = &[
         disk TEXT NOT NULL,
         tags TEXT NOT NULL,
         labels TEXT NOT NULL,
+        source_tags TEXT NOT NULL DEFAULT '[]',
         cache_key TEXT UNIQUE,
         parent_commit_id TEXT,
         cpus INTEGER NOT NULL,
@@ -196,6 +197,8 @@ pub struct CommitRecord {
     pub tags: Vec<String>,
     /// Labels.
     pub labels: BTreeMap<String, String>,
+    /// The source's tags when it was committed (forks inherit them).
+    pub source_tags: Vec<String>,
     /// Cache key.
     pub cache_key: Option<String>,
     /// The source's own parent commit.
@@ -298,11 +301,12 @@ fn vm_from_row(row: &Row<'_>) -> rusqlite::Result<std::result::Result<VmRecord, 
 }
 
 const COMMIT_COLUMNS: &str = "id, host_group, source, disk, tags, labels, cache_key, \
-     parent_commit_id, cpus, ram_bytes, size_bytes, created_ms, elapsed_ms";
+     parent_commit_id, cpus, ram_bytes, size_bytes, created_ms, elapsed_ms, source_tags";
 
 fn commit_from_row(row: &Row<'_>) -> rusqlite::Result<std::result::Result<CommitRecord, DbError>> {
     let tags: String = row.get(4)?;
     let labels: String = row.get(5)?;
+    let source_tags: String = row.get(13)?;
     let build = || -> Result<CommitRecord> {
         Ok(CommitRecord {
             id: row.get(0)?,
@@ -321,6 +325,7 @@ fn commit_from_row(row: &Row<'_>) -> rusqlite::Result<std::result::Result<Commit
             size_bytes: row.get::<_, i64>(10)? as u64,
             created_ms: row.get::<_, i64>(11)? as u64,
             elapsed_ms: row.get::<_, i64>(12)? as u64,
+            source_tags: json_vec(&source_tags, "commits.source_tags")?,
         })
     };
     Ok(build())
@@ -592,7 +597,7 @@ impl Store {
                 )));
             }
             tx.execute(
-                &format!("INSERT INTO commits ({COMMIT_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)"),
+                &format!("INSERT INTO commits ({COMMIT_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)"),
                 params![
                     c.id,
                     c.host_group,
@@ -607,6 +612,7 @@ impl Store {
                     c.size_bytes as i64,
                     c.created_ms as i64,
                     c.elapsed_ms as i64,
+                    to_json(&c.source_tags),
                 ],
             )?;
             tx.execute(
@@ -722,6 +728,16 @@ impl Store {
         Ok(())
     }
 
+    /// Every commit's disk path.
+    pub fn commit_paths(&self) -> Result<Vec<String>> {
+        let conn = self.lock();
+        let mut stmt = conn.prepare("SELECT disk FROM commits")?;
+        let out = stmt
+            .query_map([], |r| r.get(0))?
+            .collect::<rusqlite::Result<_>>()?;
+        Ok(out)
+    }
+
     /// Every image path recorded.
     pub fn image_paths(&self) -> Result<Vec<String>> {
         let conn = self.lock();
@@ -827,6 +843,7 @@ mod tests {
             disk: format!("/c/{id}.qcow2"),
             tags: vec!["t".into()],
             labels: BTreeMap::new(),
+            source_tags: vec![],
             cache_key: key.map(Into::into),
             parent_commit_id: None,
             cpus: 1,

@@ -1,30 +1,130 @@
-//! VM disks: copy-on-write children of an image or a commit.
+//! VM disks as qcow2 copy-on-write chains (tine_vmm::storage):
+//! image base -> VM disk -> commit -> fork disks.
+//!
+//! Every disk the daemon creates is a qcow2 overlay written in a few KiB
+//! whatever the parent's size; a commit is the stopped source's disk made
+//! immutable under a second name (a hard link, O(1)), and the source goes
+//! on with a fresh overlay on top of it.
 
+use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 
-/// Creates `dest` as a disk whose contents start as `base`'s, of
-/// `size` bytes (default: the base's size).
-pub fn create_disk(base: &Path, dest: &Path, size: Option<u64>) -> std::io::Result<()> {
-    // TEMP(qcow2): a sparse copy until the qcow2 overlays land.
-    let tmp = dest.with_extension("tmp");
-    std::fs::copy(base, &tmp)?;
-    if let Some(size) = size {
-        let f = std::fs::OpenOptions::new().write(true).open(&tmp)?;
-        if size > f.metadata()?.len() {
-            f.set_len(size)?;
+use tine_vmm::storage::{self as vstore, Format};
+
+/// Errors from disk operations, with the whole cause chain in the message.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct DiskError(pub String);
+
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        let m = c.to_string();
+        if !s.contains(&m) {
+            s.push_str(": ");
+            s.push_str(&m);
         }
+        cur = c.source();
     }
-    let mut perms = std::fs::metadata(&tmp)?.permissions();
-    std::os::unix::fs::PermissionsExt::set_mode(&mut perms, 0o600);
-    std::fs::set_permissions(&tmp, perms)?;
-    std::fs::rename(&tmp, dest)
+    s
+}
+
+fn err(what: &str, e: &dyn std::error::Error) -> DiskError {
+    DiskError(format!("{what}: {}", chain(e)))
+}
+
+/// Creates `dest`, a qcow2 overlay on `base` of `size` bytes (default: the
+/// base's size), mode 0600.
+pub fn create_disk(base: &Path, dest: &Path, size: Option<u64>) -> Result<(), DiskError> {
+    let format = vstore::detect_format(base).map_err(|e| err("read the base image", &e))?;
+    vstore::create_overlay(dest, base, format, size)
+        .map_err(|e| err(&format!("create {}", dest.display()), &e))?;
+    std::fs::set_permissions(dest, std::fs::Permissions::from_mode(0o600))
+        .map_err(|e| err(&format!("chmod {}", dest.display()), &e))
 }
 
 /// Virtual size, bytes allocated on the host, and format of a disk.
 pub fn describe(path: &Path) -> (u64, u64, String) {
     use std::os::unix::fs::MetadataExt;
-    match std::fs::metadata(path) {
-        Ok(m) => (m.len(), m.blocks() * 512, "raw".into()),
-        Err(_) => (0, 0, "missing".into()),
+    let allocated = std::fs::metadata(path)
+        .map(|m| m.blocks() * 512)
+        .unwrap_or(0);
+    match vstore::info(path) {
+        Ok(i) => (i.virtual_size, allocated, i.format.as_str().to_owned()),
+        Err(_) if !path.exists() => (0, 0, "missing".into()),
+        Err(_) => (0, allocated, "unreadable".into()),
     }
+}
+
+/// The virtual size of a disk.
+pub fn virtual_size(path: &Path) -> Result<u64, DiskError> {
+    vstore::info(path)
+        .map(|i| i.virtual_size)
+        .map_err(|e| err(&format!("read {}", path.display()), &e))
+}
+
+/// Checks that a commit's file is present and its qcow2 metadata (and its
+/// backing chain's headers) consistent.
+pub fn verify_commit(path: &Path) -> Result<(), DiskError> {
+    if !path.is_file() {
+        return Err(DiskError(format!("its file {} is missing", path.display())));
+    }
+    let report = vstore::check(path).map_err(|e| err(&format!("{} is corrupted", path.display()), &e))?;
+    if !report.is_ok() {
+        return Err(DiskError(format!(
+            "{} is corrupted: {}",
+            path.display(),
+            report.messages.join("; ")
+        )));
+    }
+    vstore::backing_chain(path)
+        .map_err(|e| err(&format!("the backing chain of {}", path.display()), &e))?;
+    Ok(())
+}
+
+/// Makes `disk` a commit at `commit_path` and gives the source a fresh
+/// overlay at `new_disk`; returns the commit's virtual size. On failure
+/// nothing is left behind and `disk` is unchanged.
+pub fn commit_disk(disk: &Path, commit_path: &Path, new_disk: &Path) -> Result<u64, DiskError> {
+    let size = virtual_size(disk)?;
+    if let Some(dir) = commit_path.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| err(&format!("create {}", dir.display()), &e))?;
+    }
+    std::fs::hard_link(disk, commit_path).map_err(|e| {
+        err(
+            &format!("link {} to {}", disk.display(), commit_path.display()),
+            &e,
+        )
+    })?;
+    let undo = |e: DiskError| {
+        let _ = std::fs::remove_file(commit_path);
+        let _ = std::fs::remove_file(new_disk);
+        e
+    };
+    // Immutable from here on: read-only for everyone (the inode is shared
+    // with `disk`, which nobody writes again).
+    std::fs::set_permissions(commit_path, std::fs::Permissions::from_mode(0o444))
+        .map_err(|e| undo(err("make the commit read-only", &e)))?;
+    create_disk_on(commit_path, new_disk).map_err(undo)?;
+    // The directory entries must survive a crash before the record says
+    // the commit exists.
+    for dir in [commit_path.parent(), new_disk.parent()].into_iter().flatten() {
+        if let Ok(d) = std::fs::File::open(dir) {
+            let _ = d.sync_all();
+        }
+    }
+    Ok(size)
+}
+
+fn create_disk_on(parent: &Path, dest: &Path) -> Result<(), DiskError> {
+    vstore::create_overlay(dest, parent, Format::Qcow2, None)
+        .map_err(|e| err(&format!("create {}", dest.display()), &e))?;
+    std::fs::set_permissions(dest, std::fs::Permissions::from_mode(0o600))
+        .map_err(|e| err(&format!("chmod {}", dest.display()), &e))
+}
+
+/// Creates a fork's disk: an overlay on the commit.
+pub fn fork_disk(commit_path: &Path, dest: &Path) -> Result<(), DiskError> {
+    create_disk_on(commit_path, dest)
 }

@@ -37,7 +37,7 @@ pub(super) async fn health(
         if w != "agent" {
             return Err(ApiError::bad_request(format!("wait `{w}` is not `agent`")));
         }
-        let timeout = parse_timeout(query_get(&q, "timeout"), super::vms::DEFAULT_WAIT)?;
+        let timeout = parse_timeout(query_get(&q, "timeout"), super::DEFAULT_WAIT)?;
         d.wait_running(&vm.hostname, timeout).await?;
     }
     let (vm, client) = d.agent(&vm.hostname).await?;

@@ -22,6 +22,9 @@ use crate::error::{ApiError, ApiResult};
 /// The OpenAPI description kept in the repository and served as is.
 pub const OPENAPI_YAML: &str = include_str!("../../../../docs/openapi.yaml");
 
+/// Default `timeout` of waits for the agent.
+pub const DEFAULT_WAIT: Duration = Duration::from_secs(60);
+
 /// Shared state of the handlers.
 pub type AppState = Arc<Daemon>;
 

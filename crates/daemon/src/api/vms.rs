@@ -1,7 +1,5 @@
 //! Host groups and the VM life cycle.
 
-use std::time::Duration;
-
 use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::http::{StatusCode, Uri};
@@ -11,13 +9,11 @@ use tine_proto::api::{
 };
 
 use super::{
-    parse_json, parse_timeout, parse_wait, query_get, query_num, query_only, query_pairs, AppState,
+    parse_json, parse_timeout, parse_wait, query_get, query_num, query_only, query_pairs, AppState, DEFAULT_WAIT,
 };
 use crate::daemon::{Wait, DEFAULT_SHUTDOWN_TIMEOUT};
 use crate::error::{ApiError, ApiResult};
 
-/// Default `timeout` of waits for the agent.
-pub const DEFAULT_WAIT: Duration = Duration::from_secs(60);
 
 pub(super) async fn info(State(d): State<AppState>) -> ApiResult<Json<DaemonInfo>> {
     Ok(Json(DaemonInfo {
