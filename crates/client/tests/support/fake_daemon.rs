@@ -1,0 +1,875 @@
+//! A fake tine daemon for tests: an axum server on a Unix socket in a temp
+//! dir (and optionally on TCP with a bearer token) that speaks the shapes of
+//! docs/api.md with canned data. Shared by the client's and the CLI's tests.
+//!
+//! Canned behaviour:
+//! - host group `dev` with VMs `dev-1` (running, tags `name=web`, `env=ci`)
+//!   and `dev-2` (stopped); anything else is 404.
+//! - create: 201 `dev-3`, `starting` without wait, `running` with
+//!   `wait=agent`; a request named `slow` with `wait=agent` gets 408.
+//! - exec `cmd`: `echo ARGS` prints them; `exit N` exits N; `kill N` dies
+//!   of signal N; `cat` copies the streamed request body to stdout; `err`
+//!   writes `oops` to stderr and exits 2; `split` sends its frames cut in
+//!   the middle of lines, one piece every few ms; anything else gets an
+//!   `error` frame (`not_found`).
+//! - cp download: `hello from PATH\n`; upload: counts and keeps the bytes.
+//! - shell: greets, echoes terminal data, answers a resize with
+//!   `resized R C`, ends with exit 3 on input `exit\r`.
+//! - forward: echoes, prefixed once with the target.
+
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
+use axum::extract::{Path, RawQuery, Request, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post};
+use axum::{Json, Router};
+use base64::Engine as _;
+use futures_util::StreamExt;
+use tine_proto::api::{
+    CommitInfo, CommitRequest, CreateVmRequest, CreateVmResponse, DaemonInfo, ErrorBody, ErrorCode,
+    ExecFrame, ForkRequest, ForkResponse, HostGroupInfo, LifecycleResponse, LogsResponse,
+    StorageInfo, TagsPatch, TagsResponse, VmHealth, VmInfo, VmState,
+};
+use tokio::sync::mpsc;
+
+/// One request as the fake saw it.
+#[derive(Debug, Clone)]
+pub struct Seen {
+    /// `GET`, `POST`, ...
+    pub method: String,
+    /// Path and query as sent.
+    pub uri: String,
+    /// The Authorization header, if any.
+    pub authorization: Option<String>,
+    /// The request body, for JSON bodies.
+    pub body: Option<String>,
+}
+
+/// What the fake records.
+#[derive(Debug, Default)]
+pub struct Record {
+    /// Every request, in order.
+    pub requests: Vec<Seen>,
+    /// Uploaded files: path -> bytes.
+    pub uploads: BTreeMap<String, Vec<u8>>,
+    /// How many body chunks each upload arrived in.
+    pub upload_chunks: BTreeMap<String, usize>,
+    /// Bytes received so far by uploads still arriving.
+    pub upload_progress: BTreeMap<String, usize>,
+}
+
+/// Shared state of the fake.
+#[derive(Clone)]
+struct Fake {
+    record: Arc<Mutex<Record>>,
+    token: Option<String>,
+}
+
+/// A running fake daemon.
+pub struct FakeDaemon {
+    _dir: tempfile::TempDir,
+    /// Its socket.
+    pub socket: PathBuf,
+    /// `http://127.0.0.1:PORT`, when started with TCP.
+    pub tcp_url: Option<String>,
+    record: Arc<Mutex<Record>>,
+}
+
+impl FakeDaemon {
+    /// Starts the fake on a Unix socket (and on TCP, with `token`).
+    pub async fn start(tcp_token: Option<&str>) -> FakeDaemon {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let socket = dir.path().join("tine.sock");
+        let record = Arc::new(Mutex::new(Record::default()));
+        let unix = tokio::net::UnixListener::bind(&socket).expect("bind socket");
+        let app = router(Fake {
+            record: record.clone(),
+            token: None,
+        });
+        tokio::spawn(async move {
+            axum::serve(unix, app).await.expect("serve unix");
+        });
+        let tcp_url = match tcp_token {
+            Some(token) => {
+                let tcp = tokio::net::TcpListener::bind("127.0.0.1:0")
+                    .await
+                    .expect("bind tcp");
+                let addr = tcp.local_addr().expect("addr");
+                let app = router(Fake {
+                    record: record.clone(),
+                    token: Some(token.to_string()),
+                });
+                tokio::spawn(async move {
+                    axum::serve(tcp, app).await.expect("serve tcp");
+                });
+                Some(format!("http://{addr}"))
+            }
+            None => None,
+        };
+        FakeDaemon {
+            _dir: dir,
+            socket,
+            tcp_url,
+            record,
+        }
+    }
+
+    /// `unix:///...` of its socket.
+    pub fn url(&self) -> String {
+        format!("unix://{}", self.socket.display())
+    }
+
+    /// Every request seen so far.
+    pub fn requests(&self) -> Vec<Seen> {
+        self.record.lock().expect("lock").requests.clone()
+    }
+
+    /// The last request whose URI starts with `prefix`.
+    pub fn last(&self, prefix: &str) -> Seen {
+        self.requests()
+            .into_iter()
+            .rev()
+            .find(|s| s.uri.starts_with(prefix))
+            .unwrap_or_else(|| panic!("no request to {prefix}"))
+    }
+
+    /// Bytes of an upload to `path` received so far.
+    pub fn upload_progress(&self, path: &str) -> usize {
+        let r = self.record.lock().expect("lock");
+        r.upload_progress.get(path).copied().unwrap_or(0)
+    }
+
+    /// The bytes uploaded to `path` and the number of chunks they came in.
+    pub fn upload(&self, path: &str) -> Option<(Vec<u8>, usize)> {
+        let r = self.record.lock().expect("lock");
+        let data = r.uploads.get(path)?.clone();
+        Some((data, r.upload_chunks.get(path).copied().unwrap_or(0)))
+    }
+}
+
+fn router(fake: Fake) -> Router {
+    Router::new()
+        .route(
+            "/healthz",
+            get(|| async { Json(serde_json::json!({"status": "ok"})) }),
+        )
+        .route("/info", get(info))
+        .route("/hostgroup", get(groups))
+        .route("/hostgroup/{group}/nodes", get(group_nodes).post(create))
+        .route("/hostgroup/{group}/nodes/{hostname}", delete(delete_vm))
+        .route("/nodes", get(nodes))
+        .route("/vm/commits", get(commits))
+        .route("/vm/commits/{id}", delete(delete_commit))
+        .route("/vm/commits/{id}/fork", post(fork))
+        .route("/vm/{hostname}", get(describe).delete(delete_vm_by_name))
+        .route("/vm/{hostname}/tags", get(tags).patch(patch_tags))
+        .route("/vm/{hostname}/health", get(health))
+        .route("/vm/{hostname}/logs", get(logs))
+        .route("/vm/{hostname}/shutdown", post(shutdown))
+        .route("/vm/{hostname}/relaunch", post(relaunch))
+        .route("/vm/{hostname}/exec", post(exec))
+        .route("/vm/{hostname}/cp", get(download).post(upload))
+        .route("/vm/{hostname}/shell", get(shell))
+        .route("/vm/{hostname}/forward", get(forward))
+        .route("/vm/{hostname}/commit", post(commit))
+        .fallback(|| async { err(StatusCode::NOT_FOUND, ErrorCode::NotFound, "no such route") })
+        .layer(middleware::from_fn_with_state(
+            fake.clone(),
+            record_and_auth,
+        ))
+        .with_state(fake)
+}
+
+async fn record_and_auth(State(fake): State<Fake>, req: Request, next: Next) -> Response {
+    let method = req.method().to_string();
+    let uri = req.uri().to_string();
+    let authorization = req
+        .headers()
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let is_json = req
+        .headers()
+        .get("content-type")
+        .is_some_and(|v| v.as_bytes() == b"application/json");
+    let (req, body) = if is_json {
+        let (parts, body) = req.into_parts();
+        let bytes = axum::body::to_bytes(body, 1 << 20).await.expect("body");
+        let text = String::from_utf8_lossy(&bytes).into_owned();
+        (Request::from_parts(parts, Body::from(bytes)), Some(text))
+    } else {
+        (req, None)
+    };
+    fake.record.lock().expect("lock").requests.push(Seen {
+        method,
+        uri,
+        authorization: authorization.clone(),
+        body,
+    });
+    if let Some(token) = &fake.token {
+        if authorization.as_deref() != Some(&format!("Bearer {token}")) {
+            return err(
+                StatusCode::UNAUTHORIZED,
+                ErrorCode::Unauthorized,
+                "bad token",
+            );
+        }
+    }
+    next.run(req).await
+}
+
+fn err(status: StatusCode, code: ErrorCode, msg: &str) -> Response {
+    (
+        status,
+        Json(ErrorBody {
+            error: msg.to_string(),
+            code,
+        }),
+    )
+        .into_response()
+}
+
+fn not_found_vm(name: &str) -> Response {
+    err(
+        StatusCode::NOT_FOUND,
+        ErrorCode::NotFound,
+        &format!("no VM named {name}"),
+    )
+}
+
+fn vm(hostname: &str) -> Option<VmInfo> {
+    let (state, tags, ip) = match hostname {
+        "dev-1" | "web" => (
+            VmState::Running,
+            vec!["name=web".to_string(), "env=ci".to_string()],
+            Some("10.0.0.2".to_string()),
+        ),
+        "dev-2" => (VmState::Stopped, vec![], None),
+        _ => return None,
+    };
+    let hostname = if hostname == "web" { "dev-1" } else { hostname };
+    Some(VmInfo {
+        hostname: hostname.to_string(),
+        host_group: "dev".into(),
+        state,
+        cpus: 1,
+        ram_bytes: 512 << 20,
+        persistent: true,
+        tags,
+        ip,
+        network: None,
+        pid: None,
+        reason: None,
+        created_at: "2026-01-01T00:00:00.000Z".into(),
+        started_at: None,
+        boot_ms: Some(812),
+        commit_id: None,
+        parent_commit_id: None,
+        storage: StorageInfo {
+            path: format!("/var/lib/tine/vms/{hostname}.qcow2"),
+            format: "qcow2".into(),
+            size_bytes: 4 << 30,
+            allocated_bytes: 1 << 20,
+        },
+    })
+}
+
+fn query_pairs(q: &Option<String>) -> Vec<(String, String)> {
+    let q = q.clone().unwrap_or_default();
+    q.split('&')
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            let (k, v) = p.split_once('=').unwrap_or((p, ""));
+            let dec = |s: &str| percent_decode(&s.replace('+', " "));
+            (dec(k), dec(v))
+        })
+        .collect()
+}
+
+fn percent_decode(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' && i + 2 < bytes.len() {
+            if let Ok(b) = u8::from_str_radix(&s[i + 1..i + 3], 16) {
+                out.push(b);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn param(q: &[(String, String)], key: &str) -> Option<String> {
+    q.iter().find(|(k, _)| k == key).map(|(_, v)| v.clone())
+}
+
+async fn info() -> Json<DaemonInfo> {
+    Json(DaemonInfo {
+        version: "0.1.0".into(),
+        data_dir: "/var/lib/tine".into(),
+        pid: 42,
+        started_at: "2026-01-01T00:00:00.000Z".into(),
+        host_groups: vec!["dev".into()],
+        vms: 2,
+    })
+}
+
+async fn groups() -> Json<Vec<HostGroupInfo>> {
+    Json(vec![HostGroupInfo {
+        name: "dev".into(),
+        count: 1,
+        cpus: 1,
+        max_cpus: 2,
+        ram_bytes: 512 << 20,
+        max_ram_bytes: 1 << 30,
+        image: "min".into(),
+        storage_bytes: 4 << 30,
+        persistent: true,
+        network: "none".into(),
+        nodes: 2,
+    }])
+}
+
+fn all_vms() -> Vec<VmInfo> {
+    ["dev-1", "dev-2"].iter().filter_map(|h| vm(h)).collect()
+}
+
+fn filter(vms: Vec<VmInfo>, q: &[(String, String)]) -> Vec<VmInfo> {
+    let tag = param(q, "tag");
+    let prefix = param(q, "tag_prefix");
+    vms.into_iter()
+        .filter(|v| tag.as_ref().is_none_or(|t| v.tags.contains(t)))
+        .filter(|v| {
+            prefix
+                .as_ref()
+                .is_none_or(|p| v.tags.iter().any(|t| t.starts_with(p.as_str())))
+        })
+        .collect()
+}
+
+async fn nodes(RawQuery(q): RawQuery) -> Json<Vec<VmInfo>> {
+    Json(filter(all_vms(), &query_pairs(&q)))
+}
+
+async fn group_nodes(Path(group): Path<String>, RawQuery(q): RawQuery) -> Response {
+    if group != "dev" {
+        return err(
+            StatusCode::NOT_FOUND,
+            ErrorCode::NotFound,
+            &format!("no host group {group}"),
+        );
+    }
+    Json(filter(all_vms(), &query_pairs(&q))).into_response()
+}
+
+async fn create(
+    Path(group): Path<String>,
+    RawQuery(q): RawQuery,
+    Json(req): Json<CreateVmRequest>,
+) -> Response {
+    if group != "dev" {
+        return err(
+            StatusCode::NOT_FOUND,
+            ErrorCode::NotFound,
+            &format!("no host group {group}"),
+        );
+    }
+    let q = query_pairs(&q);
+    let wait = param(&q, "wait").as_deref() == Some("agent");
+    if req.cpus.is_some_and(|c| c > 2) {
+        return err(
+            StatusCode::BAD_REQUEST,
+            ErrorCode::BadRequest,
+            "cpus 4 is above the group's maximum 2",
+        );
+    }
+    if wait && req.name.as_deref() == Some("slow") {
+        return err(
+            StatusCode::REQUEST_TIMEOUT,
+            ErrorCode::Timeout,
+            "dev-3 did not answer within 1s",
+        );
+    }
+    (
+        StatusCode::CREATED,
+        Json(CreateVmResponse {
+            hostname: "dev-3".into(),
+            state: if wait {
+                VmState::Running
+            } else {
+                VmState::Starting
+            },
+            ip: None,
+            elapsed_ms: 812,
+        }),
+    )
+        .into_response()
+}
+
+async fn describe(Path(h): Path<String>) -> Response {
+    match vm(&h) {
+        Some(v) => Json(v).into_response(),
+        None => not_found_vm(&h),
+    }
+}
+
+fn lifecycle(h: &str, state: VmState) -> Response {
+    match vm(h) {
+        Some(v) => Json(LifecycleResponse {
+            hostname: v.hostname,
+            state,
+            elapsed_ms: 5,
+        })
+        .into_response(),
+        None => not_found_vm(h),
+    }
+}
+
+async fn delete_vm(Path((_g, h)): Path<(String, String)>) -> Response {
+    lifecycle(&h, VmState::Stopped)
+}
+
+async fn delete_vm_by_name(Path(h): Path<String>) -> Response {
+    lifecycle(&h, VmState::Stopped)
+}
+
+async fn tags(Path(h): Path<String>) -> Response {
+    match vm(&h) {
+        Some(v) => Json(TagsResponse {
+            hostname: v.hostname,
+            tags: v.tags,
+        })
+        .into_response(),
+        None => not_found_vm(&h),
+    }
+}
+
+async fn patch_tags(Path(h): Path<String>, Json(patch): Json<TagsPatch>) -> Response {
+    let Some(v) = vm(&h) else {
+        return not_found_vm(&h);
+    };
+    let mut tags = match patch.replace {
+        Some(r) => r,
+        None => v.tags,
+    };
+    tags.retain(|t| !patch.remove.contains(t));
+    tags.extend(patch.add);
+    Json(TagsResponse {
+        hostname: v.hostname,
+        tags,
+    })
+    .into_response()
+}
+
+async fn health(Path(h): Path<String>, RawQuery(q): RawQuery) -> Response {
+    let Some(v) = vm(&h) else {
+        return not_found_vm(&h);
+    };
+    let q = query_pairs(&q);
+    if v.state != VmState::Running {
+        if param(&q, "wait").as_deref() == Some("agent") {
+            return err(
+                StatusCode::REQUEST_TIMEOUT,
+                ErrorCode::Timeout,
+                "the agent did not answer in time",
+            );
+        }
+        return err(
+            StatusCode::SERVICE_UNAVAILABLE,
+            ErrorCode::AgentUnavailable,
+            "the agent does not answer",
+        );
+    }
+    Json(VmHealth {
+        hostname: v.hostname,
+        agent_ready: true,
+        agent_version: "0.1.0".into(),
+        agent_uptime_ms: 1000,
+        system_uptime_ms: 1200,
+        userdata_ran: true,
+        rtt_ms: 0.4,
+    })
+    .into_response()
+}
+
+async fn logs(Path(h): Path<String>, RawQuery(q): RawQuery) -> Response {
+    let Some(v) = vm(&h) else {
+        return not_found_vm(&h);
+    };
+    let n = param(&query_pairs(&q), "lines")
+        .and_then(|n| n.parse::<usize>().ok())
+        .unwrap_or(200);
+    let lines: Vec<String> = (1..=3).map(|i| format!("console line {i}")).collect();
+    let skip = lines.len().saturating_sub(n);
+    Json(LogsResponse {
+        hostname: v.hostname,
+        lines: lines[skip..].to_vec(),
+    })
+    .into_response()
+}
+
+async fn shutdown(Path(h): Path<String>) -> Response {
+    lifecycle(&h, VmState::Stopped)
+}
+
+async fn relaunch(Path(h): Path<String>, RawQuery(q): RawQuery) -> Response {
+    let wait = param(&query_pairs(&q), "wait").as_deref() == Some("agent");
+    lifecycle(
+        &h,
+        if wait {
+            VmState::Running
+        } else {
+            VmState::Starting
+        },
+    )
+}
+
+fn frame_line(f: &ExecFrame) -> Bytes {
+    let mut line = serde_json::to_vec(f).expect("encode frame");
+    line.push(b'\n');
+    Bytes::from(line)
+}
+
+fn b64(data: &[u8]) -> String {
+    base64::engine::general_purpose::STANDARD.encode(data)
+}
+
+fn exit(code: Option<i32>, signal: Option<i32>) -> ExecFrame {
+    ExecFrame::Exit {
+        code,
+        signal,
+        timed_out: false,
+        duration_ms: 3,
+    }
+}
+
+/// A streamed response body fed by a channel.
+fn channel_body() -> (mpsc::Sender<Bytes>, Body) {
+    let (tx, rx) = mpsc::channel::<Bytes>(16);
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|b| (Ok::<Bytes, std::io::Error>(b), rx))
+    });
+    (tx, Body::from_stream(stream))
+}
+
+async fn exec(Path(h): Path<String>, RawQuery(q): RawQuery, body: Body) -> Response {
+    if vm(&h).is_none() {
+        return not_found_vm(&h);
+    }
+    let q = query_pairs(&q);
+    let cmd = param(&q, "cmd").unwrap_or_default();
+    let args: Vec<String> = q
+        .iter()
+        .filter(|(k, _)| k == "args")
+        .map(|(_, v)| v.clone())
+        .collect();
+    let (tx, out) = channel_body();
+    tokio::spawn(async move {
+        let send = |f: ExecFrame| {
+            let tx = tx.clone();
+            async move {
+                let _ = tx.send(frame_line(&f)).await;
+            }
+        };
+        match cmd.as_str() {
+            "echo" => {
+                send(ExecFrame::Started { pid: 7 }).await;
+                let text = format!("{}\n", args.join(" "));
+                send(ExecFrame::Stdout {
+                    data: b64(text.as_bytes()),
+                })
+                .await;
+                send(exit(Some(0), None)).await;
+            }
+            "exit" => {
+                send(ExecFrame::Started { pid: 7 }).await;
+                let code = args.first().and_then(|a| a.parse().ok()).unwrap_or(1);
+                send(exit(Some(code), None)).await;
+            }
+            "kill" => {
+                send(ExecFrame::Started { pid: 7 }).await;
+                let sig = args.first().and_then(|a| a.parse().ok()).unwrap_or(9);
+                send(exit(None, Some(sig))).await;
+            }
+            "err" => {
+                send(ExecFrame::Started { pid: 7 }).await;
+                send(ExecFrame::Stderr {
+                    data: b64(b"oops\n"),
+                })
+                .await;
+                send(exit(Some(2), None)).await;
+            }
+            "cat" => {
+                send(ExecFrame::Started { pid: 7 }).await;
+                let mut stream = body.into_data_stream();
+                while let Some(Ok(chunk)) = stream.next().await {
+                    send(ExecFrame::Stdout { data: b64(&chunk) }).await;
+                }
+                send(exit(Some(0), None)).await;
+            }
+            "split" => {
+                let mut all = Vec::new();
+                all.extend_from_slice(&frame_line(&ExecFrame::Started { pid: 7 }));
+                all.extend_from_slice(&frame_line(&ExecFrame::Stdout {
+                    data: b64(b"one\n"),
+                }));
+                all.extend_from_slice(&frame_line(&ExecFrame::Stdout {
+                    data: b64(b"two\n"),
+                }));
+                all.extend_from_slice(&frame_line(&exit(Some(5), None)));
+                for piece in all.chunks(7) {
+                    let _ = tx.send(Bytes::copy_from_slice(piece)).await;
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+            }
+            other => {
+                send(ExecFrame::Error {
+                    error: format!("{other}: command not found"),
+                    code: ErrorCode::NotFound,
+                })
+                .await;
+            }
+        }
+    });
+    ([("content-type", "application/x-ndjson")], out).into_response()
+}
+
+async fn download(Path(h): Path<String>, RawQuery(q): RawQuery) -> Response {
+    if vm(&h).is_none() {
+        return not_found_vm(&h);
+    }
+    let q = query_pairs(&q);
+    let path = param(&q, "path").unwrap_or_default();
+    if path == "/missing" {
+        return err(
+            StatusCode::NOT_FOUND,
+            ErrorCode::NotFound,
+            "/missing: no such file",
+        );
+    }
+    let (tx, body) = channel_body();
+    tokio::spawn(async move {
+        let _ = tx.send(Bytes::from(format!("hello from {path}"))).await;
+        let _ = tx.send(Bytes::from_static(b"\n")).await;
+    });
+    ([("content-type", "application/octet-stream")], body).into_response()
+}
+
+async fn upload(
+    State(fake): State<Fake>,
+    Path(h): Path<String>,
+    RawQuery(q): RawQuery,
+    body: Body,
+) -> Response {
+    if vm(&h).is_none() {
+        return not_found_vm(&h);
+    }
+    let path = param(&query_pairs(&q), "path").unwrap_or_default();
+    let mut data = Vec::new();
+    let mut chunks = 0;
+    let mut stream = body.into_data_stream();
+    while let Some(chunk) = stream.next().await {
+        let Ok(chunk) = chunk else {
+            return err(
+                StatusCode::BAD_REQUEST,
+                ErrorCode::BadRequest,
+                "body failed",
+            );
+        };
+        chunks += 1;
+        data.extend_from_slice(&chunk);
+        fake.record
+            .lock()
+            .expect("lock")
+            .upload_progress
+            .insert(path.clone(), data.len());
+    }
+    let n = data.len();
+    let mut r = fake.record.lock().expect("lock");
+    r.uploads.insert(path.clone(), data);
+    r.upload_chunks.insert(path, chunks);
+    Json(serde_json::json!({ "bytes": n })).into_response()
+}
+
+async fn shell(Path(h): Path<String>, ws: WebSocketUpgrade) -> Response {
+    if vm(&h).is_none() {
+        return not_found_vm(&h);
+    }
+    ws.on_upgrade(|mut socket: WebSocket| async move {
+        let data = |bytes: &[u8]| {
+            let mut m = vec![0u8];
+            m.extend_from_slice(bytes);
+            Message::Binary(m.into())
+        };
+        let _ = socket.send(data(b"welcome\r\n")).await;
+        while let Some(Ok(msg)) = socket.recv().await {
+            let Message::Binary(m) = msg else { continue };
+            match m.first() {
+                Some(0) if &m[1..] == b"exit\r" => {
+                    let mut e = vec![2u8];
+                    e.extend_from_slice(&3i32.to_be_bytes());
+                    let _ = socket.send(Message::Binary(e.into())).await;
+                    let _ = socket.send(Message::Close(None)).await;
+                    return;
+                }
+                Some(0) => {
+                    let _ = socket.send(data(&m[1..])).await;
+                }
+                Some(1) if m.len() == 5 => {
+                    let rows = u16::from_be_bytes([m[1], m[2]]);
+                    let cols = u16::from_be_bytes([m[3], m[4]]);
+                    let _ = socket
+                        .send(data(format!("resized {rows} {cols}").as_bytes()))
+                        .await;
+                }
+                _ => {}
+            }
+        }
+    })
+}
+
+async fn forward(Path(h): Path<String>, RawQuery(q): RawQuery, ws: WebSocketUpgrade) -> Response {
+    if vm(&h).is_none() {
+        return not_found_vm(&h);
+    }
+    let target = param(&query_pairs(&q), "target").unwrap_or_default();
+    ws.on_upgrade(move |mut socket: WebSocket| async move {
+        let mut first = true;
+        while let Some(Ok(msg)) = socket.recv().await {
+            match msg {
+                Message::Binary(m) => {
+                    let mut out = Vec::new();
+                    if first {
+                        out.extend_from_slice(format!("[{target}]").as_bytes());
+                        first = false;
+                    }
+                    out.extend_from_slice(&m);
+                    if socket.send(Message::Binary(out.into())).await.is_err() {
+                        return;
+                    }
+                }
+                Message::Close(_) => {
+                    let _ = socket.send(Message::Close(None)).await;
+                    return;
+                }
+                _ => {}
+            }
+        }
+    })
+}
+
+fn commit_info(id: &str, source: &str, req: &CommitRequest) -> CommitInfo {
+    CommitInfo {
+        commit_id: id.to_string(),
+        status: "committed".into(),
+        mode: "disk".into(),
+        source: source.to_string(),
+        host_group: "dev".into(),
+        tags: req.tags.clone(),
+        labels: req.labels.clone(),
+        cache_key: req.cache_key.clone(),
+        parent_commit_id: None,
+        cpus: 1,
+        ram_bytes: 512 << 20,
+        size_bytes: 4 << 30,
+        created_at: "2026-01-01T00:00:00.000Z".into(),
+        elapsed_ms: 120,
+    }
+}
+
+const COMMIT: &str = "cmt-dev-0123456789abcdef";
+
+async fn commit(Path(h): Path<String>, Json(req): Json<CommitRequest>) -> Response {
+    let Some(v) = vm(&h) else {
+        return not_found_vm(&h);
+    };
+    if v.state == VmState::Running {
+        return err(
+            StatusCode::CONFLICT,
+            ErrorCode::Conflict,
+            &format!("{} is running; shut it down first", v.hostname),
+        );
+    }
+    (
+        StatusCode::CREATED,
+        Json(commit_info(COMMIT, &v.hostname, &req)),
+    )
+        .into_response()
+}
+
+async fn commits(RawQuery(q): RawQuery) -> Json<Vec<CommitInfo>> {
+    let q = query_pairs(&q);
+    let c = commit_info(
+        COMMIT,
+        "dev-2",
+        &CommitRequest {
+            tags: vec!["base".into()],
+            labels: BTreeMap::new(),
+            cache_key: Some("k1".into()),
+        },
+    );
+    let keep = param(&q, "tag").is_none_or(|t| c.tags.contains(&t))
+        && param(&q, "cache_key").is_none_or(|k| c.cache_key.as_deref() == Some(k.as_str()))
+        && param(&q, "source").is_none_or(|s| c.source == s);
+    Json(if keep { vec![c] } else { vec![] })
+}
+
+async fn delete_commit(Path(id): Path<String>) -> Response {
+    if id != COMMIT {
+        return err(
+            StatusCode::NOT_FOUND,
+            ErrorCode::NotFound,
+            &format!("no commit {id}"),
+        );
+    }
+    Json(serde_json::json!({"commit_id": id, "status": "deleted"})).into_response()
+}
+
+async fn fork(
+    Path(id): Path<String>,
+    RawQuery(q): RawQuery,
+    _headers: HeaderMap,
+    Json(req): Json<ForkRequest>,
+) -> Response {
+    if id != COMMIT {
+        return err(
+            StatusCode::NOT_FOUND,
+            ErrorCode::NotFound,
+            &format!("no commit {id}"),
+        );
+    }
+    let wait = param(&query_pairs(&q), "wait").as_deref() == Some("agent");
+    (
+        StatusCode::CREATED,
+        Json(ForkResponse {
+            hostname: "dev-4".into(),
+            source_hostname: "dev-2".into(),
+            commit_id: id,
+            status: "forked".into(),
+            child_status: if wait {
+                VmState::Running
+            } else {
+                VmState::Starting
+            },
+            persistent: req.persistent.unwrap_or(true),
+            elapsed_ms: 300,
+        }),
+    )
+        .into_response()
+}
