@@ -18,7 +18,9 @@ use axum::http::{Method, StatusCode, Uri};
 use axum::Json;
 use tine_proto::api::{self, CommitInfo, CommitRequest, ForkNetwork, ForkRequest, VmState};
 
-use crate::api::{parse_json, parse_timeout, parse_wait, query_get, query_only, query_pairs, AppState, Routes};
+use crate::api::{
+    parse_json, parse_timeout, parse_wait, query_get, query_only, query_pairs, AppState, Routes,
+};
 use crate::daemon::{validate_name, validate_tag, Daemon, Wait, DEFAULT_FIXUPS};
 use crate::db::{now_ms, CommitRecord, NewVm};
 use crate::error::{ApiError, ApiResult};
@@ -120,13 +122,20 @@ impl Daemon {
         let id = new_commit_id(&vm.host_group)?;
         let commit_path = self.commits_dir().join(format!("{id}.qcow2"));
         let paths = self.paths(&vm.hostname);
-        let new_disk = paths.dir.join(format!("disk-{}.qcow2", &id[id.len() - 8..]));
+        let new_disk = paths
+            .dir
+            .join(format!("disk-{}.qcow2", &id[id.len() - 8..]));
         let old_disk = PathBuf::from(&vm.disk);
         let (c2, n2, o2) = (commit_path.clone(), new_disk.clone(), old_disk.clone());
         let size = tokio::task::spawn_blocking(move || storage::commit_disk(&o2, &c2, &n2))
             .await
             .map_err(|e| ApiError::internal(format!("commit: {e}")))?
-            .map_err(|e| ApiError::internal(format!("commit of {} failed, nothing recorded: {e}", vm.hostname)))?;
+            .map_err(|e| {
+                ApiError::internal(format!(
+                    "commit of {} failed, nothing recorded: {e}",
+                    vm.hostname
+                ))
+            })?;
         let record = CommitRecord {
             id: id.clone(),
             host_group: vm.host_group.clone(),
@@ -134,7 +143,12 @@ impl Daemon {
             disk: commit_path.display().to_string(),
             tags: req.tags,
             labels: req.labels,
-            source_tags: vm.tags.iter().filter(|t| !t.starts_with("name=")).cloned().collect(),
+            source_tags: vm
+                .tags
+                .iter()
+                .filter(|t| !t.starts_with("name="))
+                .cloned()
+                .collect(),
             cache_key: req.cache_key,
             parent_commit_id: vm.parent_commit_id.clone(),
             cpus: vm.cpus,
@@ -143,7 +157,10 @@ impl Daemon {
             created_ms: now_ms(),
             elapsed_ms: began.elapsed().as_millis() as u64,
         };
-        if let Err(e) = self.store.insert_commit(&record, &new_disk.display().to_string()) {
+        if let Err(e) = self
+            .store
+            .insert_commit(&record, &new_disk.display().to_string())
+        {
             let _ = std::fs::remove_file(&commit_path);
             let _ = std::fs::remove_file(&new_disk);
             return Err(e.into());
@@ -208,9 +225,17 @@ impl Daemon {
         let replace = match req.tag_mode.as_deref() {
             None | Some("append") => false,
             Some("replace") => true,
-            Some(m) => return Err(ApiError::bad_request(format!("tag_mode `{m}` is not append or replace"))),
+            Some(m) => {
+                return Err(ApiError::bad_request(format!(
+                    "tag_mode `{m}` is not append or replace"
+                )))
+            }
         };
-        let mut tags = if replace { Vec::new() } else { c.source_tags.clone() };
+        let mut tags = if replace {
+            Vec::new()
+        } else {
+            c.source_tags.clone()
+        };
         for t in req.tags.iter().flatten() {
             validate_tag(t)?;
             if !tags.contains(t) {
@@ -244,14 +269,20 @@ impl Daemon {
             tokio::task::spawn_blocking(move || storage::verify_commit(&p))
                 .await
                 .map_err(|e| ApiError::internal(e.to_string()))?
-                .map_err(|e| ApiError::internal(format!("commit {} cannot be forked: {e}", c.id)))?;
+                .map_err(|e| {
+                    ApiError::internal(format!("commit {} cannot be forked: {e}", c.id))
+                })?;
         }
         let this = self.clone();
         // The fork finishes even if the client goes away.
         let job = tokio::spawn(async move {
             let data_dir = this.data_dir.clone();
             let vm = this.store.insert_vm(&new, |h| {
-                VmPaths::new(&data_dir, h).dir.join("disk.qcow2").display().to_string()
+                VmPaths::new(&data_dir, h)
+                    .dir
+                    .join("disk.qcow2")
+                    .display()
+                    .to_string()
             })?;
             let hostname = vm.hostname.clone();
             let result = async {
@@ -268,7 +299,9 @@ impl Daemon {
             }
             Ok(hostname)
         });
-        let hostname = job.await.map_err(|e| ApiError::internal(format!("fork: {e}")))??;
+        let hostname = job
+            .await
+            .map_err(|e| ApiError::internal(format!("fork: {e}")))??;
         let vm = match wait {
             Wait::Agent => match self.wait_running(&hostname, timeout).await {
                 Ok(vm) => vm,
@@ -276,7 +309,10 @@ impl Daemon {
                 Err(e) => {
                     // A fork that failed to come up leaves nothing behind.
                     self.discard(&hostname).await;
-                    return Err(ApiError::internal(format!("fork failed and was removed: {}", e.message)));
+                    return Err(ApiError::internal(format!(
+                        "fork failed and was removed: {}",
+                        e.message
+                    )));
                 }
             },
             Wait::None => self.vm(&hostname)?,
@@ -339,7 +375,9 @@ async fn delete(
     UrlPath(id): UrlPath<String>,
 ) -> ApiResult<Json<serde_json::Value>> {
     d.delete_commit(&id)?;
-    Ok(Json(serde_json::json!({"commit_id": id, "status": "deleted"})))
+    Ok(Json(
+        serde_json::json!({"commit_id": id, "status": "deleted"}),
+    ))
 }
 
 async fn fork(
@@ -353,5 +391,8 @@ async fn fork(
     let wait = parse_wait(query_get(&q, "wait"), Wait::Agent)?;
     let timeout = parse_timeout(query_get(&q, "timeout"), crate::api::DEFAULT_WAIT)?;
     let req: ForkRequest = parse_json(&body)?;
-    Ok((StatusCode::CREATED, Json(d.fork(&id, req, wait, timeout).await?)))
+    Ok((
+        StatusCode::CREATED,
+        Json(d.fork(&id, req, wait, timeout).await?),
+    ))
 }

@@ -62,6 +62,8 @@ pub struct Daemon {
     changes: watch::Sender<u64>,
     /// Serialises life-cycle operations per VM.
     locks: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Serialises image imports (concurrent creates share one copy).
+    imports: std::sync::Mutex<()>,
 }
 
 fn internal(what: &str, e: impl std::fmt::Display) -> ApiError {
@@ -120,6 +122,7 @@ impl Daemon {
             started_ms: now_ms(),
             changes,
             locks: std::sync::Mutex::new(HashMap::new()),
+            imports: std::sync::Mutex::new(()),
         }))
     }
 
@@ -320,6 +323,7 @@ impl Daemon {
         let job = tokio::spawn(async move {
             let this2 = this.clone();
             let base = tokio::task::spawn_blocking(move || {
+                let _one = this2.imports.lock().unwrap_or_else(|p| p.into_inner());
                 artifacts::image_base(&this2.store, &image, &this2.data_dir)
             })
             .await
@@ -952,7 +956,10 @@ impl Daemon {
             if let Ok(entries) = std::fs::read_dir(&dir) {
                 for e in entries.flatten() {
                     let name = e.file_name().to_string_lossy().into_owned();
-                    if name.starts_with("disk") && name.ends_with(".qcow2") && e.path().display().to_string() != vm.disk {
+                    if name.starts_with("disk")
+                        && name.ends_with(".qcow2")
+                        && e.path().display().to_string() != vm.disk
+                    {
                         let _ = std::fs::remove_file(e.path());
                         report.removed.push(e.path().display().to_string());
                     }

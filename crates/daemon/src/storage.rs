@@ -70,7 +70,8 @@ pub fn verify_commit(path: &Path) -> Result<(), DiskError> {
     if !path.is_file() {
         return Err(DiskError(format!("its file {} is missing", path.display())));
     }
-    let report = vstore::check(path).map_err(|e| err(&format!("{} is corrupted", path.display()), &e))?;
+    let report =
+        vstore::check(path).map_err(|e| err(&format!("{} is corrupted", path.display()), &e))?;
     if !report.is_ok() {
         return Err(DiskError(format!(
             "{} is corrupted: {}",
@@ -109,7 +110,10 @@ pub fn commit_disk(disk: &Path, commit_path: &Path, new_disk: &Path) -> Result<u
     create_disk_on(commit_path, new_disk).map_err(undo)?;
     // The directory entries must survive a crash before the record says
     // the commit exists.
-    for dir in [commit_path.parent(), new_disk.parent()].into_iter().flatten() {
+    for dir in [commit_path.parent(), new_disk.parent()]
+        .into_iter()
+        .flatten()
+    {
         if let Ok(d) = std::fs::File::open(dir) {
             let _ = d.sync_all();
         }

@@ -9,11 +9,11 @@ use tine_proto::api::{
 };
 
 use super::{
-    parse_json, parse_timeout, parse_wait, query_get, query_num, query_only, query_pairs, AppState, DEFAULT_WAIT,
+    parse_json, parse_timeout, parse_wait, query_get, query_num, query_only, query_pairs, AppState,
+    DEFAULT_WAIT,
 };
 use crate::daemon::{Wait, DEFAULT_SHUTDOWN_TIMEOUT};
 use crate::error::{ApiError, ApiResult};
-
 
 pub(super) async fn info(State(d): State<AppState>) -> ApiResult<Json<DaemonInfo>> {
     Ok(Json(DaemonInfo {

@@ -1,0 +1,626 @@
+//! The daemon against real VMs, through the REST API: the whole life
+//! cycle, `kill -9` of the daemon and of a VMM, concurrent creates, bad
+//! input, commits and cold forks. Runs in the test bed (nested here), one
+//! test at a time; each test starts its own daemon (this test binary
+//! re-executed as `tine up`) on its own data directory.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tine_client::api::{
+    CommitQuery, CpMode, ExecOptions, ShutdownAction, TineClient, UploadOptions, Wait,
+};
+use tine_proto::api::{
+    CommitRequest, CreateVmRequest, ErrorCode, ForkRequest, ListQuery, TagsPatch, VmState,
+};
+use tine_testbed::{guest_kernel, placement, repo_root, run_tests, Failed, Trial};
+
+/// Set in a re-executed copy of this binary: run the daemon with the
+/// config file this names.
+const DAEMON_CONFIG_ENV: &str = "TINE_TEST_DAEMON_CONFIG";
+/// The min image's directory, from the host into the bed.
+const IMAGE_ENV: &str = "TINE_IMAGE_MIN";
+/// Generous: a nested boot takes 10-60 s under load.
+const BOOT: Duration = Duration::from_secs(240);
+
+type R<T = ()> = Result<T, Failed>;
+
+fn fail(msg: impl Into<String>) -> Failed {
+    Failed::from(msg.into())
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+/// One daemon process on its own data directory.
+struct Daemon {
+    dir: PathBuf,
+    config: PathBuf,
+    child: Option<Child>,
+    client: TineClient,
+}
+
+impl Daemon {
+    /// Writes a config with one group `t` and starts the daemon.
+    fn start(name: &str, extra_group: &str, api_bind: Option<&str>) -> R<Self> {
+        let dir = PathBuf::from(format!("/tmp/td-{name}"));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir)?;
+        let vmm = repo_root().join("target/debug/tine-vmm");
+        let vmm = std::env::var("TINE_TEST_VMM").map(PathBuf::from).unwrap_or(vmm);
+        let mut yaml = format!(
+            "data_dir: {}\nvmm: {}\nhost_groups:\n  - name: t\n    cpus: 1\n    max_cpus: 2\n    ram_mb: 256\n    max_ram_mb: 512\n    persistent: true\n{extra_group}",
+            dir.join("data").display(),
+            vmm.display()
+        );
+        if let Some(b) = api_bind {
+            yaml.push_str(&format!("api:\n  bind: {b}\n"));
+        }
+        let config = dir.join("tine.yaml");
+        std::fs::write(&config, yaml)?;
+        let mut d = Daemon {
+            client: TineClient::unix(dir.join("data/tine.sock")),
+            dir,
+            config,
+            child: None,
+        };
+        d.spawn()?;
+        Ok(d)
+    }
+
+    fn data(&self) -> PathBuf {
+        self.dir.join("data")
+    }
+
+    fn spawn_raw(&self) -> R<Child> {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("daemon.log"))?;
+        Ok(Command::new(std::env::current_exe()?)
+            .env(DAEMON_CONFIG_ENV, &self.config)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()?)
+    }
+
+    /// Starts the daemon process and waits for its socket to answer.
+    fn spawn(&mut self) -> R {
+        let _ = std::fs::remove_file(self.data().join("tine.sock"));
+        let mut child = self.spawn_raw()?;
+        let start = Instant::now();
+        loop {
+            if let Some(status) = child.try_wait()? {
+                return Err(fail(format!("daemon exited with {status}: {}", self.log_tail())));
+            }
+            if rt().block_on(self.client.healthz()).is_ok() {
+                break;
+            }
+            if start.elapsed() > Duration::from_secs(60) {
+                return Err(fail(format!("daemon did not answer: {}", self.log_tail())));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        self.child = Some(child);
+        Ok(())
+    }
+
+    fn log_tail(&self) -> String {
+        let t = std::fs::read_to_string(self.dir.join("daemon.log")).unwrap_or_default();
+        let lines: Vec<&str> = t.lines().collect();
+        lines[lines.len().saturating_sub(15)..].join("\n")
+    }
+
+    fn kill9(&mut self) -> R {
+        if let Some(mut c) = self.child.take() {
+            c.kill()?;
+            c.wait()?;
+        }
+        Ok(())
+    }
+
+    fn vmm_pid(&self, hostname: &str) -> R<u32> {
+        let info = rt().block_on(self.client.describe(hostname)).map_err(|e| fail(e.to_string()))?;
+        info.pid.ok_or_else(|| fail(format!("{hostname} has no pid")))
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        // Stop every VM this daemon started, then the daemon.
+        if self.child.is_some() {
+            let r = rt();
+            if let Ok(vms) = r.block_on(self.client.list_vms(None, &ListQuery::default())) {
+                for vm in vms {
+                    let _ = r.block_on(self.client.delete(&vm.hostname));
+                }
+            }
+        }
+        let _ = self.kill9();
+        for (pid, _) in tine_daemon::process::find_vmm_processes(&self.data().join("vms")) {
+            let _ = Command::new("kill").arg("-9").arg(pid.to_string()).status();
+        }
+    }
+}
+
+fn alive(pid: u32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .unwrap_or_default()
+            .contains(") Z")
+}
+
+async fn sh(c: &TineClient, vm: &str, script: &str) -> R<(i32, String, String)> {
+    let mut o = ExecOptions::new(script, Vec::<String>::new());
+    o.shell = Some(true);
+    let out = c.exec_output(vm, &o).await.map_err(|e| fail(format!("exec on {vm}: {e}")))?;
+    Ok((
+        out.code.unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    ))
+}
+
+async fn sh_ok(c: &TineClient, vm: &str, script: &str) -> R<String> {
+    let (code, out, err) = sh(c, vm, script).await?;
+    if code != 0 {
+        return Err(fail(format!("`{script}` on {vm} exited {code}: {err}")));
+    }
+    Ok(out)
+}
+
+fn code_of(e: &tine_client::api::ApiError) -> Option<ErrorCode> {
+    e.code()
+}
+
+fn expect_err<T: std::fmt::Debug>(
+    r: Result<T, tine_client::api::ApiError>,
+    code: ErrorCode,
+    needle: &str,
+) -> R {
+    match r {
+        Ok(v) => Err(fail(format!("expected {code:?} ({needle}), got {v:?}"))),
+        Err(e) if code_of(&e) == Some(code) && e.to_string().contains(needle) => Ok(()),
+        Err(e) => Err(fail(format!("expected {code:?} containing {needle:?}, got {e}"))),
+    }
+}
+
+fn create_req(persistent: bool) -> CreateVmRequest {
+    CreateVmRequest {
+        persistent: Some(persistent),
+        ..CreateVmRequest::default()
+    }
+}
+
+/// Create, exec (codes, stdin, env), files, tags, health, logs, shutdown,
+/// relaunch with the disk kept, delete.
+fn lifecycle() -> R {
+    let d = Daemon::start("life", "", None)?;
+    let c = &d.client;
+    rt().block_on(async {
+        let t = Instant::now();
+        let mut req = create_req(true);
+        req.tags = vec!["role=web".into()];
+        req.name = Some("web".into());
+        let vm = c.create_vm("t", &req, Wait::Agent, Some(BOOT)).await.map_err(|e| fail(e.to_string()))?;
+        println!("create to agent-ready: {} ms (daemon said {} ms)", t.elapsed().as_millis(), vm.elapsed_ms);
+        assert_eq!(vm.hostname, "t-1");
+        assert_eq!(vm.state, VmState::Running);
+        let h = &vm.hostname;
+        assert_eq!(sh_ok(c, h, "hostname").await?.trim(), "t-1");
+        assert_eq!(sh(c, h, "echo out; echo err >&2; exit 3").await?, (3, "out\n".into(), "err\n".into()));
+        let mut o = ExecOptions::new("sh", ["-c", "echo $FOO; pwd"]);
+        o.env = vec!["FOO=bar".into()];
+        o.cwd = Some("/tmp".into());
+        let out = c.exec_output("web", &o).await.map_err(|e| fail(e.to_string()))?;
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "bar\n/tmp\n", "env, cwd and the friendly name");
+        let stdin = std::io::Cursor::new(b"piped input".to_vec());
+        let mut stream = c.exec(h, &ExecOptions::new("cat", Vec::<String>::new()), Some(stdin)).await.map_err(|e| fail(e.to_string()))?;
+        let mut got = Vec::new();
+        while let Some(f) = stream.next_frame().await {
+            if let tine_proto::api::ExecFrame::Stdout { data } = f.map_err(|e| fail(e.to_string()))? {
+                got.extend(tine_client::api::decode_data(&data).map_err(|e| fail(e.to_string()))?);
+            }
+        }
+        assert_eq!(got, b"piped input");
+        let payload: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
+        c.cp_upload(h, "/root/blob", CpMode::Binary, &UploadOptions::default(), std::io::Cursor::new(payload.clone()))
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        let mut back = Vec::new();
+        c.cp_download(h, "/root/blob", CpMode::Binary).await.map_err(|e| fail(e.to_string()))?
+            .copy_to(&mut back).await.map_err(|e| fail(e.to_string()))?;
+        assert_eq!(back, payload, "cp round trip");
+        let tags = c.patch_tags(h, &TagsPatch { add: vec!["env=ci".into()], remove: vec!["role".into()], replace: None })
+            .await.map_err(|e| fail(e.to_string()))?;
+        assert_eq!(tags.tags, vec!["env=ci".to_string(), "name=web".to_string()]);
+        let by_tag = c.list_vms(None, &ListQuery { tag: Some("env=ci".into()), tag_prefix: None }).await.map_err(|e| fail(e.to_string()))?;
+        assert_eq!(by_tag.len(), 1);
+        let health = c.health(h, Wait::None, None).await.map_err(|e| fail(e.to_string()))?;
+        assert!(health.agent_ready && health.system_uptime_ms > 0);
+        let logs = c.logs(h, Some(50)).await.map_err(|e| fail(e.to_string()))?;
+        assert!(logs.lines.iter().any(|l| l.contains("vsock port 52")), "serial log: {:?}", logs.lines);
+
+        // Stop keeps the disk; relaunch boots it again with the file.
+        let s = c.shutdown(h, ShutdownAction::Shutdown, None).await.map_err(|e| fail(e.to_string()))?;
+        assert_eq!(s.state, VmState::Stopped);
+        let info = c.describe(h).await.map_err(|e| fail(e.to_string()))?;
+        assert_eq!((info.state, info.pid), (VmState::Stopped, None));
+        assert!(info.reason.is_some());
+        expect_err(c.exec_output(h, &ExecOptions::new("true", Vec::<String>::new())).await, ErrorCode::Conflict, "is stopped")?;
+        c.relaunch(h, Wait::Agent, Some(BOOT)).await.map_err(|e| fail(e.to_string()))?;
+        assert_eq!(sh_ok(c, h, "md5sum < /root/blob | cut -c1-8").await?.len(), 9);
+        assert_eq!(c.describe(h).await.map_err(|e| fail(e.to_string()))?.storage.format, "qcow2");
+
+        // An ephemeral VM vanishes with its disk when it stops.
+        let eph = c.create_vm("t", &create_req(false), Wait::Agent, Some(BOOT)).await.map_err(|e| fail(e.to_string()))?;
+        c.shutdown(&eph.hostname, ShutdownAction::Shutdown, None).await.map_err(|e| fail(e.to_string()))?;
+        expect_err(c.describe(&eph.hostname).await, ErrorCode::NotFound, "no VM")?;
+        assert!(!d.data().join("vms").join(&eph.hostname).exists(), "ephemeral folder removed");
+
+        c.delete(h).await.map_err(|e| fail(e.to_string()))?;
+        expect_err(c.describe(h).await, ErrorCode::NotFound, "no VM called `t-1`")?;
+        assert!(!d.data().join("vms/t-1").exists(), "VM folder removed");
+        Ok(())
+    })
+}
+
+/// kill -9 of the daemon loses nothing; a VMM killed under it marks its VM
+/// failed and the daemon lives on; a persistent VM whose process died
+/// while the daemon was down is relaunched.
+fn kill_nine() -> R {
+    let mut d = Daemon::start("kill9", "", None)?;
+    let r = rt();
+    let (a, b) = r.block_on(async {
+        let c = &d.client;
+        let a = c.create_vm("t", &create_req(true), Wait::Agent, Some(BOOT)).await.map_err(|e| fail(e.to_string()))?;
+        let b = c.create_vm("t", &create_req(false), Wait::Agent, Some(BOOT)).await.map_err(|e| fail(e.to_string()))?;
+        sh_ok(c, &a.hostname, "echo kept > /root/marker; sync").await?;
+        Ok::<_, Failed>((a.hostname, b.hostname))
+    })?;
+    let pid_a = d.vmm_pid(&a)?;
+    let pid_b = d.vmm_pid(&b)?;
+    d.kill9()?;
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(alive(pid_a) && alive(pid_b), "VMs outlive the daemon");
+    d.spawn()?;
+    r.block_on(async {
+        let c = &d.client;
+        for h in [&a, &b] {
+            let info = c.describe(h).await.map_err(|e| fail(e.to_string()))?;
+            assert_eq!(info.state, VmState::Running, "{h} adopted");
+        }
+        assert_eq!(d.vmm_pid(&a)?, pid_a, "same process");
+        assert_eq!(sh_ok(c, &a, "cat /root/marker").await?, "kept\n");
+        Ok::<_, Failed>(())
+    })?;
+    // A crashing VMM: the VM is failed with the reason, the daemon lives.
+    Command::new("kill").arg("-9").arg(pid_b.to_string()).status()?;
+    r.block_on(async {
+        let c = &d.client;
+        let start = Instant::now();
+        loop {
+            let info = c.describe(&b).await.map_err(|e| fail(e.to_string()))?;
+            if info.state == VmState::Failed {
+                let reason = info.reason.unwrap_or_default();
+                assert!(reason.contains("signal 9") || reason.contains("without a stop report"), "reason: {reason}");
+                break;
+            }
+            if start.elapsed() > Duration::from_secs(20) {
+                return Err(fail(format!("{b} still {:?}", info.state)));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        c.healthz().await.map_err(|e| fail(e.to_string()))?;
+        Ok(())
+    })?;
+    // The persistent VM's process dies while the daemon is down: the next
+    // start relaunches it from its disk.
+    d.kill9()?;
+    Command::new("kill").arg("-9").arg(pid_a.to_string()).status()?;
+    std::thread::sleep(Duration::from_millis(300));
+    d.spawn()?;
+    r.block_on(async {
+        let c = &d.client;
+        c.health(&a, Wait::Agent, Some(BOOT)).await.map_err(|e| fail(e.to_string()))?;
+        assert_ne!(d.vmm_pid(&a)?, pid_a);
+        assert_eq!(sh_ok(c, &a, "cat /root/marker").await?, "kept\n", "disk kept across the relaunch");
+        Ok(())
+    })
+}
+
+/// 20 creates at once get 20 distinct VMs; 20 deletes leave nothing.
+fn concurrent_creates() -> R {
+    let d = Daemon::start("conc", "", None)?;
+    rt().block_on(async {
+        let c = &d.client;
+        let mut tasks = Vec::new();
+        for _ in 0..20 {
+            let c = c.clone();
+            tasks.push(tokio::spawn(async move {
+                let req = CreateVmRequest {
+                    ram_bytes: Some(128 << 20),
+                    persistent: Some(false),
+                    ..CreateVmRequest::default()
+                };
+                c.create_vm("t", &req, Wait::None, None).await
+            }));
+        }
+        let mut names = std::collections::BTreeSet::new();
+        for t in tasks {
+            let r = t.await.map_err(|e| fail(e.to_string()))?.map_err(|e| fail(e.to_string()))?;
+            names.insert(r.hostname);
+        }
+        assert_eq!(names.len(), 20, "{names:?}");
+        let list = c.list_vms(Some("t"), &ListQuery::default()).await.map_err(|e| fail(e.to_string()))?;
+        assert_eq!(list.len(), 20);
+        let mut tasks = Vec::new();
+        for h in names {
+            let c = c.clone();
+            tasks.push(tokio::spawn(async move { c.delete(&h).await }));
+        }
+        for t in tasks {
+            t.await.map_err(|e| fail(e.to_string()))?.map_err(|e| fail(e.to_string()))?;
+        }
+        let list = c.list_vms(None, &ListQuery::default()).await.map_err(|e| fail(e.to_string()))?;
+        assert!(list.is_empty(), "{list:?}");
+        let left: Vec<_> = std::fs::read_dir(d.data().join("vms"))?.collect();
+        assert!(left.is_empty(), "VM folders left: {left:?}");
+        assert!(tine_daemon::process::find_vmm_processes(&d.data().join("vms")).is_empty());
+        Ok(())
+    })
+}
+
+/// Bad input gets a 4xx naming the problem and changes nothing.
+fn bad_input() -> R {
+    let port = 18000 + (std::process::id() % 1000) as u16;
+    let bind = format!("127.0.0.1:{port}");
+    let d = Daemon::start("bad", "", Some(&bind))?;
+    let r = rt();
+    r.block_on(async {
+        let c = &d.client;
+        let before = c.list_vms(None, &ListQuery::default()).await.map_err(|e| fail(e.to_string()))?;
+        expect_err(c.create_vm("nope", &create_req(true), Wait::None, None).await, ErrorCode::NotFound, "no host group `nope`")?;
+        let big = CreateVmRequest { ram_bytes: Some(4 << 30), ..CreateVmRequest::default() };
+        expect_err(c.create_vm("t", &big, Wait::None, None).await, ErrorCode::BadRequest, "ram_bytes")?;
+        let cpus = CreateVmRequest { cpus: Some(9), ..CreateVmRequest::default() };
+        expect_err(c.create_vm("t", &cpus, Wait::None, None).await, ErrorCode::BadRequest, "cpus 9")?;
+        let tag = CreateVmRequest { tags: vec!["a b".into()], ..CreateVmRequest::default() };
+        expect_err(c.create_vm("t", &tag, Wait::None, None).await, ErrorCode::BadRequest, "tag `a b`")?;
+        expect_err(c.describe("t-99").await, ErrorCode::NotFound, "no VM called `t-99`")?;
+        expect_err(c.exec_output("t-99", &ExecOptions::new("true", Vec::<String>::new())).await, ErrorCode::NotFound, "t-99")?;
+        expect_err(c.delete("t-99").await, ErrorCode::NotFound, "t-99")?;
+        expect_err(c.fork("cmt-t-0000000000000000", &ForkRequest::default(), Wait::None, None).await, ErrorCode::NotFound, "no commit")?;
+        let after = c.list_vms(None, &ListQuery::default()).await.map_err(|e| fail(e.to_string()))?;
+        assert_eq!(before, after, "no state change");
+        Ok::<_, Failed>(())
+    })?;
+    // Raw HTTP for what a typed client cannot send.
+    let sock = d.data().join("tine.sock");
+    let curl = |args: &[&str]| -> R<String> {
+        let out = Command::new("curl").arg("-sS").args(args).output()?;
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+    let s = sock.display().to_string();
+    let body = curl(&["--unix-socket", &s, "-X", "POST", "http://x/hostgroup/t/nodes", "-d", "{bad"])?;
+    assert!(body.contains("malformed JSON body") && body.contains("bad_request"), "{body}");
+    let body = curl(&["--unix-socket", &s, "-X", "POST", "http://x/hostgroup/t/nodes", "-d", "{\"cpu\":1}"])?;
+    assert!(body.contains("unknown field `cpu`"), "{body}");
+    let body = curl(&["--unix-socket", &s, "http://x/no/such/route"])?;
+    assert!(body.contains("not_found") && body.contains("/no/such/route"), "{body}");
+    // TCP needs the token.
+    let url = format!("http://{bind}/info");
+    let body = curl(&[&url])?;
+    assert!(body.contains("missing bearer token") && body.contains("unauthorized"), "{body}");
+    let body = curl(&["-H", "Authorization: Bearer wrong", &url])?;
+    assert!(body.contains("wrong bearer token"), "{body}");
+    let token = std::fs::read_to_string(d.data().join("auth/token"))?;
+    let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(d.data().join("auth/token"))?.permissions());
+    assert_eq!(mode & 0o777, 0o600, "token file mode");
+    let tcp = TineClient::new(&format!("http://{bind}"), Some(token.trim().to_owned())).map_err(|e| fail(e.to_string()))?;
+    let info = r.block_on(tcp.info()).map_err(|e| fail(e.to_string()))?;
+    assert_eq!(info.host_groups, vec!["t".to_string()]);
+    // A second daemon on the same data directory is refused.
+    let out = d.spawn_raw()?.wait_with_output()?;
+    assert!(!out.status.success());
+    let log = std::fs::read_to_string(d.dir.join("daemon.log"))?;
+    assert!(log.contains("another tine daemon (pid"), "{log}");
+    r.block_on(d.client.healthz()).map_err(|e| fail(format!("first daemon still serves: {e}")))?;
+    // Bad config files are refused before anything starts.
+    let bad = d.dir.join("bad.yaml");
+    std::fs::write(&bad, "host_groups:\n  - name: t\n    ram_mb: 1\n")?;
+    let out = Command::new(std::env::current_exe()?).env(DAEMON_CONFIG_ENV, &bad).output()?;
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("host_groups[0].ram_mb"), "{}", String::from_utf8_lossy(&out.stderr));
+    Ok(())
+}
+
+/// Build once, commit with a cache key, fork three independent runners.
+fn commit_and_fork() -> R {
+    let mut d = Daemon::start("fork", "", None)?;
+    let r = rt();
+    let (builder, commit) = r.block_on(async {
+        let c = &d.client;
+        let b = c.create_vm("t", &create_req(true), Wait::Agent, Some(BOOT)).await.map_err(|e| fail(e.to_string()))?;
+        let h = b.hostname;
+        sh_ok(c, &h, "mkdir -p /opt/cache && echo built > /opt/cache/artifact && sync").await?;
+        expect_err(c.commit(&h, &CommitRequest::default()).await, ErrorCode::Conflict, "shut it down first")?;
+        c.shutdown(&h, ShutdownAction::Shutdown, None).await.map_err(|e| fail(e.to_string()))?;
+        let t = Instant::now();
+        let commit = c.commit(&h, &CommitRequest { tags: vec!["seed".into()], cache_key: Some("deps-v1".into()), ..CommitRequest::default() })
+            .await.map_err(|e| fail(e.to_string()))?;
+        println!("commit: {} ms (daemon {} ms)", t.elapsed().as_millis(), commit.elapsed_ms);
+        assert!(commit.commit_id.starts_with("cmt-t-") && commit.commit_id.len() == "cmt-t-".len() + 16, "{}", commit.commit_id);
+        assert_eq!((commit.status.as_str(), commit.mode.as_str()), ("committed", "disk"));
+        expect_err(c.commit(&h, &CommitRequest::default()).await, ErrorCode::Conflict, "already committed")?;
+        let found = c.list_commits(&CommitQuery { cache_key: Some("deps-v1".into()), ..CommitQuery::default() }).await.map_err(|e| fail(e.to_string()))?;
+        assert_eq!(found.len(), 1);
+        assert!(c.list_commits(&CommitQuery { cache_key: Some("other".into()), ..CommitQuery::default() }).await.map_err(|e| fail(e.to_string()))?.is_empty());
+        let info = c.describe(&h).await.map_err(|e| fail(e.to_string()))?;
+        assert_eq!(info.commit_id.as_deref(), Some(commit.commit_id.as_str()));
+        Ok::<_, Failed>((h, commit.commit_id))
+    })?;
+    // A daemon restart between commit and fork changes nothing.
+    d.kill9()?;
+    d.spawn()?;
+    let forks = r.block_on(async {
+        let c = &d.client;
+        let mut forks = Vec::new();
+        for i in 0..3 {
+            let t = Instant::now();
+            let f = c.fork(&commit, &ForkRequest { tags: Some(vec![format!("runner={i}")]), ..ForkRequest::default() }, Wait::Agent, Some(BOOT))
+                .await.map_err(|e| fail(e.to_string()))?;
+            println!("fork {} to agent-ready: {} ms", f.hostname, t.elapsed().as_millis());
+            assert_eq!((f.status.as_str(), f.source_hostname.as_str()), ("forked", builder.as_str()));
+            forks.push(f.hostname);
+        }
+        let mut ids = std::collections::BTreeSet::new();
+        for (i, f) in forks.iter().enumerate() {
+            assert_eq!(sh_ok(c, f, "cat /opt/cache/artifact").await?, "built\n", "inherited");
+            assert_eq!(sh_ok(c, f, "hostname").await?.trim(), f.as_str());
+            ids.insert(sh_ok(c, f, "cat /etc/machine-id").await?);
+            sh_ok(c, f, &format!("echo fork{i} > /opt/cache/mine; sync")).await?;
+            let info = c.describe(f).await.map_err(|e| fail(e.to_string()))?;
+            assert_eq!(info.parent_commit_id.as_deref(), Some(commit.as_str()));
+        }
+        assert_eq!(ids.len(), 3, "machine-ids differ");
+        for (i, f) in forks.iter().enumerate() {
+            assert_eq!(sh_ok(c, f, "cat /opt/cache/mine").await?, format!("fork{i}\n"), "writes stay in their fork");
+        }
+        // The delete guard names who depends on the commit.
+        expect_err(c.delete_commit(&commit).await, ErrorCode::Conflict, &forks[0])?;
+        Ok::<_, Failed>(forks)
+    })?;
+    // A corrupted commit fails clearly; other commits still fork.
+    r.block_on(async {
+        let c = &d.client;
+        let f0 = &forks[0];
+        c.shutdown(f0, ShutdownAction::Shutdown, None).await.map_err(|e| fail(e.to_string()))?;
+        let second = c.commit(f0, &CommitRequest::default()).await.map_err(|e| fail(e.to_string()))?;
+        assert_eq!(second.parent_commit_id.as_deref(), Some(commit.as_str()), "lineage");
+        let path = d.data().join("commits").join(format!("{}.qcow2", second.commit_id));
+        let mut perms = std::fs::metadata(&path)?.permissions();
+        std::os::unix::fs::PermissionsExt::set_mode(&mut perms, 0o644);
+        std::fs::set_permissions(&path, perms)?;
+        let f = std::fs::OpenOptions::new().write(true).open(&path)?;
+        std::os::unix::fs::FileExt::write_at(&f, &[0u8; 64], 0)?;
+        drop(f);
+        expect_err(c.fork(&second.commit_id, &ForkRequest::default(), Wait::Agent, Some(BOOT)).await, ErrorCode::Internal, "corrupt")?;
+        let n = c.list_vms(None, &ListQuery::default()).await.map_err(|e| fail(e.to_string()))?.len();
+        assert_eq!(n, 4, "the failed fork left nothing");
+        // An --rm fork vanishes with its disk when it stops.
+        let rm = c.fork(&commit, &ForkRequest { persistent: Some(false), ..ForkRequest::default() }, Wait::Agent, Some(BOOT))
+            .await.map_err(|e| fail(e.to_string()))?;
+        c.shutdown(&rm.hostname, ShutdownAction::Shutdown, None).await.map_err(|e| fail(e.to_string()))?;
+        expect_err(c.describe(&rm.hostname).await, ErrorCode::NotFound, "no VM")?;
+        // Delete everything that depends on the first commit, then it.
+        for h in forks.iter().chain([&builder]) {
+            c.delete(h).await.map_err(|e| fail(e.to_string()))?;
+        }
+        expect_err(c.delete_commit(&commit).await, ErrorCode::Conflict, &second.commit_id)?;
+        c.delete_commit(&second.commit_id).await.map_err(|e| fail(e.to_string()))?;
+        c.delete_commit(&commit).await.map_err(|e| fail(e.to_string()))?;
+        assert!(c.list_commits(&CommitQuery::default()).await.map_err(|e| fail(e.to_string()))?.is_empty());
+        assert_eq!(std::fs::read_dir(d.data().join("commits"))?.count(), 0, "commit files removed");
+        Ok(())
+    })
+}
+
+/// A commit that runs out of disk space records nothing; after space is
+/// freed the same VM commits.
+fn commit_on_a_full_disk() -> R {
+    let d = Daemon::start("full", "", None)?;
+    let r = rt();
+    let h = r.block_on(async {
+        let c = &d.client;
+        let b = c.create_vm("t", &create_req(true), Wait::Agent, Some(BOOT)).await.map_err(|e| fail(e.to_string()))?;
+        c.shutdown(&b.hostname, ShutdownAction::Shutdown, None).await.map_err(|e| fail(e.to_string()))?;
+        Ok::<_, Failed>(b.hostname)
+    })?;
+    // Fill the data directory's filesystem (a tmpfs in the bed) completely.
+    let filler = d.data().join("filler");
+    let _ = Command::new("dd").arg("if=/dev/zero").arg(format!("of={}", filler.display())).arg("bs=1M").stderr(Stdio::null()).status()?;
+    let _ = Command::new("dd").arg("if=/dev/zero").arg(format!("of={}.2", filler.display())).arg("bs=4k").stderr(Stdio::null()).status()?;
+    r.block_on(async {
+        let c = &d.client;
+        let e = c.commit(&h, &CommitRequest { cache_key: Some("k".into()), ..CommitRequest::default() }).await;
+        let _ = std::fs::remove_file(&filler);
+        let _ = std::fs::remove_file(filler.with_extension("2"));
+        let _ = std::fs::remove_file(format!("{}.2", filler.display()));
+        match e {
+            Ok(v) => return Err(fail(format!("commit on a full disk succeeded: {v:?}"))),
+            Err(e) => {
+                println!("full disk: {e}");
+                assert!(e.to_string().contains("space") || e.to_string().contains("full"), "{e}");
+            }
+        }
+        assert!(c.list_commits(&CommitQuery::default()).await.map_err(|e| fail(e.to_string()))?.is_empty(), "no half commit");
+        assert_eq!(std::fs::read_dir(d.data().join("commits")).map(|r| r.count()).unwrap_or(0), 0);
+        let ok = c.commit(&h, &CommitRequest { cache_key: Some("k".into()), ..CommitRequest::default() }).await.map_err(|e| fail(e.to_string()))?;
+        c.relaunch(&h, Wait::Agent, Some(BOOT)).await.map_err(|e| fail(e.to_string()))?;
+        assert_eq!(c.describe(&h).await.map_err(|e| fail(e.to_string()))?.commit_id, Some(ok.commit_id));
+        Ok(())
+    })
+}
+
+fn build_artifacts() -> Result<(), String> {
+    let root = repo_root();
+    let status = Command::new("cargo")
+        .args(["build", "-q", "-p", "tine-vmm", "--bin", "tine-vmm"])
+        .current_dir(&root)
+        .status()
+        .map_err(|e| format!("cargo: {e}"))?;
+    if !status.success() {
+        return Err("cargo build -p tine-vmm failed".into());
+    }
+    let kernel = guest_kernel().map_err(|e| e.to_string())?;
+    let out = Command::new(root.join("guest/rootfs/min/build"))
+        .stderr(Stdio::inherit())
+        .output()
+        .map_err(|e| format!("min image: {e}"))?;
+    let dir = String::from_utf8_lossy(&out.stdout).lines().last().unwrap_or_default().trim().to_owned();
+    let image = Path::new(&dir).join("rootfs.ext4");
+    if !out.status.success() || !image.is_file() {
+        return Err(format!("min image build failed ({dir})"));
+    }
+    // Before any thread: the bed inherits the environment.
+    std::env::set_var(IMAGE_ENV, image);
+    std::env::set_var("TINE_KERNEL", kernel.vmlinux);
+    std::env::set_var("TINE_TEST_VMM", root.join("target/debug/tine-vmm"));
+    if std::env::var_os("TINE_TESTBED_TIMEOUT").is_none() {
+        std::env::set_var("TINE_TESTBED_TIMEOUT", "2400");
+    }
+    Ok(())
+}
+
+fn main() {
+    if let Some(config) = std::env::var_os(DAEMON_CONFIG_ENV) {
+        if let Err(e) = tine_daemon::run_from_cli(Some(config.into()), None) {
+            eprintln!("tine: {e:#}");
+            std::process::exit(1);
+        }
+        std::process::exit(0);
+    }
+    let listing = std::env::args().any(|a| a == "--list");
+    if placement().is_none() && !listing {
+        if let Err(e) = build_artifacts() {
+            eprintln!("daemon api test: {e}");
+            std::process::exit(101);
+        }
+    }
+    run_tests(vec![
+        Trial::test("bad_input", bad_input),
+        Trial::test("lifecycle", lifecycle),
+        Trial::test("kill_nine", kill_nine),
+        Trial::test("concurrent_creates", concurrent_creates),
+        Trial::test("commit_and_fork", commit_and_fork),
+        Trial::test("commit_on_a_full_disk", commit_on_a_full_disk),
+    ]);
+}
