@@ -341,21 +341,21 @@ impl NetworkManager {
         self.ensure_locked(vm)
     }
 
-    fn check_record(vm: &VmNetwork) -> Result<(), NetworkError> {
-        names::check_ifname(&vm.tap)?;
-        names::check_hostname(&vm.hostname)?;
-        if let Some(bridge) = &vm.bridge {
-            names::check_ifname(bridge)?;
-        }
-        Ok(())
+    /// Re-applies only the VM's nft rules, e.g. after
+    /// [`VmNetwork::set_policy`] on a running VM; links are left alone.
+    /// Connections already established stay up.
+    pub fn update_policy(&self, vm: &VmNetwork) -> Result<(), NetworkError> {
+        Self::check_record(vm)?;
+        let _guard = self.lock();
+        sys::nft_apply(&self.rules_script(vm)?)
     }
 
-    fn ensure_locked(&self, vm: &VmNetwork) -> Result<(), NetworkError> {
-        Self::check_record(vm)?;
+    /// The nft script that asserts the VM's rules.
+    fn rules_script(&self, vm: &VmNetwork) -> Result<String, NetworkError> {
         let table = &self.options.table;
         let mut script = nft::base(table);
-        let bridge = match vm.mode {
-            NetMode::None => return Ok(()),
+        match vm.mode {
+            NetMode::None => {}
             NetMode::Isolated => {
                 let allow = config::parse_entries("allow", &vm.allow)?;
                 let drop = config::parse_entries("drop", &vm.drop)?;
@@ -367,38 +367,51 @@ impl NetworkManager {
                     &drop,
                     vm.default_action(),
                 ));
-                None
             }
             NetMode::Bridge => {
-                let Some(bridge) = vm.bridge.as_deref() else {
-                    return Err(NetworkError::BadInterfaceName {
-                        name: String::new(),
-                        reason: "a bridge-mode VM record has no bridge",
-                    });
-                };
                 script.push_str(&nft::remove_isolated(table, &vm.tap));
-                script.push_str(&nft::add_bridge(table, bridge));
-                Some(bridge)
+                script.push_str(&nft::add_bridge(table, record_bridge(vm)?));
             }
-        };
-        sys::nft_apply(&script)?;
+        }
+        Ok(script)
+    }
 
+    fn check_record(vm: &VmNetwork) -> Result<(), NetworkError> {
+        names::check_ifname(&vm.tap)?;
+        names::check_hostname(&vm.hostname)?;
+        if let Some(bridge) = &vm.bridge {
+            names::check_ifname(bridge)?;
+        }
+        Ok(())
+    }
+
+    fn ensure_locked(&self, vm: &VmNetwork) -> Result<(), NetworkError> {
+        Self::check_record(vm)?;
+        let bridge = match vm.mode {
+            NetMode::None => return Ok(()),
+            NetMode::Isolated => None,
+            NetMode::Bridge => Some(record_bridge(vm)?),
+        };
+        // Check an existing TAP before touching anything: rules written for
+        // another VM's TAP would break that VM.
+        let existing = sys::link(&vm.tap)?;
+        if let Some(link) = &existing {
+            if link.kind.as_deref() != Some("tap") {
+                return Err(NetworkError::WrongKind {
+                    name: vm.tap.clone(),
+                    kind: link.kind.clone().unwrap_or_else(|| "plain".to_owned()),
+                    expected: "tap",
+                });
+            }
+            check_owner(link, vm)?;
+        }
+
+        sys::nft_apply(&self.rules_script(vm)?)?;
         if let Some(bridge) = bridge {
             ensure_bridge(bridge, vm.gateway, vm.prefix)?;
         }
-
-        match sys::link(&vm.tap)? {
-            None => sys::ip(&["tuntap", "add", "dev", &vm.tap, "mode", "tap", "vnet_hdr"])?,
-            Some(link) => {
-                if link.kind.as_deref() != Some("tap") {
-                    return Err(NetworkError::WrongKind {
-                        name: vm.tap.clone(),
-                        kind: link.kind.unwrap_or_else(|| "plain".to_owned()),
-                        expected: "tap",
-                    });
-                }
-                check_owner(&link, vm)?;
-            }
+        if existing.is_none() {
+            sys::ip(&["tuntap", "add", "dev", &vm.tap, "mode", "tap", "vnet_hdr"])?;
         }
         sys::ip(&["link", "set", "dev", &vm.tap, "alias", &vm.hostname])?;
 
@@ -534,6 +547,16 @@ impl NetworkManager {
         sys::nft_apply(&nft::delete_table(&self.options.table))?;
         Ok(removed)
     }
+}
+
+/// The bridge of a bridge-mode record.
+fn record_bridge(vm: &VmNetwork) -> Result<&str, NetworkError> {
+    vm.bridge
+        .as_deref()
+        .ok_or_else(|| NetworkError::BadInterfaceName {
+            name: String::new(),
+            reason: "a bridge-mode VM record has no bridge",
+        })
 }
 
 /// Fails when the TAP's alias names another VM.
