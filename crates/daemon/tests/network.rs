@@ -17,6 +17,7 @@ use serde_json::Value;
 use tine_daemon::network::{
     ManagerOptions, NetMode, NetworkConfig, NetworkError, NetworkManager, PolicyOverride, VmNetwork,
 };
+use tine_vmm::devices::virtio::net::{NetBackend, Tap, VNET_HDR_LEN};
 
 /// How long a connection attempt may take before it counts as blocked
 /// (dropped packets give no answer).
@@ -675,4 +676,121 @@ fn bridged_vms_reach_each_other_the_host_and_the_outside() {
         !connects("tine-te-3", vm2.address, 8085),
         "isolated VM reached bridge VM"
     );
+}
+
+/// A MAC address as bytes.
+fn mac_bytes(mac: &str) -> [u8; 6] {
+    let mut out = [0u8; 6];
+    let parts: Vec<u8> = mac
+        .split(':')
+        .map(|b| u8::from_str_radix(b, 16).expect("hex"))
+        .collect();
+    out.copy_from_slice(&parts);
+    out
+}
+
+/// An Ethernet frame holding one IPv4/UDP datagram, as a guest would send
+/// it (UDP checksum 0: none).
+fn udp_frame(
+    src_mac: [u8; 6],
+    dst_mac: [u8; 6],
+    src: Ipv4Addr,
+    dst: Ipv4Addr,
+    dport: u16,
+    payload: &[u8],
+) -> Vec<u8> {
+    let udp_len = u16::try_from(8 + payload.len()).expect("small");
+    let ip_len = 20 + udp_len;
+    let mut ip = [0u8; 20];
+    ip[0] = 0x45;
+    ip[2..4].copy_from_slice(&ip_len.to_be_bytes());
+    ip[6] = 0x40; // don't fragment
+    ip[8] = 64; // TTL
+    ip[9] = 17; // UDP
+    ip[12..16].copy_from_slice(&src.octets());
+    ip[16..20].copy_from_slice(&dst.octets());
+    let mut sum: u32 = ip
+        .chunks(2)
+        .map(|w| u32::from(u16::from_be_bytes([w[0], w[1]])))
+        .sum();
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    let checksum = !u16::try_from(sum).expect("folded");
+    ip[10..12].copy_from_slice(&checksum.to_be_bytes());
+
+    let mut frame = Vec::new();
+    frame.extend_from_slice(&dst_mac);
+    frame.extend_from_slice(&src_mac);
+    frame.extend_from_slice(&[0x08, 0x00]);
+    frame.extend_from_slice(&ip);
+    frame.extend_from_slice(&40000u16.to_be_bytes());
+    frame.extend_from_slice(&dport.to_be_bytes());
+    frame.extend_from_slice(&udp_len.to_be_bytes());
+    frame.extend_from_slice(&[0, 0]);
+    frame.extend_from_slice(payload);
+    frame
+}
+
+#[test]
+fn real_tap_carries_guest_frames_under_the_policy() {
+    let mut fx = Fixture::new("g");
+    let cfg = isolated_cfg("169.254.212.0/24", &[], &["169.254.213.2:9001"]);
+    let vm = attach(&fx, "gg", &cfg, "gg-1", &[]);
+    let dst = "tine-tg-out";
+    fx.outside(dst, "sg-out", "169.254.213.1/24", &["169.254.213.2/24"]);
+    let out = v4("169.254.213.2");
+
+    // Opened as tine-vmm opens it: IFF_TAP | IFF_NO_PI | IFF_VNET_HDR.
+    let mut tap = Tap::open(&vm.tap).expect("open the TAP like tine-vmm");
+    let host_side = link(&vm.tap).expect("tap");
+    assert!(
+        host_side["flags"]
+            .as_array()
+            .expect("flags")
+            .contains(&"LOWER_UP".into()),
+        "carrier once the VMM has the TAP open"
+    );
+    let host_mac = mac_bytes(host_side["address"].as_str().expect("address"));
+    let guest_mac = mac_bytes(&vm.mac);
+
+    let receiver = |ns: Option<&str>, addr: Ipv4Addr, port: u16| {
+        let sock = in_netns(ns, move || {
+            UdpSocket::bind(SocketAddr::from((addr, port))).expect("bind udp")
+        });
+        sock.set_read_timeout(Some(CONNECT_TIMEOUT))
+            .expect("timeout");
+        sock
+    };
+    let mut send = |src: Ipv4Addr, dst: Ipv4Addr, port: u16| {
+        let frame = udp_frame(guest_mac, host_mac, src, dst, port, b"from the guest");
+        tap.send(&[0u8; VNET_HDR_LEN], &frame)
+            .expect("send a frame");
+    };
+    let mut buf = [0u8; 64];
+
+    // Allowed: arrives, masqueraded to the host's outside address.
+    let open = receiver(Some(dst), out, 9000);
+    send(vm.address, out, 9000);
+    let (len, from) = open.recv_from(&mut buf).expect("allowed datagram arrives");
+    assert_eq!(&buf[..len], b"from the guest");
+    assert_eq!(from.ip(), std::net::IpAddr::V4(v4("169.254.213.1")));
+
+    // Dropped port, spoofed source, host service: nothing arrives.
+    let closed = receiver(Some(dst), out, 9001);
+    send(vm.address, out, 9001);
+    assert!(
+        closed.recv_from(&mut buf).is_err(),
+        "dropped port reachable"
+    );
+    send(v4("169.254.212.6"), out, 9000);
+    assert!(open.recv_from(&mut buf).is_err(), "spoofed source passed");
+    let host = receiver(None, vm.gateway, 0);
+    let host_port = host.local_addr().expect("addr").port();
+    send(vm.address, vm.gateway, host_port);
+    assert!(host.recv_from(&mut buf).is_err(), "host service reachable");
+
+    drop(tap);
+    fx.mgr.detach(&vm).expect("detach");
+    assert!(link(&vm.tap).is_none());
 }
