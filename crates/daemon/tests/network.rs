@@ -19,9 +19,12 @@ use tine_daemon::network::{
 };
 use tine_vmm::devices::virtio::net::{NetBackend, Tap, VNET_HDR_LEN};
 
-/// How long a connection attempt may take before it counts as blocked
-/// (dropped packets give no answer).
-const CONNECT_TIMEOUT: Duration = Duration::from_millis(1000);
+/// How long a connection attempt that should be blocked is given (dropped
+/// packets give no answer, so a blocked check always waits this long).
+const BLOCKED_TIMEOUT: Duration = Duration::from_millis(1000);
+/// How long a connection that should work may take (generous: CI machines
+/// are small and busy).
+const REACH_TIMEOUT: Duration = Duration::from_secs(5);
 
 fn sh(program: &str, args: &[&str]) -> String {
     let out = Command::new(program)
@@ -239,10 +242,21 @@ fn listen(ns: Option<&str>, addr: Ipv4Addr, port: u16) -> TcpListener {
     })
 }
 
-fn connects(ns: &str, addr: Ipv4Addr, port: u16) -> bool {
+fn try_connect(ns: &str, addr: Ipv4Addr, port: u16, timeout: Duration) -> bool {
     in_netns(Some(ns), move || {
-        TcpStream::connect_timeout(&SocketAddr::from((addr, port)), CONNECT_TIMEOUT).is_ok()
+        TcpStream::connect_timeout(&SocketAddr::from((addr, port)), timeout).is_ok()
     })
+}
+
+/// Whether a TCP connection from namespace `ns` to `addr:port` works.
+fn connects(ns: &str, addr: Ipv4Addr, port: u16) -> bool {
+    try_connect(ns, addr, port, REACH_TIMEOUT)
+}
+
+/// Whether a TCP connection from namespace `ns` to `addr:port` gets no
+/// answer in time.
+fn blocked(ns: &str, addr: Ipv4Addr, port: u16) -> bool {
+    !try_connect(ns, addr, port, BLOCKED_TIMEOUT)
 }
 
 fn v4(s: &str) -> Ipv4Addr {
@@ -561,14 +575,10 @@ fn isolated_traffic_follows_the_policy() {
         connects(dst, v4("169.254.205.1"), host_port),
         "host service down"
     );
-    assert!(
-        in_netns(None, move || TcpStream::connect_timeout(
-            &SocketAddr::from((vm2.address, 8083)),
-            CONNECT_TIMEOUT
-        )
-        .is_ok()),
-        "the host reaches a VM"
-    );
+    let from_host = in_netns(None, move || {
+        TcpStream::connect_timeout(&SocketAddr::from((vm2.address, 8083)), REACH_TIMEOUT)
+    });
+    assert!(from_host.is_ok(), "the host reaches a VM");
 
     // allow 0.0.0.0/0: the outside, through the masquerade (the outside
     // has no route back to the VM's /30)...
@@ -577,12 +587,12 @@ fn isolated_traffic_follows_the_policy() {
     // ...but never the host's services or another VM.
     for host_addr in [my_gateway, vm2.gateway, v4("169.254.205.1")] {
         assert!(
-            !connects(vm, host_addr, host_port),
+            blocked(vm, host_addr, host_port),
             "host service reachable at {host_addr}"
         );
     }
-    assert!(!connects(vm, vm2.address, 8083), "other VM reachable");
-    assert!(!connects("tine-td-2", vm1.address, 8083), "VM reachable");
+    assert!(blocked(vm, vm2.address, 8083), "other VM reachable");
+    assert!(blocked("tine-td-2", vm1.address, 8083), "VM reachable");
 
     let mut set = |allow: &[&str], drop: &[&str]| {
         let over = PolicyOverride {
@@ -596,45 +606,50 @@ fn isolated_traffic_follows_the_policy() {
     // Allow only: everything else denied.
     set(&["169.254.205.2:8080"], &[]);
     assert!(connects(vm, a, 8080));
-    assert!(!connects(vm, a, 8081), "other port allowed");
-    assert!(!connects(vm, b, 8080), "other address allowed");
+    assert!(blocked(vm, a, 8081), "other port allowed");
+    assert!(blocked(vm, b, 8080), "other address allowed");
     assert!(udp_arrives(vm, me, dst, a, 8080), "a port covers UDP");
-    assert!(!udp_arrives(vm, me, dst, a, 8081), "other UDP port allowed");
+    assert!(udp_blocked(vm, me, dst, a, 8081), "other UDP port allowed");
 
     // Drop only: everything else allowed.
     set(&[], &["169.254.205.2:8081"]);
     assert!(connects(vm, a, 8080));
-    assert!(!connects(vm, a, 8081), "dropped port reachable");
+    assert!(blocked(vm, a, 8081), "dropped port reachable");
     assert!(connects(vm, b, 8080));
 
     // Both: allow first, then drop, then the rest allowed.
     set(&["169.254.205.2:8080"], &["169.254.205.2/32"]);
     assert!(connects(vm, a, 8080), "allow must win over drop");
-    assert!(!connects(vm, a, 8081), "drop must apply after allow");
+    assert!(blocked(vm, a, 8081), "drop must apply after allow");
     assert!(connects(vm, b, 8080), "the rest must be allowed");
 
     // Closed.
     set(&[], &["0.0.0.0/0"]);
-    assert!(!connects(vm, a, 8080));
-    assert!(!connects(vm, my_gateway, host_port));
+    assert!(blocked(vm, a, 8080));
+    assert!(blocked(vm, my_gateway, host_port));
 
     // Spoofed sources are dropped: the guest sends from another address.
     set(&["0.0.0.0/0"], &[]);
     ip(&["-n", vm, "addr", "add", "169.254.204.9/32", "dev", "eth0"]);
     assert!(udp_arrives(vm, me, dst, a, 9000));
     assert!(
-        !udp_arrives(vm, v4("169.254.204.9"), dst, a, 9001),
+        udp_blocked(vm, v4("169.254.204.9"), dst, a, 9001),
         "spoofed source passed"
     );
 }
 
-/// Whether a UDP datagram sent from `src` in `from` reaches `dst:port` in
-/// namespace `to`.
-fn udp_arrives(from: &str, src: Ipv4Addr, to: &str, dst: Ipv4Addr, port: u16) -> bool {
+fn try_udp(
+    from: &str,
+    src: Ipv4Addr,
+    to: &str,
+    dst: Ipv4Addr,
+    port: u16,
+    timeout: Duration,
+) -> bool {
     let rx = in_netns(Some(to), move || {
         UdpSocket::bind(SocketAddr::from((dst, port))).expect("bind udp")
     });
-    rx.set_read_timeout(Some(CONNECT_TIMEOUT)).expect("timeout");
+    rx.set_read_timeout(Some(timeout)).expect("timeout");
     in_netns(Some(from), move || {
         let tx = UdpSocket::bind(SocketAddr::from((src, 0))).expect("bind source");
         tx.send_to(b"ping", SocketAddr::from((dst, port)))
@@ -642,6 +657,17 @@ fn udp_arrives(from: &str, src: Ipv4Addr, to: &str, dst: Ipv4Addr, port: u16) ->
     });
     let mut buf = [0u8; 16];
     rx.recv_from(&mut buf).is_ok()
+}
+
+/// Whether a UDP datagram sent from `src` in `from` reaches `dst:port` in
+/// namespace `to`.
+fn udp_arrives(from: &str, src: Ipv4Addr, to: &str, dst: Ipv4Addr, port: u16) -> bool {
+    try_udp(from, src, to, dst, port, REACH_TIMEOUT)
+}
+
+/// Whether such a datagram is lost.
+fn udp_blocked(from: &str, src: Ipv4Addr, to: &str, dst: Ipv4Addr, port: u16) -> bool {
+    !try_udp(from, src, to, dst, port, BLOCKED_TIMEOUT)
 }
 
 #[test]
@@ -669,11 +695,11 @@ fn bridged_vms_reach_each_other_the_host_and_the_outside() {
     // The isolated VM of the same manager stays out of reach both ways.
     assert!(connects("tine-te-3", out, 8086), "isolated VM egress");
     assert!(
-        !connects("tine-te-1", iso.address, 8087),
+        blocked("tine-te-1", iso.address, 8087),
         "bridge VM reached isolated VM"
     );
     assert!(
-        !connects("tine-te-3", vm2.address, 8085),
+        blocked("tine-te-3", vm2.address, 8085),
         "isolated VM reached bridge VM"
     );
 }
@@ -755,12 +781,15 @@ fn real_tap_carries_guest_frames_under_the_policy() {
     let guest_mac = mac_bytes(&vm.mac);
 
     let receiver = |ns: Option<&str>, addr: Ipv4Addr, port: u16| {
-        let sock = in_netns(ns, move || {
+        in_netns(ns, move || {
             UdpSocket::bind(SocketAddr::from((addr, port))).expect("bind udp")
-        });
-        sock.set_read_timeout(Some(CONNECT_TIMEOUT))
+        })
+    };
+    let expect_nothing = |sock: &UdpSocket| {
+        sock.set_read_timeout(Some(BLOCKED_TIMEOUT))
             .expect("timeout");
-        sock
+        let mut buf = [0u8; 64];
+        sock.recv_from(&mut buf).is_err()
     };
     let mut send = |src: Ipv4Addr, dst: Ipv4Addr, port: u16| {
         let frame = udp_frame(guest_mac, host_mac, src, dst, port, b"from the guest");
@@ -771,6 +800,7 @@ fn real_tap_carries_guest_frames_under_the_policy() {
 
     // Allowed: arrives, masqueraded to the host's outside address.
     let open = receiver(Some(dst), out, 9000);
+    open.set_read_timeout(Some(REACH_TIMEOUT)).expect("timeout");
     send(vm.address, out, 9000);
     let (len, from) = open.recv_from(&mut buf).expect("allowed datagram arrives");
     assert_eq!(&buf[..len], b"from the guest");
@@ -779,16 +809,13 @@ fn real_tap_carries_guest_frames_under_the_policy() {
     // Dropped port, spoofed source, host service: nothing arrives.
     let closed = receiver(Some(dst), out, 9001);
     send(vm.address, out, 9001);
-    assert!(
-        closed.recv_from(&mut buf).is_err(),
-        "dropped port reachable"
-    );
+    assert!(expect_nothing(&closed), "dropped port reachable");
     send(v4("169.254.212.6"), out, 9000);
-    assert!(open.recv_from(&mut buf).is_err(), "spoofed source passed");
+    assert!(expect_nothing(&open), "spoofed source passed");
     let host = receiver(None, vm.gateway, 0);
     let host_port = host.local_addr().expect("addr").port();
     send(vm.address, vm.gateway, host_port);
-    assert!(host.recv_from(&mut buf).is_err(), "host service reachable");
+    assert!(expect_nothing(&host), "host service reachable");
 
     drop(tap);
     fx.mgr.detach(&vm).expect("detach");

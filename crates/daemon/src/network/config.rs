@@ -279,7 +279,8 @@ pub fn validate(group: &str, cfg: &NetworkConfig) -> Result<(), NetworkError> {
 
 /// Validates every group, then checks what only shows across groups:
 /// overlapping address ranges (including derived isolated /22s that happen
-/// to collide) and bridges used by two groups.
+/// to collide) and bridges used by two groups (derived names with the
+/// default prefix).
 pub fn validate_groups<'a>(
     groups: impl IntoIterator<Item = (&'a str, &'a NetworkConfig)>,
 ) -> Result<(), NetworkError> {

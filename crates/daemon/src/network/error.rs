@@ -105,6 +105,14 @@ pub enum NetworkError {
         /// What is wrong with it.
         reason: &'static str,
     },
+    /// A stored [`VmNetwork`](super::VmNetwork) record is inconsistent.
+    #[error("VM network record for TAP {tap:?} is inconsistent: {reason}")]
+    BadRecord {
+        /// The record's TAP.
+        tap: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
     /// Every address of the group's range is in use.
     #[error("group {group:?}: no free address left in {cidr} ({capacity} VMs)")]
     PoolExhausted {

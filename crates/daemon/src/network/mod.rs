@@ -382,6 +382,12 @@ impl NetworkManager {
         if let Some(bridge) = &vm.bridge {
             names::check_ifname(bridge)?;
         }
+        if vm.mode == NetMode::Isolated && vm.bridge.is_some() {
+            return Err(NetworkError::BadRecord {
+                tap: vm.tap.clone(),
+                reason: "isolated mode with a bridge",
+            });
+        }
         Ok(())
     }
 
@@ -551,12 +557,10 @@ impl NetworkManager {
 
 /// The bridge of a bridge-mode record.
 fn record_bridge(vm: &VmNetwork) -> Result<&str, NetworkError> {
-    vm.bridge
-        .as_deref()
-        .ok_or_else(|| NetworkError::BadInterfaceName {
-            name: String::new(),
-            reason: "a bridge-mode VM record has no bridge",
-        })
+    vm.bridge.as_deref().ok_or_else(|| NetworkError::BadRecord {
+        tap: vm.tap.clone(),
+        reason: "bridge mode without a bridge",
+    })
 }
 
 /// Fails when the TAP's alias names another VM.

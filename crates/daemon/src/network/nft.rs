@@ -12,7 +12,8 @@
 //!   reach the host;
 //! - chain `forward`: nothing new enters an isolated TAP, an isolated VM
 //!   reaches no VM (isolated TAP or bridge), the rest of its traffic goes
-//!   through its policy chain;
+//!   through its policy chain (and is dropped should the chain be
+//!   missing);
 //! - chain `postrouting`: the masquerade.
 //!
 //! The fixed part is re-asserted (chains flushed and refilled) in every
@@ -55,6 +56,7 @@ add rule {t} forward oifname @iso_ifs ct state established,related accept
 add rule {t} forward oifname @iso_ifs drop
 add rule {t} forward iifname @iso_ifs oifname @nat_ifs drop
 add rule {t} forward iifname vmap @iso_fwd
+add rule {t} forward iifname @iso_ifs drop
 flush chain {t} postrouting
 add rule {t} postrouting iifname @nat_ifs oifname != @nat_ifs masquerade
 "
