@@ -357,6 +357,12 @@ impl Config {
             crate::network::validate(&g.name, &g.network)
                 .map_err(|e| invalid(at("network"), e.to_string()))?;
         }
+        crate::network::validate_groups(
+            self.host_groups
+                .iter()
+                .map(|g| (g.name.as_str(), &g.network)),
+        )
+        .map_err(|e| invalid("host_groups[].network", e.to_string()))?;
         if let Some(bind) = &self.api.bind {
             bind.parse::<std::net::SocketAddr>().map_err(|_| {
                 invalid(

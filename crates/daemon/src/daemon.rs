@@ -385,7 +385,6 @@ impl Daemon {
             if let Err(e) = crate::vmnet::release(n) {
                 tracing::warn!(vm = %vm.hostname, "release network: {e}");
             }
-            let _ = self.store.set_network(&vm.hostname, None);
         }
     }
 

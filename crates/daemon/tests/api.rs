@@ -53,7 +53,9 @@ impl Daemon {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir)?;
         let vmm = repo_root().join("target/debug/tine-vmm");
-        let vmm = std::env::var("TINE_TEST_VMM").map(PathBuf::from).unwrap_or(vmm);
+        let vmm = std::env::var("TINE_TEST_VMM")
+            .map(PathBuf::from)
+            .unwrap_or(vmm);
         let mut yaml = format!(
             "data_dir: {}\nvmm: {}\nhost_groups:\n  - name: t\n    cpus: 1\n    max_cpus: 2\n    ram_mb: 256\n    max_ram_mb: 512\n    persistent: true\n{extra_group}",
             dir.join("data").display(),
@@ -98,7 +100,10 @@ impl Daemon {
         let start = Instant::now();
         loop {
             if let Some(status) = child.try_wait()? {
-                return Err(fail(format!("daemon exited with {status}: {}", self.log_tail())));
+                return Err(fail(format!(
+                    "daemon exited with {status}: {}",
+                    self.log_tail()
+                )));
             }
             if rt().block_on(self.client.healthz()).is_ok() {
                 break;
@@ -127,8 +132,11 @@ impl Daemon {
     }
 
     fn vmm_pid(&self, hostname: &str) -> R<u32> {
-        let info = rt().block_on(self.client.describe(hostname)).map_err(|e| fail(e.to_string()))?;
-        info.pid.ok_or_else(|| fail(format!("{hostname} has no pid")))
+        let info = rt()
+            .block_on(self.client.describe(hostname))
+            .map_err(|e| fail(e.to_string()))?;
+        info.pid
+            .ok_or_else(|| fail(format!("{hostname} has no pid")))
     }
 }
 
@@ -160,7 +168,10 @@ fn alive(pid: u32) -> bool {
 async fn sh(c: &TineClient, vm: &str, script: &str) -> R<(i32, String, String)> {
     let mut o = ExecOptions::new(script, Vec::<String>::new());
     o.shell = Some(true);
-    let out = c.exec_output(vm, &o).await.map_err(|e| fail(format!("exec on {vm}: {e}")))?;
+    let out = c
+        .exec_output(vm, &o)
+        .await
+        .map_err(|e| fail(format!("exec on {vm}: {e}")))?;
     Ok((
         out.code.unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -188,7 +199,9 @@ fn expect_err<T: std::fmt::Debug>(
     match r {
         Ok(v) => Err(fail(format!("expected {code:?} ({needle}), got {v:?}"))),
         Err(e) if code_of(&e) == Some(code) && e.to_string().contains(needle) => Ok(()),
-        Err(e) => Err(fail(format!("expected {code:?} containing {needle:?}, got {e}"))),
+        Err(e) => Err(fail(format!(
+            "expected {code:?} containing {needle:?}, got {e}"
+        ))),
     }
 }
 
@@ -209,64 +222,164 @@ fn lifecycle() -> R {
         let mut req = create_req(true);
         req.tags = vec!["role=web".into()];
         req.name = Some("web".into());
-        let vm = c.create_vm("t", &req, Wait::Agent, Some(BOOT)).await.map_err(|e| fail(e.to_string()))?;
-        println!("create to agent-ready: {} ms (daemon said {} ms)", t.elapsed().as_millis(), vm.elapsed_ms);
+        let vm = c
+            .create_vm("t", &req, Wait::Agent, Some(BOOT))
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        println!(
+            "create to agent-ready: {} ms (daemon said {} ms)",
+            t.elapsed().as_millis(),
+            vm.elapsed_ms
+        );
         assert_eq!(vm.hostname, "t-1");
         assert_eq!(vm.state, VmState::Running);
         let h = &vm.hostname;
         assert_eq!(sh_ok(c, h, "hostname").await?.trim(), "t-1");
-        assert_eq!(sh(c, h, "echo out; echo err >&2; exit 3").await?, (3, "out\n".into(), "err\n".into()));
+        assert_eq!(
+            sh(c, h, "echo out; echo err >&2; exit 3").await?,
+            (3, "out\n".into(), "err\n".into())
+        );
         let mut o = ExecOptions::new("sh", ["-c", "echo $FOO; pwd"]);
         o.env = vec!["FOO=bar".into()];
         o.cwd = Some("/tmp".into());
-        let out = c.exec_output("web", &o).await.map_err(|e| fail(e.to_string()))?;
-        assert_eq!(String::from_utf8_lossy(&out.stdout), "bar\n/tmp\n", "env, cwd and the friendly name");
+        let out = c
+            .exec_output("web", &o)
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            "bar\n/tmp\n",
+            "env, cwd and the friendly name"
+        );
         let stdin = std::io::Cursor::new(b"piped input".to_vec());
-        let mut stream = c.exec(h, &ExecOptions::new("cat", Vec::<String>::new()), Some(stdin)).await.map_err(|e| fail(e.to_string()))?;
+        let mut stream = c
+            .exec(
+                h,
+                &ExecOptions::new("cat", Vec::<String>::new()),
+                Some(stdin),
+            )
+            .await
+            .map_err(|e| fail(e.to_string()))?;
         let mut got = Vec::new();
         while let Some(f) = stream.next_frame().await {
-            if let tine_proto::api::ExecFrame::Stdout { data } = f.map_err(|e| fail(e.to_string()))? {
+            if let tine_proto::api::ExecFrame::Stdout { data } =
+                f.map_err(|e| fail(e.to_string()))?
+            {
                 got.extend(tine_client::api::decode_data(&data).map_err(|e| fail(e.to_string()))?);
             }
         }
         assert_eq!(got, b"piped input");
         let payload: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
-        c.cp_upload(h, "/root/blob", CpMode::Binary, &UploadOptions::default(), std::io::Cursor::new(payload.clone()))
+        c.cp_upload(
+            h,
+            "/root/blob",
+            CpMode::Binary,
+            &UploadOptions::default(),
+            std::io::Cursor::new(payload.clone()),
+        )
+        .await
+        .map_err(|e| fail(e.to_string()))?;
+        let mut back = Vec::new();
+        c.cp_download(h, "/root/blob", CpMode::Binary)
+            .await
+            .map_err(|e| fail(e.to_string()))?
+            .copy_to(&mut back)
             .await
             .map_err(|e| fail(e.to_string()))?;
-        let mut back = Vec::new();
-        c.cp_download(h, "/root/blob", CpMode::Binary).await.map_err(|e| fail(e.to_string()))?
-            .copy_to(&mut back).await.map_err(|e| fail(e.to_string()))?;
         assert_eq!(back, payload, "cp round trip");
-        let tags = c.patch_tags(h, &TagsPatch { add: vec!["env=ci".into()], remove: vec!["role".into()], replace: None })
-            .await.map_err(|e| fail(e.to_string()))?;
-        assert_eq!(tags.tags, vec!["env=ci".to_string(), "name=web".to_string()]);
-        let by_tag = c.list_vms(None, &ListQuery { tag: Some("env=ci".into()), tag_prefix: None }).await.map_err(|e| fail(e.to_string()))?;
+        let tags = c
+            .patch_tags(
+                h,
+                &TagsPatch {
+                    add: vec!["env=ci".into()],
+                    remove: vec!["role".into()],
+                    replace: None,
+                },
+            )
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        assert_eq!(
+            tags.tags,
+            vec!["env=ci".to_string(), "name=web".to_string()]
+        );
+        let by_tag = c
+            .list_vms(
+                None,
+                &ListQuery {
+                    tag: Some("env=ci".into()),
+                    tag_prefix: None,
+                },
+            )
+            .await
+            .map_err(|e| fail(e.to_string()))?;
         assert_eq!(by_tag.len(), 1);
-        let health = c.health(h, Wait::None, None).await.map_err(|e| fail(e.to_string()))?;
+        let health = c
+            .health(h, Wait::None, None)
+            .await
+            .map_err(|e| fail(e.to_string()))?;
         assert!(health.agent_ready && health.system_uptime_ms > 0);
         let logs = c.logs(h, Some(50)).await.map_err(|e| fail(e.to_string()))?;
-        assert!(logs.lines.iter().any(|l| l.contains("vsock port 52")), "serial log: {:?}", logs.lines);
+        assert!(
+            logs.lines.iter().any(|l| l.contains("vsock port 52")),
+            "serial log: {:?}",
+            logs.lines
+        );
 
         // Stop keeps the disk; relaunch boots it again with the file.
-        let s = c.shutdown(h, ShutdownAction::Shutdown, None).await.map_err(|e| fail(e.to_string()))?;
+        let s = c
+            .shutdown(h, ShutdownAction::Shutdown, None)
+            .await
+            .map_err(|e| fail(e.to_string()))?;
         assert_eq!(s.state, VmState::Stopped);
         let info = c.describe(h).await.map_err(|e| fail(e.to_string()))?;
         assert_eq!((info.state, info.pid), (VmState::Stopped, None));
         assert!(info.reason.is_some());
-        expect_err(c.exec_output(h, &ExecOptions::new("true", Vec::<String>::new())).await, ErrorCode::Conflict, "is stopped")?;
-        c.relaunch(h, Wait::Agent, Some(BOOT)).await.map_err(|e| fail(e.to_string()))?;
-        assert_eq!(sh_ok(c, h, "md5sum < /root/blob | cut -c1-8").await?.len(), 9);
-        assert_eq!(c.describe(h).await.map_err(|e| fail(e.to_string()))?.storage.format, "qcow2");
+        expect_err(
+            c.exec_output(h, &ExecOptions::new("true", Vec::<String>::new()))
+                .await,
+            ErrorCode::Conflict,
+            "is stopped",
+        )?;
+        c.relaunch(h, Wait::Agent, Some(BOOT))
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        assert_eq!(
+            sh_ok(c, h, "md5sum < /root/blob | cut -c1-8").await?.len(),
+            9
+        );
+        assert_eq!(
+            c.describe(h)
+                .await
+                .map_err(|e| fail(e.to_string()))?
+                .storage
+                .format,
+            "qcow2"
+        );
 
         // An ephemeral VM vanishes with its disk when it stops.
-        let eph = c.create_vm("t", &create_req(false), Wait::Agent, Some(BOOT)).await.map_err(|e| fail(e.to_string()))?;
-        c.shutdown(&eph.hostname, ShutdownAction::Shutdown, None).await.map_err(|e| fail(e.to_string()))?;
-        expect_err(c.describe(&eph.hostname).await, ErrorCode::NotFound, "no VM")?;
-        assert!(!d.data().join("vms").join(&eph.hostname).exists(), "ephemeral folder removed");
+        let eph = c
+            .create_vm("t", &create_req(false), Wait::Agent, Some(BOOT))
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        c.shutdown(&eph.hostname, ShutdownAction::Shutdown, None)
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        expect_err(
+            c.describe(&eph.hostname).await,
+            ErrorCode::NotFound,
+            "no VM",
+        )?;
+        assert!(
+            !d.data().join("vms").join(&eph.hostname).exists(),
+            "ephemeral folder removed"
+        );
 
         c.delete(h).await.map_err(|e| fail(e.to_string()))?;
-        expect_err(c.describe(h).await, ErrorCode::NotFound, "no VM called `t-1`")?;
+        expect_err(
+            c.describe(h).await,
+            ErrorCode::NotFound,
+            "no VM called `t-1`",
+        )?;
         assert!(!d.data().join("vms/t-1").exists(), "VM folder removed");
         Ok(())
     })
@@ -280,8 +393,14 @@ fn kill_nine() -> R {
     let r = rt();
     let (a, b) = r.block_on(async {
         let c = &d.client;
-        let a = c.create_vm("t", &create_req(true), Wait::Agent, Some(BOOT)).await.map_err(|e| fail(e.to_string()))?;
-        let b = c.create_vm("t", &create_req(false), Wait::Agent, Some(BOOT)).await.map_err(|e| fail(e.to_string()))?;
+        let a = c
+            .create_vm("t", &create_req(true), Wait::Agent, Some(BOOT))
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        let b = c
+            .create_vm("t", &create_req(false), Wait::Agent, Some(BOOT))
+            .await
+            .map_err(|e| fail(e.to_string()))?;
         sh_ok(c, &a.hostname, "echo kept > /root/marker; sync").await?;
         Ok::<_, Failed>((a.hostname, b.hostname))
     })?;
@@ -302,7 +421,10 @@ fn kill_nine() -> R {
         Ok::<_, Failed>(())
     })?;
     // A crashing VMM: the VM is failed with the reason, the daemon lives.
-    Command::new("kill").arg("-9").arg(pid_b.to_string()).status()?;
+    Command::new("kill")
+        .arg("-9")
+        .arg(pid_b.to_string())
+        .status()?;
     r.block_on(async {
         let c = &d.client;
         let start = Instant::now();
@@ -310,7 +432,10 @@ fn kill_nine() -> R {
             let info = c.describe(&b).await.map_err(|e| fail(e.to_string()))?;
             if info.state == VmState::Failed {
                 let reason = info.reason.unwrap_or_default();
-                assert!(reason.contains("signal 9") || reason.contains("without a stop report"), "reason: {reason}");
+                assert!(
+                    reason.contains("signal 9") || reason.contains("without a stop report"),
+                    "reason: {reason}"
+                );
                 break;
             }
             if start.elapsed() > Duration::from_secs(20) {
@@ -324,14 +449,23 @@ fn kill_nine() -> R {
     // The persistent VM's process dies while the daemon is down: the next
     // start relaunches it from its disk.
     d.kill9()?;
-    Command::new("kill").arg("-9").arg(pid_a.to_string()).status()?;
+    Command::new("kill")
+        .arg("-9")
+        .arg(pid_a.to_string())
+        .status()?;
     std::thread::sleep(Duration::from_millis(300));
     d.spawn()?;
     r.block_on(async {
         let c = &d.client;
-        c.health(&a, Wait::Agent, Some(BOOT)).await.map_err(|e| fail(e.to_string()))?;
+        c.health(&a, Wait::Agent, Some(BOOT))
+            .await
+            .map_err(|e| fail(e.to_string()))?;
         assert_ne!(d.vmm_pid(&a)?, pid_a);
-        assert_eq!(sh_ok(c, &a, "cat /root/marker").await?, "kept\n", "disk kept across the relaunch");
+        assert_eq!(
+            sh_ok(c, &a, "cat /root/marker").await?,
+            "kept\n",
+            "disk kept across the relaunch"
+        );
         Ok(())
     })
 }
@@ -355,11 +489,17 @@ fn concurrent_creates() -> R {
         }
         let mut names = std::collections::BTreeSet::new();
         for t in tasks {
-            let r = t.await.map_err(|e| fail(e.to_string()))?.map_err(|e| fail(e.to_string()))?;
+            let r = t
+                .await
+                .map_err(|e| fail(e.to_string()))?
+                .map_err(|e| fail(e.to_string()))?;
             names.insert(r.hostname);
         }
         assert_eq!(names.len(), 20, "{names:?}");
-        let list = c.list_vms(Some("t"), &ListQuery::default()).await.map_err(|e| fail(e.to_string()))?;
+        let list = c
+            .list_vms(Some("t"), &ListQuery::default())
+            .await
+            .map_err(|e| fail(e.to_string()))?;
         assert_eq!(list.len(), 20);
         let mut tasks = Vec::new();
         for h in names {
@@ -367,9 +507,14 @@ fn concurrent_creates() -> R {
             tasks.push(tokio::spawn(async move { c.delete(&h).await }));
         }
         for t in tasks {
-            t.await.map_err(|e| fail(e.to_string()))?.map_err(|e| fail(e.to_string()))?;
+            t.await
+                .map_err(|e| fail(e.to_string()))?
+                .map_err(|e| fail(e.to_string()))?;
         }
-        let list = c.list_vms(None, &ListQuery::default()).await.map_err(|e| fail(e.to_string()))?;
+        let list = c
+            .list_vms(None, &ListQuery::default())
+            .await
+            .map_err(|e| fail(e.to_string()))?;
         assert!(list.is_empty(), "{list:?}");
         let left: Vec<_> = std::fs::read_dir(d.data().join("vms"))?.collect();
         assert!(left.is_empty(), "VM folders left: {left:?}");
@@ -386,19 +531,70 @@ fn bad_input() -> R {
     let r = rt();
     r.block_on(async {
         let c = &d.client;
-        let before = c.list_vms(None, &ListQuery::default()).await.map_err(|e| fail(e.to_string()))?;
-        expect_err(c.create_vm("nope", &create_req(true), Wait::None, None).await, ErrorCode::NotFound, "no host group `nope`")?;
-        let big = CreateVmRequest { ram_bytes: Some(4 << 30), ..CreateVmRequest::default() };
-        expect_err(c.create_vm("t", &big, Wait::None, None).await, ErrorCode::BadRequest, "ram_bytes")?;
-        let cpus = CreateVmRequest { cpus: Some(9), ..CreateVmRequest::default() };
-        expect_err(c.create_vm("t", &cpus, Wait::None, None).await, ErrorCode::BadRequest, "cpus 9")?;
-        let tag = CreateVmRequest { tags: vec!["a b".into()], ..CreateVmRequest::default() };
-        expect_err(c.create_vm("t", &tag, Wait::None, None).await, ErrorCode::BadRequest, "tag `a b`")?;
-        expect_err(c.describe("t-99").await, ErrorCode::NotFound, "no VM called `t-99`")?;
-        expect_err(c.exec_output("t-99", &ExecOptions::new("true", Vec::<String>::new())).await, ErrorCode::NotFound, "t-99")?;
+        let before = c
+            .list_vms(None, &ListQuery::default())
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        expect_err(
+            c.create_vm("nope", &create_req(true), Wait::None, None)
+                .await,
+            ErrorCode::NotFound,
+            "no host group `nope`",
+        )?;
+        let big = CreateVmRequest {
+            ram_bytes: Some(4 << 30),
+            ..CreateVmRequest::default()
+        };
+        expect_err(
+            c.create_vm("t", &big, Wait::None, None).await,
+            ErrorCode::BadRequest,
+            "ram_bytes",
+        )?;
+        let cpus = CreateVmRequest {
+            cpus: Some(9),
+            ..CreateVmRequest::default()
+        };
+        expect_err(
+            c.create_vm("t", &cpus, Wait::None, None).await,
+            ErrorCode::BadRequest,
+            "cpus 9",
+        )?;
+        let tag = CreateVmRequest {
+            tags: vec!["a b".into()],
+            ..CreateVmRequest::default()
+        };
+        expect_err(
+            c.create_vm("t", &tag, Wait::None, None).await,
+            ErrorCode::BadRequest,
+            "tag `a b`",
+        )?;
+        expect_err(
+            c.describe("t-99").await,
+            ErrorCode::NotFound,
+            "no VM called `t-99`",
+        )?;
+        expect_err(
+            c.exec_output("t-99", &ExecOptions::new("true", Vec::<String>::new()))
+                .await,
+            ErrorCode::NotFound,
+            "t-99",
+        )?;
         expect_err(c.delete("t-99").await, ErrorCode::NotFound, "t-99")?;
-        expect_err(c.fork("cmt-t-0000000000000000", &ForkRequest::default(), Wait::None, None).await, ErrorCode::NotFound, "no commit")?;
-        let after = c.list_vms(None, &ListQuery::default()).await.map_err(|e| fail(e.to_string()))?;
+        expect_err(
+            c.fork(
+                "cmt-t-0000000000000000",
+                &ForkRequest::default(),
+                Wait::None,
+                None,
+            )
+            .await,
+            ErrorCode::NotFound,
+            "no commit",
+        )?;
+        let after = c
+            .list_vms(None, &ListQuery::default())
+            .await
+            .map_err(|e| fail(e.to_string()))?;
         assert_eq!(before, after, "no state change");
         Ok::<_, Failed>(())
     })?;
@@ -409,22 +605,50 @@ fn bad_input() -> R {
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     };
     let s = sock.display().to_string();
-    let body = curl(&["--unix-socket", &s, "-X", "POST", "http://x/hostgroup/t/nodes", "-d", "{bad"])?;
-    assert!(body.contains("malformed JSON body") && body.contains("bad_request"), "{body}");
-    let body = curl(&["--unix-socket", &s, "-X", "POST", "http://x/hostgroup/t/nodes", "-d", "{\"cpu\":1}"])?;
+    let body = curl(&[
+        "--unix-socket",
+        &s,
+        "-X",
+        "POST",
+        "http://x/hostgroup/t/nodes",
+        "-d",
+        "{bad",
+    ])?;
+    assert!(
+        body.contains("malformed JSON body") && body.contains("bad_request"),
+        "{body}"
+    );
+    let body = curl(&[
+        "--unix-socket",
+        &s,
+        "-X",
+        "POST",
+        "http://x/hostgroup/t/nodes",
+        "-d",
+        "{\"cpu\":1}",
+    ])?;
     assert!(body.contains("unknown field `cpu`"), "{body}");
     let body = curl(&["--unix-socket", &s, "http://x/no/such/route"])?;
-    assert!(body.contains("not_found") && body.contains("/no/such/route"), "{body}");
+    assert!(
+        body.contains("not_found") && body.contains("/no/such/route"),
+        "{body}"
+    );
     // TCP needs the token.
     let url = format!("http://{bind}/info");
     let body = curl(&[&url])?;
-    assert!(body.contains("missing bearer token") && body.contains("unauthorized"), "{body}");
+    assert!(
+        body.contains("missing bearer token") && body.contains("unauthorized"),
+        "{body}"
+    );
     let body = curl(&["-H", "Authorization: Bearer wrong", &url])?;
     assert!(body.contains("wrong bearer token"), "{body}");
     let token = std::fs::read_to_string(d.data().join("auth/token"))?;
-    let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(d.data().join("auth/token"))?.permissions());
+    let mode = std::os::unix::fs::PermissionsExt::mode(
+        &std::fs::metadata(d.data().join("auth/token"))?.permissions(),
+    );
     assert_eq!(mode & 0o777, 0o600, "token file mode");
-    let tcp = TineClient::new(&format!("http://{bind}"), Some(token.trim().to_owned())).map_err(|e| fail(e.to_string()))?;
+    let tcp = TineClient::new(&format!("http://{bind}"), Some(token.trim().to_owned()))
+        .map_err(|e| fail(e.to_string()))?;
     let info = r.block_on(tcp.info()).map_err(|e| fail(e.to_string()))?;
     assert_eq!(info.host_groups, vec!["t".to_string()]);
     // A second daemon on the same data directory is refused.
@@ -432,13 +656,20 @@ fn bad_input() -> R {
     assert!(!out.status.success());
     let log = std::fs::read_to_string(d.dir.join("daemon.log"))?;
     assert!(log.contains("another tine daemon (pid"), "{log}");
-    r.block_on(d.client.healthz()).map_err(|e| fail(format!("first daemon still serves: {e}")))?;
+    r.block_on(d.client.healthz())
+        .map_err(|e| fail(format!("first daemon still serves: {e}")))?;
     // Bad config files are refused before anything starts.
     let bad = d.dir.join("bad.yaml");
     std::fs::write(&bad, "host_groups:\n  - name: t\n    ram_mb: 1\n")?;
-    let out = Command::new(std::env::current_exe()?).env(DAEMON_CONFIG_ENV, &bad).output()?;
+    let out = Command::new(std::env::current_exe()?)
+        .env(DAEMON_CONFIG_ENV, &bad)
+        .output()?;
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("host_groups[0].ram_mb"), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("host_groups[0].ram_mb"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     Ok(())
 }
 
@@ -448,21 +679,72 @@ fn commit_and_fork() -> R {
     let r = rt();
     let (builder, commit) = r.block_on(async {
         let c = &d.client;
-        let b = c.create_vm("t", &create_req(true), Wait::Agent, Some(BOOT)).await.map_err(|e| fail(e.to_string()))?;
+        let b = c
+            .create_vm("t", &create_req(true), Wait::Agent, Some(BOOT))
+            .await
+            .map_err(|e| fail(e.to_string()))?;
         let h = b.hostname;
-        sh_ok(c, &h, "mkdir -p /opt/cache && echo built > /opt/cache/artifact && sync").await?;
-        expect_err(c.commit(&h, &CommitRequest::default()).await, ErrorCode::Conflict, "shut it down first")?;
-        c.shutdown(&h, ShutdownAction::Shutdown, None).await.map_err(|e| fail(e.to_string()))?;
+        sh_ok(
+            c,
+            &h,
+            "mkdir -p /opt/cache && echo built > /opt/cache/artifact && sync",
+        )
+        .await?;
+        expect_err(
+            c.commit(&h, &CommitRequest::default()).await,
+            ErrorCode::Conflict,
+            "shut it down first",
+        )?;
+        c.shutdown(&h, ShutdownAction::Shutdown, None)
+            .await
+            .map_err(|e| fail(e.to_string()))?;
         let t = Instant::now();
-        let commit = c.commit(&h, &CommitRequest { tags: vec!["seed".into()], cache_key: Some("deps-v1".into()), ..CommitRequest::default() })
-            .await.map_err(|e| fail(e.to_string()))?;
-        println!("commit: {} ms (daemon {} ms)", t.elapsed().as_millis(), commit.elapsed_ms);
-        assert!(commit.commit_id.starts_with("cmt-t-") && commit.commit_id.len() == "cmt-t-".len() + 16, "{}", commit.commit_id);
-        assert_eq!((commit.status.as_str(), commit.mode.as_str()), ("committed", "disk"));
-        expect_err(c.commit(&h, &CommitRequest::default()).await, ErrorCode::Conflict, "already committed")?;
-        let found = c.list_commits(&CommitQuery { cache_key: Some("deps-v1".into()), ..CommitQuery::default() }).await.map_err(|e| fail(e.to_string()))?;
+        let commit = c
+            .commit(
+                &h,
+                &CommitRequest {
+                    tags: vec!["seed".into()],
+                    cache_key: Some("deps-v1".into()),
+                    ..CommitRequest::default()
+                },
+            )
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        println!(
+            "commit: {} ms (daemon {} ms)",
+            t.elapsed().as_millis(),
+            commit.elapsed_ms
+        );
+        assert!(
+            commit.commit_id.starts_with("cmt-t-") && commit.commit_id.len() == "cmt-t-".len() + 16,
+            "{}",
+            commit.commit_id
+        );
+        assert_eq!(
+            (commit.status.as_str(), commit.mode.as_str()),
+            ("committed", "disk")
+        );
+        expect_err(
+            c.commit(&h, &CommitRequest::default()).await,
+            ErrorCode::Conflict,
+            "already committed",
+        )?;
+        let found = c
+            .list_commits(&CommitQuery {
+                cache_key: Some("deps-v1".into()),
+                ..CommitQuery::default()
+            })
+            .await
+            .map_err(|e| fail(e.to_string()))?;
         assert_eq!(found.len(), 1);
-        assert!(c.list_commits(&CommitQuery { cache_key: Some("other".into()), ..CommitQuery::default() }).await.map_err(|e| fail(e.to_string()))?.is_empty());
+        assert!(c
+            .list_commits(&CommitQuery {
+                cache_key: Some("other".into()),
+                ..CommitQuery::default()
+            })
+            .await
+            .map_err(|e| fail(e.to_string()))?
+            .is_empty());
         let info = c.describe(&h).await.map_err(|e| fail(e.to_string()))?;
         assert_eq!(info.commit_id.as_deref(), Some(commit.commit_id.as_str()));
         Ok::<_, Failed>((h, commit.commit_id))
@@ -475,15 +757,36 @@ fn commit_and_fork() -> R {
         let mut forks = Vec::new();
         for i in 0..3 {
             let t = Instant::now();
-            let f = c.fork(&commit, &ForkRequest { tags: Some(vec![format!("runner={i}")]), ..ForkRequest::default() }, Wait::Agent, Some(BOOT))
-                .await.map_err(|e| fail(e.to_string()))?;
-            println!("fork {} to agent-ready: {} ms", f.hostname, t.elapsed().as_millis());
-            assert_eq!((f.status.as_str(), f.source_hostname.as_str()), ("forked", builder.as_str()));
+            let f = c
+                .fork(
+                    &commit,
+                    &ForkRequest {
+                        tags: Some(vec![format!("runner={i}")]),
+                        ..ForkRequest::default()
+                    },
+                    Wait::Agent,
+                    Some(BOOT),
+                )
+                .await
+                .map_err(|e| fail(e.to_string()))?;
+            println!(
+                "fork {} to agent-ready: {} ms",
+                f.hostname,
+                t.elapsed().as_millis()
+            );
+            assert_eq!(
+                (f.status.as_str(), f.source_hostname.as_str()),
+                ("forked", builder.as_str())
+            );
             forks.push(f.hostname);
         }
         let mut ids = std::collections::BTreeSet::new();
         for (i, f) in forks.iter().enumerate() {
-            assert_eq!(sh_ok(c, f, "cat /opt/cache/artifact").await?, "built\n", "inherited");
+            assert_eq!(
+                sh_ok(c, f, "cat /opt/cache/artifact").await?,
+                "built\n",
+                "inherited"
+            );
             assert_eq!(sh_ok(c, f, "hostname").await?.trim(), f.as_str());
             ids.insert(sh_ok(c, f, "cat /etc/machine-id").await?);
             sh_ok(c, f, &format!("echo fork{i} > /opt/cache/mine; sync")).await?;
@@ -492,43 +795,105 @@ fn commit_and_fork() -> R {
         }
         assert_eq!(ids.len(), 3, "machine-ids differ");
         for (i, f) in forks.iter().enumerate() {
-            assert_eq!(sh_ok(c, f, "cat /opt/cache/mine").await?, format!("fork{i}\n"), "writes stay in their fork");
+            assert_eq!(
+                sh_ok(c, f, "cat /opt/cache/mine").await?,
+                format!("fork{i}\n"),
+                "writes stay in their fork"
+            );
         }
         // The delete guard names who depends on the commit.
-        expect_err(c.delete_commit(&commit).await, ErrorCode::Conflict, &forks[0])?;
+        expect_err(
+            c.delete_commit(&commit).await,
+            ErrorCode::Conflict,
+            &forks[0],
+        )?;
         Ok::<_, Failed>(forks)
     })?;
     // A corrupted commit fails clearly; other commits still fork.
     r.block_on(async {
         let c = &d.client;
         let f0 = &forks[0];
-        c.shutdown(f0, ShutdownAction::Shutdown, None).await.map_err(|e| fail(e.to_string()))?;
-        let second = c.commit(f0, &CommitRequest::default()).await.map_err(|e| fail(e.to_string()))?;
-        assert_eq!(second.parent_commit_id.as_deref(), Some(commit.as_str()), "lineage");
-        let path = d.data().join("commits").join(format!("{}.qcow2", second.commit_id));
+        c.shutdown(f0, ShutdownAction::Shutdown, None)
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        let second = c
+            .commit(f0, &CommitRequest::default())
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        assert_eq!(
+            second.parent_commit_id.as_deref(),
+            Some(commit.as_str()),
+            "lineage"
+        );
+        let path = d
+            .data()
+            .join("commits")
+            .join(format!("{}.qcow2", second.commit_id));
         let mut perms = std::fs::metadata(&path)?.permissions();
         std::os::unix::fs::PermissionsExt::set_mode(&mut perms, 0o644);
         std::fs::set_permissions(&path, perms)?;
         let f = std::fs::OpenOptions::new().write(true).open(&path)?;
         std::os::unix::fs::FileExt::write_at(&f, &[0u8; 64], 0)?;
         drop(f);
-        expect_err(c.fork(&second.commit_id, &ForkRequest::default(), Wait::Agent, Some(BOOT)).await, ErrorCode::Internal, "corrupt")?;
-        let n = c.list_vms(None, &ListQuery::default()).await.map_err(|e| fail(e.to_string()))?.len();
+        expect_err(
+            c.fork(
+                &second.commit_id,
+                &ForkRequest::default(),
+                Wait::Agent,
+                Some(BOOT),
+            )
+            .await,
+            ErrorCode::Internal,
+            "corrupt",
+        )?;
+        let n = c
+            .list_vms(None, &ListQuery::default())
+            .await
+            .map_err(|e| fail(e.to_string()))?
+            .len();
         assert_eq!(n, 4, "the failed fork left nothing");
         // An --rm fork vanishes with its disk when it stops.
-        let rm = c.fork(&commit, &ForkRequest { persistent: Some(false), ..ForkRequest::default() }, Wait::Agent, Some(BOOT))
-            .await.map_err(|e| fail(e.to_string()))?;
-        c.shutdown(&rm.hostname, ShutdownAction::Shutdown, None).await.map_err(|e| fail(e.to_string()))?;
+        let rm = c
+            .fork(
+                &commit,
+                &ForkRequest {
+                    persistent: Some(false),
+                    ..ForkRequest::default()
+                },
+                Wait::Agent,
+                Some(BOOT),
+            )
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        c.shutdown(&rm.hostname, ShutdownAction::Shutdown, None)
+            .await
+            .map_err(|e| fail(e.to_string()))?;
         expect_err(c.describe(&rm.hostname).await, ErrorCode::NotFound, "no VM")?;
         // Delete everything that depends on the first commit, then it.
         for h in forks.iter().chain([&builder]) {
             c.delete(h).await.map_err(|e| fail(e.to_string()))?;
         }
-        expect_err(c.delete_commit(&commit).await, ErrorCode::Conflict, &second.commit_id)?;
-        c.delete_commit(&second.commit_id).await.map_err(|e| fail(e.to_string()))?;
-        c.delete_commit(&commit).await.map_err(|e| fail(e.to_string()))?;
-        assert!(c.list_commits(&CommitQuery::default()).await.map_err(|e| fail(e.to_string()))?.is_empty());
-        assert_eq!(std::fs::read_dir(d.data().join("commits"))?.count(), 0, "commit files removed");
+        expect_err(
+            c.delete_commit(&commit).await,
+            ErrorCode::Conflict,
+            &second.commit_id,
+        )?;
+        c.delete_commit(&second.commit_id)
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        c.delete_commit(&commit)
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        assert!(c
+            .list_commits(&CommitQuery::default())
+            .await
+            .map_err(|e| fail(e.to_string()))?
+            .is_empty());
+        assert_eq!(
+            std::fs::read_dir(d.data().join("commits"))?.count(),
+            0,
+            "commit files removed"
+        );
         Ok(())
     })
 }
@@ -540,17 +905,40 @@ fn commit_on_a_full_disk() -> R {
     let r = rt();
     let h = r.block_on(async {
         let c = &d.client;
-        let b = c.create_vm("t", &create_req(true), Wait::Agent, Some(BOOT)).await.map_err(|e| fail(e.to_string()))?;
-        c.shutdown(&b.hostname, ShutdownAction::Shutdown, None).await.map_err(|e| fail(e.to_string()))?;
+        let b = c
+            .create_vm("t", &create_req(true), Wait::Agent, Some(BOOT))
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        c.shutdown(&b.hostname, ShutdownAction::Shutdown, None)
+            .await
+            .map_err(|e| fail(e.to_string()))?;
         Ok::<_, Failed>(b.hostname)
     })?;
     // Fill the data directory's filesystem (a tmpfs in the bed) completely.
     let filler = d.data().join("filler");
-    let _ = Command::new("dd").arg("if=/dev/zero").arg(format!("of={}", filler.display())).arg("bs=1M").stderr(Stdio::null()).status()?;
-    let _ = Command::new("dd").arg("if=/dev/zero").arg(format!("of={}.2", filler.display())).arg("bs=4k").stderr(Stdio::null()).status()?;
+    let _ = Command::new("dd")
+        .arg("if=/dev/zero")
+        .arg(format!("of={}", filler.display()))
+        .arg("bs=1M")
+        .stderr(Stdio::null())
+        .status()?;
+    let _ = Command::new("dd")
+        .arg("if=/dev/zero")
+        .arg(format!("of={}.2", filler.display()))
+        .arg("bs=4k")
+        .stderr(Stdio::null())
+        .status()?;
     r.block_on(async {
         let c = &d.client;
-        let e = c.commit(&h, &CommitRequest { cache_key: Some("k".into()), ..CommitRequest::default() }).await;
+        let e = c
+            .commit(
+                &h,
+                &CommitRequest {
+                    cache_key: Some("k".into()),
+                    ..CommitRequest::default()
+                },
+            )
+            .await;
         let _ = std::fs::remove_file(&filler);
         let _ = std::fs::remove_file(filler.with_extension("2"));
         let _ = std::fs::remove_file(format!("{}.2", filler.display()));
@@ -558,14 +946,45 @@ fn commit_on_a_full_disk() -> R {
             Ok(v) => return Err(fail(format!("commit on a full disk succeeded: {v:?}"))),
             Err(e) => {
                 println!("full disk: {e}");
-                assert!(e.to_string().contains("space") || e.to_string().contains("full"), "{e}");
+                assert!(
+                    e.to_string().contains("space") || e.to_string().contains("full"),
+                    "{e}"
+                );
             }
         }
-        assert!(c.list_commits(&CommitQuery::default()).await.map_err(|e| fail(e.to_string()))?.is_empty(), "no half commit");
-        assert_eq!(std::fs::read_dir(d.data().join("commits")).map(|r| r.count()).unwrap_or(0), 0);
-        let ok = c.commit(&h, &CommitRequest { cache_key: Some("k".into()), ..CommitRequest::default() }).await.map_err(|e| fail(e.to_string()))?;
-        c.relaunch(&h, Wait::Agent, Some(BOOT)).await.map_err(|e| fail(e.to_string()))?;
-        assert_eq!(c.describe(&h).await.map_err(|e| fail(e.to_string()))?.commit_id, Some(ok.commit_id));
+        assert!(
+            c.list_commits(&CommitQuery::default())
+                .await
+                .map_err(|e| fail(e.to_string()))?
+                .is_empty(),
+            "no half commit"
+        );
+        assert_eq!(
+            std::fs::read_dir(d.data().join("commits"))
+                .map(|r| r.count())
+                .unwrap_or(0),
+            0
+        );
+        let ok = c
+            .commit(
+                &h,
+                &CommitRequest {
+                    cache_key: Some("k".into()),
+                    ..CommitRequest::default()
+                },
+            )
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        c.relaunch(&h, Wait::Agent, Some(BOOT))
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        assert_eq!(
+            c.describe(&h)
+                .await
+                .map_err(|e| fail(e.to_string()))?
+                .commit_id,
+            Some(ok.commit_id)
+        );
         Ok(())
     })
 }
@@ -585,7 +1004,12 @@ fn build_artifacts() -> Result<(), String> {
         .stderr(Stdio::inherit())
         .output()
         .map_err(|e| format!("min image: {e}"))?;
-    let dir = String::from_utf8_lossy(&out.stdout).lines().last().unwrap_or_default().trim().to_owned();
+    let dir = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .last()
+        .unwrap_or_default()
+        .trim()
+        .to_owned();
     let image = Path::new(&dir).join("rootfs.ext4");
     if !out.status.success() || !image.is_file() {
         return Err(format!("min image build failed ({dir})"));
