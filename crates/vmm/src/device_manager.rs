@@ -26,7 +26,7 @@ use crate::arch::x86_64::layout::{
     FIRST_DEVICE_GSI, LAST_DEVICE_GSI, VIRTIO_MMIO_SIZE, VIRTIO_MMIO_START,
 };
 use crate::devices::bus::{Bus, BusError};
-use crate::devices::virtio::block::{Block, BlockConfig, BlockConstructorArgs, RawFile};
+use crate::devices::virtio::block::{Block, BlockConfig, BlockConstructorArgs};
 use crate::devices::virtio::mmio::{
     MmioTransport, MmioTransportConstructorArgs, MmioTransportState, MMIO_QUEUE_NOTIFY_OFFSET,
 };
@@ -182,7 +182,7 @@ impl DeviceManager {
         let mut manager = Self::new();
         for (i, drive) in configs.drives.iter().enumerate() {
             let id = format!("drive{i}");
-            let block = Block::open_raw(BlockConfig {
+            let block = Block::open(BlockConfig {
                 path: drive.path.clone(),
                 read_only: drive.read_only,
                 serial: id.clone(),
@@ -349,14 +349,14 @@ impl DeviceManager {
                 ),
                 VirtioDeviceState::Block(s) => {
                     let path = overrides.drives.get(id).unwrap_or(&s.disk.path);
-                    let backend = RawFile::open(path, s.disk.read_only)
-                        .map_err(|e| dev_err(id, format!("cannot open {}: {e}", path.display())))?;
+                    let backend = crate::storage::open_disk(path, s.disk.read_only)
+                        .map_err(|e| dev_err(id, error_chain(&e)))?;
                     Box::new(
                         Block::restore(
                             BlockConstructorArgs {
                                 mem: mem.clone(),
                                 interrupt: interrupt.clone(),
-                                backend: Box::new(backend),
+                                backend,
                             },
                             s,
                         )

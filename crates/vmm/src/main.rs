@@ -69,7 +69,8 @@ struct Args {
     /// Copy the serial console to stdout.
     #[arg(long)]
     serial_stdout: bool,
-    /// A virtio-blk disk: PATH or PATH,ro (repeatable; /dev/vda, /dev/vdb...).
+    /// A virtio-blk disk, raw or qcow2 (told apart by the file's first
+    /// bytes): PATH or PATH,ro (repeatable; /dev/vda, /dev/vdb...).
     #[arg(long = "drive", value_name = "PATH[,ro]")]
     drives: Vec<String>,
     /// A virtio-net card on a TAP device: TAP,MAC (repeatable).

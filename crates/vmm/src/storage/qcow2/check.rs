@@ -13,8 +13,8 @@ use super::super::{file_length, open_read, Result, StorageError};
 use super::header::{unsupported_incompatible, Header};
 use super::refcount::get_entry;
 use super::{
-    ImageFile, L1E_OFFSET_MASK, L1E_RESERVED, L2E_OFFSET_MASK, L2E_RESERVED, OFLAG_COMPRESSED,
-    OFLAG_COPIED, OFLAG_ZERO,
+    unaligned, ImageFile, L1E_OFFSET_MASK, L1E_RESERVED, L2E_OFFSET_MASK, L2E_RESERVED,
+    OFLAG_COMPRESSED, OFLAG_COPIED, OFLAG_ZERO,
 };
 
 /// Corruption messages kept in a report; the rest are only counted.
@@ -201,7 +201,7 @@ pub fn check(path: &Path) -> Result<CheckReport> {
             blocks.push(None);
             continue;
         }
-        if entry & 0x1ff != 0 || !entry.is_multiple_of(cs) {
+        if entry & 0x1ff != 0 || unaligned(entry, cs) {
             report.corrupt(format!(
                 "refcount table entry {i} is {entry:#x}: reserved bits or unaligned"
             ));
@@ -238,7 +238,7 @@ pub fn check(path: &Path) -> Result<CheckReport> {
         if l2 == 0 {
             continue;
         }
-        if !l2.is_multiple_of(cs) || l2.checked_add(cs).is_none_or(|end| end > len) {
+        if unaligned(l2, cs) || l2.checked_add(cs).is_none_or(|end| end > len) {
             report.corrupt(format!(
                 "L1 entry {i} names an L2 table at {l2:#x}: unaligned or past the end of the file"
             ));
@@ -364,7 +364,7 @@ fn check_l2_entry(
     if host == 0 {
         return;
     }
-    if !host.is_multiple_of(cs) {
+    if unaligned(host, cs) {
         report.corrupt(format!(
             "L2 entry {i}/{j} names an unaligned cluster {host:#x}"
         ));

@@ -9,7 +9,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use super::super::{io_err, path_from_bytes, Format, Result, StorageError};
-use super::MAGIC;
+use super::{unaligned, MAGIC};
 
 /// Smallest cluster: 512 bytes.
 pub const MIN_CLUSTER_BITS: u32 = 9;
@@ -232,7 +232,7 @@ impl Header {
             h.refcount_order = be32(&fixed, 96);
             h.header_length = be32(&fixed, 100);
             if h.header_length < V3_HEADER_MIN_LEN
-                || !h.header_length.is_multiple_of(8)
+                || h.header_length & 7 != 0
                 || u64::from(h.header_length) > cluster_size
             {
                 return Err(invalid(format!("header length {}", h.header_length)));
@@ -283,7 +283,7 @@ impl Header {
         if h.nb_snapshots > 65536 {
             return Err(invalid(format!("{} snapshots", h.nb_snapshots)));
         }
-        if h.nb_snapshots > 0 && !h.snapshots_offset.is_multiple_of(cluster_size) {
+        if h.nb_snapshots > 0 && unaligned(h.snapshots_offset, cluster_size) {
             return Err(invalid("snapshot table offset unaligned".into()));
         }
 
@@ -386,7 +386,7 @@ pub fn check_table(
     if len == 0 {
         return Ok(());
     }
-    if offset == 0 || !offset.is_multiple_of(cluster_size) {
+    if offset == 0 || unaligned(offset, cluster_size) {
         return Err(format!("{what} at unaligned offset {offset:#x}"));
     }
     match offset.checked_add(len) {

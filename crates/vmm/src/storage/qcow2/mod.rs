@@ -80,6 +80,11 @@ const L2_CACHE_BYTES: u64 = 4 << 20;
 const L2_CACHE_MIN: usize = 16;
 const L2_CACHE_MAX: usize = 256;
 
+/// Whether `offset` is not a multiple of `cluster_size` (a power of two).
+pub(crate) fn unaligned(offset: u64, cluster_size: u64) -> bool {
+    offset & (cluster_size - 1) != 0
+}
+
 /// An open image file: the file, its name for errors and its length.
 #[derive(Debug)]
 pub(crate) struct ImageFile {
@@ -499,7 +504,7 @@ impl Qcow2 {
             return Ok(None);
         }
         let cs = self.cluster_size();
-        if !offset.is_multiple_of(cs) || offset + cs > self.f.len {
+        if unaligned(offset, cs) || offset + cs > self.f.len {
             return Err(self.f.invalid(format!(
                 "L1 entry {index} names an L2 table at {offset:#x}, unaligned or past the end of the file"
             )));
@@ -545,7 +550,7 @@ impl Qcow2 {
         }
         let host = entry & L2E_OFFSET_MASK;
         let cs = self.cluster_size();
-        if host != 0 && (!host.is_multiple_of(cs) || host >= self.f.len) {
+        if host != 0 && (unaligned(host, cs) || host >= self.f.len) {
             return Err(self.f.invalid(format!(
                 "L2 entry {entry:#x} names a cluster unaligned or past the end of the file"
             )));

@@ -16,7 +16,7 @@ use std::collections::VecDeque;
 use super::super::{Result, StorageError};
 use super::cache::TableCache;
 use super::header::{Header, MAX_REFTABLE_BYTES, REFTABLE_FIELDS_OFFSET};
-use super::ImageFile;
+use super::{unaligned, ImageFile};
 
 /// Bits 0-8 of a refcount table entry are reserved.
 const REFT_RESERVED: u64 = 0x1ff;
@@ -66,7 +66,7 @@ impl Refcounts {
             let mut e = [0u8; 8];
             e.copy_from_slice(chunk);
             let entry = u64::from_be_bytes(e);
-            if entry & REFT_RESERVED != 0 || !entry.is_multiple_of(cs) {
+            if entry & REFT_RESERVED != 0 || unaligned(entry, cs) {
                 return Err(f.invalid(format!(
                     "refcount table entry {i} is {entry:#x} (reserved bits or unaligned)"
                 )));
