@@ -295,6 +295,31 @@ mod tests {
     }
 
     #[test]
+    fn the_openapi_document_lists_exactly_the_served_routes() {
+        let doc: serde_yaml::Value = serde_yaml::from_str(OPENAPI_YAML).expect("valid YAML");
+        let paths = doc["paths"].as_mapping().expect("paths");
+        let mut documented = std::collections::BTreeSet::new();
+        for (path, item) in paths {
+            let path = path.as_str().expect("path").to_owned();
+            for (method, _) in item.as_mapping().expect("path item") {
+                let m = method.as_str().expect("method");
+                if m != "parameters" {
+                    documented.insert((m.to_ascii_uppercase(), path.clone()));
+                }
+            }
+        }
+        let served: std::collections::BTreeSet<(String, String)> = routes()
+            .list
+            .iter()
+            .map(|(m, p)| (m.as_str().to_owned(), p.clone()))
+            .collect();
+        let missing: Vec<_> = served.difference(&documented).collect();
+        let extra: Vec<_> = documented.difference(&served).collect();
+        assert!(missing.is_empty(), "served but not in docs/openapi.yaml: {missing:?}");
+        assert!(extra.is_empty(), "in docs/openapi.yaml but not served: {extra:?}");
+    }
+
+    #[test]
     fn token_comparison_is_exact() {
         assert!(constant_time_eq(b"abc", b"abc"));
         assert!(!constant_time_eq(b"abc", b"abd"));
