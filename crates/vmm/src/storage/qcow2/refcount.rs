@@ -102,7 +102,9 @@ impl Refcounts {
             pool_max,
         };
         // Nothing with a refcount may ever be allocated again, even past
-        // the end of the file.
+        // the end of the file. A block named twice is refused (it would
+        // also make this scan cost more than reading the file).
+        let mut seen = std::collections::HashSet::new();
         for bi in 0..rc.table.len() {
             let Some(&offset) = rc.table.get(bi) else {
                 break;
@@ -110,12 +112,14 @@ impl Refcounts {
             if offset == 0 {
                 continue;
             }
+            if !seen.insert(offset) {
+                return Err(f.invalid(format!(
+                    "refcount block {offset:#x} is named twice in the refcount table"
+                )));
+            }
             let order = rc.order;
             let block = rc.block(f, offset)?;
-            let last = (0..1u64 << block_bits)
-                .rev()
-                .find(|&i| get_entry(block, i, order) != 0);
-            if let Some(last) = last {
+            if let Some(last) = last_nonzero_entry(block, order) {
                 let cluster = ((bi as u64) << block_bits) + last;
                 rc.alloc_end = rc.alloc_end.max(cluster + 1);
             }
@@ -356,6 +360,19 @@ impl Refcounts {
     }
 }
 
+/// Index of the last non-zero entry of a refcount block, found a byte at a
+/// time.
+pub fn last_nonzero_entry(block: &[u8], order: u32) -> Option<u64> {
+    let byte = block.iter().rposition(|&b| b != 0)? as u64;
+    let bits = 1u64 << order;
+    // Entries overlapping that byte, last first.
+    let first = byte * 8 / bits;
+    let last = ((byte + 1) * 8).div_ceil(bits) - 1;
+    (first..=last)
+        .rev()
+        .find(|&i| get_entry(block, i, order) != 0)
+}
+
 /// Entry `index` of a refcount block with `1 << order`-bit entries.
 pub fn get_entry(block: &[u8], index: u64, order: u32) -> u64 {
     let bits = 1u64 << order;
@@ -414,6 +431,19 @@ mod tests {
                     (i * 7 + 1) & max,
                     "order {order}"
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn test_last_nonzero_entry_every_order() {
+        for order in 0..=6u32 {
+            let entries = (64 * 8) >> order;
+            let mut block = vec![0u8; 64];
+            assert_eq!(last_nonzero_entry(&block, order), None);
+            for i in [0, 1, entries / 2 + 1, entries - 1] {
+                set_entry(&mut block, i, order, 1);
+                assert_eq!(last_nonzero_entry(&block, order), Some(i), "order {order}");
             }
         }
     }
