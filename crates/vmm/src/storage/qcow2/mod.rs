@@ -209,7 +209,6 @@ impl Backing {
 /// A qcow2 image, opened with its backing chain.
 ///
 /// Implements [`BlockBackend`], so virtio-blk serves it like a raw file.
-#[derive(Debug)]
 pub struct Qcow2 {
     f: ImageFile,
     read_only: bool,
@@ -225,6 +224,19 @@ pub struct Qcow2 {
     size: u64,
     /// One cluster, for copying around partial writes.
     scratch: Vec<u8>,
+}
+
+impl std::fmt::Debug for Qcow2 {
+    /// The image and its chain, without the tables.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Qcow2")
+            .field("path", &self.f.path)
+            .field("size", &self.size)
+            .field("cluster_size", &self.cluster_size())
+            .field("read_only", &self.read_only)
+            .field("backing", &self.backing)
+            .finish_non_exhaustive()
+    }
 }
 
 /// A backing file to open: its resolved path and the format its child's
