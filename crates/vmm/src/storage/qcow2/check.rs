@@ -196,6 +196,7 @@ pub fn check(path: &Path) -> Result<CheckReport> {
         "read the refcount table of",
     )?;
     let mut blocks = Vec::new();
+    let mut block_seen = HashSet::new();
     for (i, entry) in be64s(&raw).enumerate() {
         if entry == 0 {
             blocks.push(None);
@@ -215,6 +216,11 @@ pub fn check(path: &Path) -> Result<CheckReport> {
             blocks.push(None);
             continue;
         }
+        if !block_seen.insert(entry) {
+            report.corrupt(format!("refcount block {i} at {entry:#x} is named twice"));
+            blocks.push(None);
+            continue;
+        }
         refs.add(
             &mut report,
             entry,
@@ -229,6 +235,7 @@ pub fn check(path: &Path) -> Result<CheckReport> {
     let mut raw_l1 = vec![0u8; l1_bytes as usize];
     f.read_exact(&mut raw_l1, header.l1_table_offset, "read the L1 table of")?;
     let mut l2_raw = vec![0u8; cs as usize];
+    let mut l2_seen = HashSet::new();
     for (i, entry) in be64s(&raw_l1).enumerate() {
         if entry & L1E_RESERVED != 0 {
             report.corrupt(format!("L1 entry {i} is {entry:#x}: reserved bits set"));
@@ -248,6 +255,10 @@ pub fn check(path: &Path) -> Result<CheckReport> {
             report.corrupt(format!("L1 entry {i}: COPIED flag missing"));
         }
         refs.add(&mut report, l2, cs, &format!("L2 table {i}"), false);
+        if !l2_seen.insert(l2) {
+            // Reported as used twice; its entries were counted once.
+            continue;
+        }
         f.read_exact(&mut l2_raw, l2, "read an L2 table of")?;
         for (j, entry) in be64s(&l2_raw).enumerate() {
             check_l2_entry(

@@ -17,8 +17,9 @@
 //! 1. a new cluster's refcount is made durable before anything refers to
 //!    it (clusters come from a pool whose refcounts were synced, see
 //!    [`refcount`]);
-//! 2. a new data cluster is written in full (copying from the backing
-//!    chain around a partial write) before the L2 entry naming it;
+//! 2. a new data cluster is written (with, around a partial write, the
+//!    backing chain's data unless that is known to be zeros) before the L2
+//!    entry naming it;
 //! 3. a new L2 table is written in full before the L1 entry naming it;
 //! 4. a new refcount table is synced before the header names it, and the
 //!    header before the old table is freed.
@@ -208,7 +209,6 @@ impl Backing {
 /// A qcow2 image, opened with its backing chain.
 ///
 /// Implements [`BlockBackend`], so virtio-blk serves it like a raw file.
-#[derive(Debug)]
 pub struct Qcow2 {
     f: ImageFile,
     read_only: bool,
@@ -224,6 +224,19 @@ pub struct Qcow2 {
     size: u64,
     /// One cluster, for copying around partial writes.
     scratch: Vec<u8>,
+}
+
+impl std::fmt::Debug for Qcow2 {
+    /// The image and its chain, without the tables.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Qcow2")
+            .field("path", &self.f.path)
+            .field("size", &self.size)
+            .field("cluster_size", &self.cluster_size())
+            .field("read_only", &self.read_only)
+            .field("backing", &self.backing)
+            .finish_non_exhaustive()
+    }
 }
 
 /// A backing file to open: its resolved path and the format its child's
@@ -708,17 +721,24 @@ impl Qcow2 {
     ) -> Result<()> {
         let cs = self.cluster_size();
         let host = self.allocate()?;
-        if chunk.len() as u64 == cs {
-            self.f.write_all(chunk, host, "write data to")?;
+        // What the rest of the cluster must hold: the backing data, or
+        // zeros, which a new cluster already reads as (it lies past
+        // everything ever written to the file).
+        let copy = match (mapping, &mut self.backing) {
+            (Mapping::Unallocated, Some(backing)) => {
+                !backing.known_zero(vcluster << self.cluster_bits, cs)?
+            }
+            _ => false,
+        };
+        if chunk.len() as u64 == cs || !copy {
+            self.f
+                .write_all(chunk, host + in_cluster, "write data to")?;
         } else {
             let mut cluster = std::mem::take(&mut self.scratch);
             cluster.resize(cs as usize, 0);
             let result = (|| {
-                match (mapping, &mut self.backing) {
-                    (Mapping::Unallocated, Some(backing)) => {
-                        backing.read(&mut cluster, vcluster << self.cluster_bits)?
-                    }
-                    _ => cluster.fill(0),
+                if let Some(backing) = &mut self.backing {
+                    backing.read(&mut cluster, vcluster << self.cluster_bits)?;
                 }
                 let at = in_cluster as usize;
                 cluster[at..at + chunk.len()].copy_from_slice(chunk);

@@ -20,11 +20,13 @@ use super::{unaligned, ImageFile};
 
 /// Bits 0-8 of a refcount table entry are reserved.
 const REFT_RESERVED: u64 = 0x1ff;
-/// Bytes of clusters the pool reserves at a time.
+/// Bytes of clusters the pool reserves at first; each refill before the
+/// next flush doubles it, up to `POOL_MAX_BYTES`, so long streams of
+/// writes pay one `fdatasync` per 64 MiB of new clusters.
 const POOL_BYTES: u64 = 2 << 20;
-/// Bounds on the number of clusters the pool reserves at a time.
+const POOL_MAX_BYTES: u64 = 64 << 20;
+/// Fewest clusters the pool reserves at a time (large clusters).
 const POOL_MIN: u64 = 4;
-const POOL_MAX: u64 = 1024;
 /// Refcount blocks cached.
 const BLOCK_CACHE: usize = 16;
 
@@ -46,7 +48,10 @@ pub struct Refcounts {
     /// First cluster index that was never allocated.
     alloc_end: u64,
     pool: VecDeque<u64>,
+    /// Clusters the next refill reserves.
     pool_size: u64,
+    pool_first: u64,
+    pool_max: u64,
 }
 
 impl Refcounts {
@@ -79,7 +84,8 @@ impl Refcounts {
             table.push(entry);
         }
         let block_bits = h.cluster_bits + 3 - h.refcount_order;
-        let pool_size = (POOL_BYTES >> h.cluster_bits).clamp(POOL_MIN, POOL_MAX);
+        let pool_first = (POOL_BYTES >> h.cluster_bits).max(POOL_MIN);
+        let pool_max = (POOL_MAX_BYTES >> h.cluster_bits).max(POOL_MIN);
         let mut rc = Self {
             cluster_bits: h.cluster_bits,
             order: h.refcount_order,
@@ -91,10 +97,14 @@ impl Refcounts {
             blocks: TableCache::new(BLOCK_CACHE),
             alloc_end: f.len.div_ceil(cs),
             pool: VecDeque::new(),
-            pool_size,
+            pool_size: pool_first,
+            pool_first,
+            pool_max,
         };
         // Nothing with a refcount may ever be allocated again, even past
-        // the end of the file.
+        // the end of the file. A block named twice is refused (it would
+        // also make this scan cost more than reading the file).
+        let mut seen = std::collections::HashSet::new();
         for bi in 0..rc.table.len() {
             let Some(&offset) = rc.table.get(bi) else {
                 break;
@@ -102,12 +112,14 @@ impl Refcounts {
             if offset == 0 {
                 continue;
             }
+            if !seen.insert(offset) {
+                return Err(f.invalid(format!(
+                    "refcount block {offset:#x} is named twice in the refcount table"
+                )));
+            }
             let order = rc.order;
             let block = rc.block(f, offset)?;
-            let last = (0..1u64 << block_bits)
-                .rev()
-                .find(|&i| get_entry(block, i, order) != 0);
-            if let Some(last) = last {
+            if let Some(last) = last_nonzero_entry(block, order) {
                 let cluster = ((bi as u64) << block_bits) + last;
                 rc.alloc_end = rc.alloc_end.max(cluster + 1);
             }
@@ -302,6 +314,7 @@ impl Refcounts {
         if self.pool.is_empty() {
             let start = self.alloc_raw(f, self.pool_size)?;
             self.pool.extend(start..start + self.pool_size);
+            self.pool_size = (self.pool_size * 2).min(self.pool_max);
             let end = self.alloc_end * self.cluster_size();
             if f.len < end {
                 f.set_len(end)?;
@@ -318,6 +331,7 @@ impl Refcounts {
     /// Gives the clusters reserved but not used back: refcount 0, and the
     /// file truncated over those at its end.
     pub fn release_pool(&mut self, f: &mut ImageFile) -> Result<()> {
+        self.pool_size = self.pool_first;
         let Some(&first) = self.pool.front() else {
             return Ok(());
         };
@@ -344,6 +358,19 @@ impl Refcounts {
         }
         Ok(())
     }
+}
+
+/// Index of the last non-zero entry of a refcount block, found a byte at a
+/// time.
+pub fn last_nonzero_entry(block: &[u8], order: u32) -> Option<u64> {
+    let byte = block.iter().rposition(|&b| b != 0)? as u64;
+    let bits = 1u64 << order;
+    // Entries overlapping that byte, last first.
+    let first = byte * 8 / bits;
+    let last = ((byte + 1) * 8).div_ceil(bits) - 1;
+    (first..=last)
+        .rev()
+        .find(|&i| get_entry(block, i, order) != 0)
 }
 
 /// Entry `index` of a refcount block with `1 << order`-bit entries.
@@ -404,6 +431,19 @@ mod tests {
                     (i * 7 + 1) & max,
                     "order {order}"
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn test_last_nonzero_entry_every_order() {
+        for order in 0..=6u32 {
+            let entries = (64 * 8) >> order;
+            let mut block = vec![0u8; 64];
+            assert_eq!(last_nonzero_entry(&block, order), None);
+            for i in [0, 1, entries / 2 + 1, entries - 1] {
+                set_entry(&mut block, i, order, 1);
+                assert_eq!(last_nonzero_entry(&block, order), Some(i), "order {order}");
             }
         }
     }

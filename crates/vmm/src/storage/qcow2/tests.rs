@@ -628,6 +628,16 @@ fn test_hostile_tables_rejected() {
     let rt = h.refcount_table_offset as usize;
     assert_rejected_writable(&patched(d, "rteof", &good, |b| put64(b, rt, 1 << 40)));
     assert_rejected_writable(&patched(d, "rtunal", &good, |b| put64(b, rt, 4096 + 512)));
+    // Tables named twice.
+    let rt_entry = u64::from_be_bytes(good[rt..rt + 8].try_into().expect("8"));
+    assert_rejected_writable(&patched(d, "rtdup", &good, |b| put64(b, rt + 8, rt_entry)));
+    let l1dup = patched(d, "l1dup", &good, |b| put64(b, l1 + 8, first_l1));
+    assert_rejected_writable(&l1dup);
+    let report = check(&l1dup).expect("check");
+    assert!(
+        report.messages.iter().any(|m| m.contains("used twice")),
+        "{report:?}"
+    );
     // Truncated files.
     for keep in [good.len() - 4096, good.len() / 2, 4096 * 3 + 100] {
         let path = patched(d, &format!("trunc{keep}"), &good, |b| b.truncate(keep));
@@ -846,4 +856,60 @@ fn test_autoclear_bits_cleared_on_writable_open() {
     );
     drop(Qcow2::open(&path, false).expect("writable"));
     assert_eq!(std::fs::read(&path).expect("read")[88..96], [0; 8]);
+}
+
+#[test]
+fn test_random_corruption_never_panics() {
+    // Flip bytes in the metadata of a small chain's top image: every
+    // operation may fail, none may panic or hang.
+    let dir = tmp();
+    let base = dir.path().join("base.raw");
+    raw_file(&base, &[0x33; 64 * 1024]);
+    let (path, good) = sample_image(dir.path());
+    drop(path);
+    let mut rng = Rng::new(99);
+    let victim = dir.path().join("victim.qcow2");
+    for round in 0..400 {
+        let mut bytes = good.clone();
+        let flips = 1 + rng.below(8);
+        for _ in 0..flips {
+            // Mostly the metadata clusters (header, tables), sometimes anywhere.
+            let limit = if rng.below(4) == 0 {
+                bytes.len()
+            } else {
+                6 * 4096
+            };
+            let at = rng.below(limit as u64) as usize;
+            bytes[at] ^= 1 << rng.below(8);
+        }
+        std::fs::write(&victim, &bytes).expect("write");
+        if let Ok(mut image) = Qcow2::open(&victim, true) {
+            let size = image.size().min(8 << 20) as usize;
+            let mut buf = vec![0u8; size];
+            let _ = image.read_at(&mut buf, 0);
+        }
+        if let Ok(mut image) = Qcow2::open(&victim, false) {
+            let size = image.size();
+            for _ in 0..8 {
+                let offset = rng.below(size.max(1));
+                let len = (1 + rng.below(20_000)).min(size - offset) as usize;
+                let _ = image.write_at(&vec![0x99; len], offset);
+            }
+            let _ = image.flush();
+            drop(image);
+            // A file that opened writable stays consistent through writes.
+            if let Ok(report) = check(&victim) {
+                let before = {
+                    std::fs::write(dir.path().join("orig.qcow2"), &bytes).expect("write");
+                    check(&dir.path().join("orig.qcow2")).map(|r| r.corruptions)
+                };
+                if let Ok(0) = before {
+                    assert!(report.is_ok(), "round {round}: {report:?}");
+                }
+            }
+        }
+        let _ = check(&victim);
+        let _ = info(&victim);
+        let _ = backing_chain(&victim);
+    }
 }
