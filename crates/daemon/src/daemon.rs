@@ -593,7 +593,10 @@ impl Daemon {
         let paths = self.paths(hostname);
         let stop = process::stop_reason(&paths, status);
         let requested = vm.state == VmState::Stopping;
-        let state = if stop.clean || requested {
+        // A guest that stops before its agent ever answered failed to boot
+        // (a kernel panic reboots with panic=-1), whatever the exit said.
+        let never_ready = vm.state == VmState::Starting;
+        let state = if requested || (stop.clean && !never_ready) {
             VmState::Stopped
         } else {
             VmState::Failed

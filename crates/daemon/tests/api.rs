@@ -158,6 +158,11 @@ impl Drop for Daemon {
     }
 }
 
+async fn pid_of(c: &TineClient, hostname: &str) -> R<u32> {
+    let info = c.describe(hostname).await.map_err(|e| fail(e.to_string()))?;
+    info.pid.ok_or_else(|| fail(format!("{hostname} has no pid")))
+}
+
 fn alive(pid: u32) -> bool {
     Path::new(&format!("/proc/{pid}")).exists()
         && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
@@ -416,7 +421,7 @@ fn kill_nine() -> R {
             let info = c.describe(h).await.map_err(|e| fail(e.to_string()))?;
             assert_eq!(info.state, VmState::Running, "{h} adopted");
         }
-        assert_eq!(d.vmm_pid(&a)?, pid_a, "same process");
+        assert_eq!(pid_of(c, &a).await?, pid_a, "same process");
         assert_eq!(sh_ok(c, &a, "cat /root/marker").await?, "kept\n");
         Ok::<_, Failed>(())
     })?;
@@ -460,7 +465,7 @@ fn kill_nine() -> R {
         c.health(&a, Wait::Agent, Some(BOOT))
             .await
             .map_err(|e| fail(e.to_string()))?;
-        assert_ne!(d.vmm_pid(&a)?, pid_a);
+        assert_ne!(pid_of(c, &a).await?, pid_a);
         assert_eq!(
             sh_ok(c, &a, "cat /root/marker").await?,
             "kept\n",
