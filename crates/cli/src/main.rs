@@ -32,14 +32,18 @@ fn main() {
             .enable_all()
             .build()
         {
-            Ok(runtime) => report(runtime.block_on(commands::run(cli))),
+            Ok(runtime) => {
+                let code = report(runtime.block_on(commands::run(cli)));
+                // A blocking read of stdin (exec, shell) may still be
+                // waiting: do not wait for it.
+                runtime.shutdown_background();
+                code
+            }
             Err(e) => report(Err(
                 anyhow::Error::new(e).context("cannot start the async runtime")
             )),
         },
     };
-    // Flush what was printed, then leave without waiting for a blocking
-    // stdin read that nobody needs any more.
     let _ = std::io::stdout().flush();
     std::process::exit(code);
 }

@@ -462,3 +462,32 @@ async fn forward_bridges_local_connections() {
     );
     child.kill().await.expect("kill");
 }
+
+#[tokio::test]
+async fn exec_exits_while_stdin_stays_open() {
+    // `sleep 100 | tine vm exec VM -- true`: the command ends, so does tine,
+    // though its stdin never does.
+    let fake = FakeDaemon::start(None).await;
+    let mut child = tine()
+        .args([
+            "--url",
+            &fake.url(),
+            "vm",
+            "exec",
+            "dev-1",
+            "--",
+            "exit",
+            "6",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let _open_stdin = child.stdin.take().expect("stdin");
+    let status = tokio::time::timeout(Duration::from_secs(30), child.wait())
+        .await
+        .expect("tine exited with stdin still open")
+        .expect("wait");
+    assert_eq!(status.code(), Some(6));
+}
