@@ -90,7 +90,9 @@ pub fn started_line(hostname: &str, state: VmState, ip: Option<&str>, elapsed_ms
 pub async fn run(cli: Cli) -> anyhow::Result<i32> {
     let g = &cli.global;
     match cli.command {
-        Command::New(_) | Command::Up(_) => unreachable!("handled before the runtime starts"),
+        Command::New(_) | Command::Up(_) => Err(anyhow::anyhow!(
+            "`tine new` and `tine up` run without the async runtime"
+        )),
         Command::Info => info(g).await,
         Command::Group { command } => match command {
             None | Some(GroupCommand::List) => groups(g).await,
