@@ -21,7 +21,7 @@ use futures_core::Stream;
 use futures_util::{SinkExt, StreamExt};
 use http::header::{HeaderValue, AUTHORIZATION, CONTENT_TYPE, HOST};
 use http::{Method, Request, Response};
-use http_body_util::combinators::BoxBody;
+use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Empty, Full, StreamBody};
 use hyper::body::{Body as _, Frame, Incoming};
 use hyper_util::rt::TokioIo;
@@ -70,7 +70,7 @@ const FORWARD_CHUNK: usize = 64 << 10;
 pub enum ApiError {
     /// The daemon could not be reached at all.
     #[error(
-        "cannot reach the tine daemon at {url}: {source} (is the daemon running? start it with `tine up`)"
+        "cannot reach the tine daemon at {url} (is the daemon running? start it with `tine up`)"
     )]
     Connect {
         /// The URL tried.
@@ -97,7 +97,7 @@ pub enum ApiError {
         reason: String,
     },
     /// The token file could not be read.
-    #[error("cannot read the token file {}: {source}", path.display())]
+    #[error("cannot read the token file {}", path.display())]
     TokenFile {
         /// The file.
         path: PathBuf,
@@ -109,13 +109,13 @@ pub enum ApiError {
     #[error("invalid request: {0}")]
     InvalidRequest(String),
     /// The HTTP exchange failed after connecting.
-    #[error("HTTP exchange with the daemon failed: {0}")]
+    #[error("HTTP exchange with the daemon failed")]
     Http(#[from] hyper::Error),
     /// The WebSocket exchange failed.
-    #[error("WebSocket exchange with the daemon failed: {0}")]
+    #[error("WebSocket exchange with the daemon failed")]
     WebSocket(#[source] Box<tokio_tungstenite::tungstenite::Error>),
     /// A response body did not decode.
-    #[error("cannot decode the daemon's answer to {what}: {source}")]
+    #[error("cannot decode the daemon's answer to {what}")]
     Decode {
         /// The request, `METHOD /path`.
         what: String,
@@ -127,7 +127,7 @@ pub enum ApiError {
     #[error("unexpected answer from the daemon: {0}")]
     Protocol(String),
     /// Reading a local source or writing a local sink failed.
-    #[error("local I/O failed: {0}")]
+    #[error("local I/O failed")]
     Io(#[from] io::Error),
 }
 
@@ -517,12 +517,12 @@ impl Query {
 }
 
 /// The body type requests are sent with.
-type ReqBody = BoxBody<Bytes, io::Error>;
+type ReqBody = UnsyncBoxBody<Bytes, io::Error>;
 
 fn empty_body() -> ReqBody {
     Empty::<Bytes>::new()
         .map_err(|never| match never {})
-        .boxed()
+        .boxed_unsync()
 }
 
 fn json_body<T: Serialize>(value: &T) -> Result<ReqBody> {
@@ -530,22 +530,48 @@ fn json_body<T: Serialize>(value: &T) -> Result<ReqBody> {
         .map_err(|e| ApiError::InvalidRequest(format!("cannot encode the body: {e}")))?;
     Ok(Full::new(Bytes::from(bytes))
         .map_err(|never| match never {})
-        .boxed())
+        .boxed_unsync())
 }
 
-fn reader_body<R: AsyncRead + Send + Sync + 'static>(reader: R) -> ReqBody {
+fn reader_body<R: AsyncRead + Send + 'static>(reader: R) -> ReqBody {
     let frames = ReaderStream::new(reader).map(|chunk| chunk.map(Frame::data));
-    BodyExt::boxed(StreamBody::new(frames))
+    BodyExt::boxed_unsync(StreamBody::new(frames))
 }
 
 /// A connection to the daemon: a Unix or TCP stream.
 #[derive(Debug)]
-pub struct DaemonStream(StreamInner);
+pub struct DaemonStream {
+    inner: StreamInner,
+    /// Set for HTTP requests: once the daemon stopped reading (it answered
+    /// without consuming the whole request body, e.g. an exec whose command
+    /// ignores stdin), further writes are dropped instead of failing, so
+    /// the answer already on its way is still read to the end.
+    discard_writes_after_peer_closed: bool,
+    write_closed: bool,
+}
 
 #[derive(Debug)]
 enum StreamInner {
     Unix(UnixStream),
     Tcp(TcpStream),
+}
+
+/// Whether a write error only says the peer stopped reading.
+fn peer_stopped_reading(err: &io::Error) -> bool {
+    matches!(
+        err.kind(),
+        io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset
+    )
+}
+
+impl DaemonStream {
+    fn new(inner: StreamInner) -> Self {
+        Self {
+            inner,
+            discard_writes_after_peer_closed: false,
+            write_closed: false,
+        }
+    }
 }
 
 impl AsyncRead for DaemonStream {
@@ -554,7 +580,7 @@ impl AsyncRead for DaemonStream {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        match &mut self.get_mut().0 {
+        match &mut self.get_mut().inner {
             StreamInner::Unix(s) => Pin::new(s).poll_read(cx, buf),
             StreamInner::Tcp(s) => Pin::new(s).poll_read(cx, buf),
         }
@@ -567,21 +593,40 @@ impl AsyncWrite for DaemonStream {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        match &mut self.get_mut().0 {
-            StreamInner::Unix(s) => Pin::new(s).poll_write(cx, buf),
-            StreamInner::Tcp(s) => Pin::new(s).poll_write(cx, buf),
+        let this = self.get_mut();
+        if this.write_closed {
+            return Poll::Ready(Ok(buf.len()));
+        }
+        let result = match &mut this.inner {
+            StreamInner::Unix(s) => ready!(Pin::new(s).poll_write(cx, buf)),
+            StreamInner::Tcp(s) => ready!(Pin::new(s).poll_write(cx, buf)),
+        };
+        match result {
+            Err(e) if this.discard_writes_after_peer_closed && peer_stopped_reading(&e) => {
+                this.write_closed = true;
+                Poll::Ready(Ok(buf.len()))
+            }
+            other => Poll::Ready(other),
         }
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match &mut self.get_mut().0 {
+        let this = self.get_mut();
+        if this.write_closed {
+            return Poll::Ready(Ok(()));
+        }
+        match &mut this.inner {
             StreamInner::Unix(s) => Pin::new(s).poll_flush(cx),
             StreamInner::Tcp(s) => Pin::new(s).poll_flush(cx),
         }
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match &mut self.get_mut().0 {
+        let this = self.get_mut();
+        if this.write_closed {
+            return Poll::Ready(Ok(()));
+        }
+        match &mut this.inner {
             StreamInner::Unix(s) => Pin::new(s).poll_shutdown(cx),
             StreamInner::Tcp(s) => Pin::new(s).poll_shutdown(cx),
         }
@@ -674,7 +719,7 @@ impl TineClient {
                 .map(StreamInner::Tcp),
         };
         connected
-            .map(DaemonStream)
+            .map(DaemonStream::new)
             .map_err(|source| ApiError::Connect {
                 url: self.url.clone(),
                 source,
@@ -717,7 +762,8 @@ impl TineClient {
         let request = builder
             .body(body)
             .map_err(|e| ApiError::InvalidRequest(e.to_string()))?;
-        let io = self.connect().await?;
+        let mut io = self.connect().await?;
+        io.discard_writes_after_peer_closed = true;
         let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(io)).await?;
         tokio::spawn(async move {
             // Errors surface through the request and its body.
@@ -905,7 +951,7 @@ impl TineClient {
         stdin: Option<R>,
     ) -> Result<ExecStream>
     where
-        R: AsyncRead + Send + Sync + 'static,
+        R: AsyncRead + Send + 'static,
     {
         let mut q = Query::new();
         q.add("cmd", options.cmd.clone());
@@ -956,7 +1002,7 @@ impl TineClient {
         reader: R,
     ) -> Result<u64>
     where
-        R: AsyncRead + Send + Sync + 'static,
+        R: AsyncRead + Send + 'static,
     {
         let query = Query::new()
             .add("path", path)

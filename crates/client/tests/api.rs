@@ -610,3 +610,22 @@ fn from_env_prefers_explicit_then_env_then_default() {
 
     assert!(TineClient::new("https://x:1", None).is_err());
 }
+
+#[tokio::test]
+async fn exec_output_survives_a_daemon_that_ignores_stdin() {
+    // The command never reads stdin; the daemon answers and closes while the
+    // client still has megabytes to send. The answer must still arrive.
+    let fake = FakeDaemon::start(None).await;
+    let c = client(&fake);
+    for _ in 0..5 {
+        let stdin = tokio::io::AsyncReadExt::take(tokio::io::repeat(b'x'), 8 << 20);
+        let out = c
+            .exec("dev-1", &ExecOptions::new("echo", ["hi"]), Some(stdin))
+            .await
+            .expect("exec")
+            .collect_output()
+            .await
+            .expect("output despite the unread body");
+        assert_eq!((out.stdout.as_slice(), out.code), (&b"hi\n"[..], Some(0)));
+    }
+}

@@ -14,7 +14,8 @@
 //!   `error` frame (`not_found`).
 //! - cp download: `hello from PATH\n`; upload: counts and keeps the bytes.
 //! - shell: greets, echoes terminal data, answers a resize with
-//!   `resized R C`, ends with exit 3 on input `exit\r`.
+//!   `resized R C`, ends with exit 3 on input `exit\r`, and goes away
+//!   without an exit message on `drop\r`.
 //! - forward: echoes, prefixed once with the target.
 
 #![allow(dead_code)]
@@ -728,6 +729,8 @@ async fn shell(Path(h): Path<String>, ws: WebSocketUpgrade) -> Response {
                     let _ = socket.send(Message::Close(None)).await;
                     return;
                 }
+                // Goes away without the exit message.
+                Some(0) if &m[1..] == b"drop\r" => return,
                 Some(0) => {
                     let _ = socket.send(data(&m[1..])).await;
                 }

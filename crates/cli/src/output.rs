@@ -1,0 +1,380 @@
+//! Human output: aligned tables, sizes, ages, and the `--json` printer.
+
+use std::time::{Duration, SystemTime};
+
+use serde::Serialize;
+use tine_proto::api::{CommitInfo, ErrorCode, HostGroupInfo, VmInfo};
+
+/// Columns are separated by this many spaces.
+const GAP: usize = 3;
+
+/// Lays out rows under headers, each column as wide as its widest cell;
+/// the last column is not padded.
+pub fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
+    let columns = headers.len();
+    let mut widths: Vec<usize> = headers.iter().map(|h| h.chars().count()).collect();
+    for row in rows {
+        for (i, cell) in row.iter().enumerate().take(columns) {
+            widths[i] = widths[i].max(cell.chars().count());
+        }
+    }
+    let mut out = String::new();
+    let header: Vec<String> = headers.iter().map(|h| h.to_string()).collect();
+    for row in std::iter::once(&header).chain(rows) {
+        let mut line = String::new();
+        for (i, cell) in row.iter().enumerate().take(columns) {
+            if i + 1 < columns {
+                let pad = widths[i] - cell.chars().count() + GAP;
+                line.push_str(cell);
+                line.extend(std::iter::repeat_n(' ', pad));
+            } else {
+                line.push_str(cell);
+            }
+        }
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+    out
+}
+
+/// Bytes as a short size: `512M`, `1G`, `1.5G`, `4K`, `100B`.
+pub fn size(bytes: u64) -> String {
+    const UNITS: [(&str, u64); 4] = [
+        ("T", 1 << 40),
+        ("G", 1 << 30),
+        ("M", 1 << 20),
+        ("K", 1 << 10),
+    ];
+    for (unit, scale) in UNITS {
+        if bytes >= scale {
+            let whole = bytes / scale;
+            let tenth = (bytes % scale) * 10 / scale;
+            return if tenth == 0 || whole >= 100 {
+                format!("{whole}{unit}")
+            } else {
+                format!("{whole}.{tenth}{unit}")
+            };
+        }
+    }
+    format!("{bytes}B")
+}
+
+/// A duration as the largest fitting unit: `45s`, `12m`, `3h`, `4d`.
+pub fn age(d: Duration) -> String {
+    let s = d.as_secs();
+    match s {
+        0..=59 => format!("{s}s"),
+        60..=3599 => format!("{}m", s / 60),
+        3600..=86_399 => format!("{}h", s / 3600),
+        _ => format!("{}d", s / 86_400),
+    }
+}
+
+/// The age of an RFC 3339 instant at `now`; `-` when it does not parse.
+pub fn age_since(rfc3339: &str, now: SystemTime) -> String {
+    match humantime::parse_rfc3339_weak(rfc3339.trim_end_matches('Z')) {
+        Ok(then) => now
+            .duration_since(then)
+            .map(age)
+            .unwrap_or_else(|_| "0s".into()),
+        Err(_) => "-".into(),
+    }
+}
+
+/// Milliseconds for people: `812 ms`, `1.2 s`.
+pub fn millis(ms: u64) -> String {
+    if ms < 1000 {
+        format!("{ms} ms")
+    } else {
+        format!("{}.{} s", ms / 1000, (ms % 1000) / 100)
+    }
+}
+
+/// The wire name of an error code (`not_found`).
+pub fn code_name(code: ErrorCode) -> String {
+    serde_json::to_value(code)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_else(|| format!("{code:?}"))
+}
+
+/// The `tine vm list` table.
+pub fn vm_table(vms: &[VmInfo], now: SystemTime) -> String {
+    let rows: Vec<Vec<String>> = vms
+        .iter()
+        .map(|v| {
+            vec![
+                v.hostname.clone(),
+                v.host_group.clone(),
+                v.state.to_string(),
+                v.cpus.to_string(),
+                size(v.ram_bytes),
+                v.ip.clone().unwrap_or_else(|| "-".into()),
+                age_since(&v.created_at, now),
+                if v.tags.is_empty() {
+                    "-".into()
+                } else {
+                    v.tags.join(",")
+                },
+            ]
+        })
+        .collect();
+    table(
+        &[
+            "HOSTNAME", "GROUP", "STATE", "CPUS", "RAM", "IP", "AGE", "TAGS",
+        ],
+        &rows,
+    )
+}
+
+/// The `tine group list` table.
+pub fn group_table(groups: &[HostGroupInfo]) -> String {
+    let rows: Vec<Vec<String>> = groups
+        .iter()
+        .map(|g| {
+            vec![
+                g.name.clone(),
+                g.count.to_string(),
+                g.nodes.to_string(),
+                format!("{}/{}", g.cpus, g.max_cpus),
+                format!("{}/{}", size(g.ram_bytes), size(g.max_ram_bytes)),
+                size(g.storage_bytes),
+                if g.persistent { "yes" } else { "no" }.into(),
+                g.network.clone(),
+                g.image.clone(),
+            ]
+        })
+        .collect();
+    table(
+        &[
+            "NAME",
+            "COUNT",
+            "VMS",
+            "CPUS",
+            "RAM",
+            "DISK",
+            "PERSISTENT",
+            "NETWORK",
+            "IMAGE",
+        ],
+        &rows,
+    )
+}
+
+/// The `tine vm commit list` table.
+pub fn commit_table(commits: &[CommitInfo], now: SystemTime) -> String {
+    let rows: Vec<Vec<String>> = commits
+        .iter()
+        .map(|c| {
+            vec![
+                c.commit_id.clone(),
+                c.source.clone(),
+                c.cache_key.clone().unwrap_or_else(|| "-".into()),
+                size(c.size_bytes),
+                age_since(&c.created_at, now),
+                if c.tags.is_empty() {
+                    "-".into()
+                } else {
+                    c.tags.join(",")
+                },
+            ]
+        })
+        .collect();
+    table(
+        &["COMMIT", "SOURCE", "CACHE KEY", "SIZE", "AGE", "TAGS"],
+        &rows,
+    )
+}
+
+/// `key: value` lines, keys aligned.
+pub fn fields(pairs: &[(&str, String)]) -> String {
+    let width = pairs.iter().map(|(k, _)| k.len()).max().unwrap_or(0) + 1;
+    let mut out = String::new();
+    for (k, v) in pairs {
+        out.push_str(&format!("{:<width$} {v}\n", format!("{k}:")));
+    }
+    out
+}
+
+/// `tine vm describe`.
+pub fn describe(v: &VmInfo, now: SystemTime) -> String {
+    let or_dash = |o: &Option<String>| o.clone().unwrap_or_else(|| "-".into());
+    let mut pairs = vec![
+        ("hostname", v.hostname.clone()),
+        ("group", v.host_group.clone()),
+        ("state", v.state.to_string()),
+        ("cpus", v.cpus.to_string()),
+        ("ram", size(v.ram_bytes)),
+        ("persistent", if v.persistent { "yes" } else { "no" }.into()),
+        (
+            "tags",
+            if v.tags.is_empty() {
+                "-".into()
+            } else {
+                v.tags.join(", ")
+            },
+        ),
+        ("ip", or_dash(&v.ip)),
+        (
+            "created",
+            format!("{} ({} ago)", v.created_at, age_since(&v.created_at, now)),
+        ),
+        ("started", or_dash(&v.started_at)),
+        ("boot", v.boot_ms.map(millis).unwrap_or_else(|| "-".into())),
+        (
+            "pid",
+            v.pid.map(|p| p.to_string()).unwrap_or_else(|| "-".into()),
+        ),
+    ];
+    if let Some(reason) = &v.reason {
+        pairs.push(("reason", reason.clone()));
+    }
+    pairs.push((
+        "disk",
+        format!(
+            "{} ({}, {} used of {})",
+            v.storage.path,
+            v.storage.format,
+            size(v.storage.allocated_bytes),
+            size(v.storage.size_bytes)
+        ),
+    ));
+    pairs.push(("commit", or_dash(&v.commit_id)));
+    pairs.push(("forked from", or_dash(&v.parent_commit_id)));
+    if let Some(n) = &v.network {
+        pairs.push((
+            "network",
+            format!(
+                "{} {} via {} (tap {}, mac {})",
+                n.mode, n.address, n.gateway, n.tap, n.mac
+            ),
+        ));
+        let list = |l: &Vec<String>| {
+            if l.is_empty() {
+                "-".to_string()
+            } else {
+                l.join(", ")
+            }
+        };
+        pairs.push((
+            "policy",
+            format!(
+                "allow {}; drop {} (from {})",
+                list(&n.allow),
+                list(&n.drop),
+                n.policy_source
+            ),
+        ));
+    } else {
+        pairs.push(("network", "none".into()));
+    }
+    fields(&pairs)
+}
+
+/// Prints one JSON document (pretty) on stdout.
+pub fn print_json<T: Serialize>(value: &T) -> anyhow::Result<()> {
+    println!("{}", serde_json::to_string_pretty(value)?);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tine_proto::api::{StorageInfo, VmState};
+
+    fn vm(hostname: &str, state: VmState, tags: &[&str], ip: Option<&str>) -> VmInfo {
+        VmInfo {
+            hostname: hostname.into(),
+            host_group: "dev".into(),
+            state,
+            cpus: 2,
+            ram_bytes: 512 << 20,
+            persistent: true,
+            tags: tags.iter().map(|t| t.to_string()).collect(),
+            ip: ip.map(str::to_string),
+            network: None,
+            pid: None,
+            reason: None,
+            created_at: "2026-01-01T00:00:00.000Z".into(),
+            started_at: None,
+            boot_ms: None,
+            commit_id: None,
+            parent_commit_id: None,
+            storage: StorageInfo {
+                path: "/d".into(),
+                format: "qcow2".into(),
+                size_bytes: 4 << 30,
+                allocated_bytes: 0,
+            },
+        }
+    }
+
+    #[test]
+    fn vm_table_is_aligned() {
+        let now = humantime::parse_rfc3339("2026-01-01T02:30:00Z").expect("now");
+        let vms = vec![
+            vm(
+                "dev-1",
+                VmState::Running,
+                &["name=web", "env=ci"],
+                Some("10.0.0.2"),
+            ),
+            vm("dev-10", VmState::Stopped, &[], None),
+        ];
+        let text = vm_table(&vms, now);
+        assert_eq!(
+            text,
+            "\
+HOSTNAME   GROUP   STATE     CPUS   RAM    IP         AGE   TAGS
+dev-1      dev     running   2      512M   10.0.0.2   2h    name=web,env=ci
+dev-10     dev     stopped   2      512M   -          2h    -
+"
+        );
+    }
+
+    #[test]
+    fn sizes_ages_and_millis_read_well() {
+        assert_eq!(size(512 << 20), "512M");
+        assert_eq!(size(3 << 29), "1.5G");
+        assert_eq!(size(4 << 30), "4G");
+        assert_eq!(size(100), "100B");
+        assert_eq!(size(1536), "1.5K");
+        assert_eq!(age(Duration::from_secs(45)), "45s");
+        assert_eq!(age(Duration::from_secs(600)), "10m");
+        assert_eq!(age(Duration::from_secs(7200)), "2h");
+        assert_eq!(age(Duration::from_secs(3 * 86_400)), "3d");
+        assert_eq!(millis(812), "812 ms");
+        assert_eq!(millis(1234), "1.2 s");
+        let now = humantime::parse_rfc3339("2026-01-01T00:00:10Z").expect("now");
+        assert_eq!(age_since("2026-01-01T00:00:00.000Z", now), "10s");
+        assert_eq!(age_since("garbage", now), "-");
+        assert_eq!(age_since("2027-01-01T00:00:00Z", now), "0s");
+    }
+
+    #[test]
+    fn tables_handle_empty_and_wide_cells() {
+        assert_eq!(table(&["A", "B"], &[]), "A   B\n");
+        let rows = vec![vec!["long-cell".to_string(), "x".to_string()]];
+        assert_eq!(table(&["A", "B"], &rows), "A           B\nlong-cell   x\n");
+    }
+
+    #[test]
+    fn describe_shows_lineage_and_disk() {
+        let mut v = vm("dev-4", VmState::Running, &[], None);
+        v.parent_commit_id = Some("cmt-dev-1".into());
+        let now = humantime::parse_rfc3339("2026-01-01T00:01:00Z").expect("now");
+        let text = describe(&v, now);
+        assert!(text.contains("forked from: cmt-dev-1"), "{text}");
+        assert!(
+            text.contains("disk:        /d (qcow2, 0B used of 4G)"),
+            "{text}"
+        );
+        assert!(text.contains("network:     none"), "{text}");
+    }
+
+    #[test]
+    fn error_codes_have_wire_names() {
+        assert_eq!(code_name(ErrorCode::NotFound), "not_found");
+        assert_eq!(code_name(ErrorCode::AgentUnavailable), "agent_unavailable");
+    }
+}
