@@ -24,7 +24,9 @@ fn stats(mut v: Vec<f64>) -> (f64, f64) {
 /// 64 MiB of data written through the qcow2 writer.
 fn vm_disk(dir: &Path, size: u64) -> std::path::PathBuf {
     let base = dir.join("base.raw");
-    std::fs::File::create(&base).and_then(|f| f.set_len(size)).expect("base");
+    std::fs::File::create(&base)
+        .and_then(|f| f.set_len(size))
+        .expect("base");
     let disk = dir.join("vm.qcow2");
     storage::create_disk(&base, &disk, None).expect("vm disk");
     let mut q = tine_vmm::storage::open_disk(&disk, false).expect("open");
@@ -63,11 +65,33 @@ fn measure(size: u64, runs: usize) -> ((f64, f64), (f64, f64)) {
 }
 
 fn main() {
-    let runs = std::env::var("TINE_BENCH_RUNS").ok().and_then(|v| v.parse().ok()).unwrap_or(50);
+    let runs = std::env::var("TINE_BENCH_RUNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(50);
     let (c1, f1) = measure(1 << 30, runs);
     let (c20, f20) = measure(20 << 30, runs);
-    println!("{:<22} {:>14} {:>14} {:>14} {:>14} {:>8}", "", "1 GiB p50", "1 GiB p99", "20 GiB p50", "20 GiB p99", "ratio");
-    println!("{:<22} {:>11.3} ms {:>11.3} ms {:>11.3} ms {:>11.3} ms {:>8.2}", "commit", c1.0, c1.1, c20.0, c20.1, c20.0 / c1.0);
-    println!("{:<22} {:>11.3} ms {:>11.3} ms {:>11.3} ms {:>11.3} ms {:>8.2}", "fork disk", f1.0, f1.1, f20.0, f20.1, f20.0 / f1.0);
+    println!(
+        "{:<22} {:>14} {:>14} {:>14} {:>14} {:>8}",
+        "", "1 GiB p50", "1 GiB p99", "20 GiB p50", "20 GiB p99", "ratio"
+    );
+    println!(
+        "{:<22} {:>11.3} ms {:>11.3} ms {:>11.3} ms {:>11.3} ms {:>8.2}",
+        "commit",
+        c1.0,
+        c1.1,
+        c20.0,
+        c20.1,
+        c20.0 / c1.0
+    );
+    println!(
+        "{:<22} {:>11.3} ms {:>11.3} ms {:>11.3} ms {:>11.3} ms {:>8.2}",
+        "fork disk",
+        f1.0,
+        f1.1,
+        f20.0,
+        f20.1,
+        f20.0 / f1.0
+    );
     println!("target: <= 20 ms and independent of size (ratio ~1)");
 }

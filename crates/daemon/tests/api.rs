@@ -159,8 +159,12 @@ impl Drop for Daemon {
 }
 
 async fn pid_of(c: &TineClient, hostname: &str) -> R<u32> {
-    let info = c.describe(hostname).await.map_err(|e| fail(e.to_string()))?;
-    info.pid.ok_or_else(|| fail(format!("{hostname} has no pid")))
+    let info = c
+        .describe(hostname)
+        .await
+        .map_err(|e| fail(e.to_string()))?;
+    info.pid
+        .ok_or_else(|| fail(format!("{hostname} has no pid")))
 }
 
 fn alive(pid: u32) -> bool {
@@ -505,6 +509,12 @@ fn concurrent_creates() -> R {
             .list_vms(Some("t"), &ListQuery::default())
             .await
             .map_err(|e| fail(e.to_string()))?;
+        let failed: Vec<_> = list
+            .iter()
+            .filter(|v| v.state == VmState::Failed)
+            .map(|v| format!("{}: {}", v.hostname, v.reason.clone().unwrap_or_default()))
+            .collect();
+        assert!(failed.is_empty(), "failed to start: {failed:?}");
         assert_eq!(list.len(), 20);
         let mut tasks = Vec::new();
         for h in names {

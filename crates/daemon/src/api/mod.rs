@@ -315,8 +315,14 @@ mod tests {
             .collect();
         let missing: Vec<_> = served.difference(&documented).collect();
         let extra: Vec<_> = documented.difference(&served).collect();
-        assert!(missing.is_empty(), "served but not in docs/openapi.yaml: {missing:?}");
-        assert!(extra.is_empty(), "in docs/openapi.yaml but not served: {extra:?}");
+        assert!(
+            missing.is_empty(),
+            "served but not in docs/openapi.yaml: {missing:?}"
+        );
+        assert!(
+            extra.is_empty(),
+            "in docs/openapi.yaml but not served: {extra:?}"
+        );
     }
 
     #[test]
