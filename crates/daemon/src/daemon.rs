@@ -64,6 +64,8 @@ pub struct Daemon {
     locks: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Serialises image imports (concurrent creates share one copy).
     imports: std::sync::Mutex<()>,
+    /// Why removed VMs failed (forks that never came up), for waiters.
+    failures: std::sync::Mutex<HashMap<String, String>>,
 }
 
 fn internal(what: &str, e: impl std::fmt::Display) -> ApiError {
@@ -123,6 +125,7 @@ impl Daemon {
             changes,
             locks: std::sync::Mutex::new(HashMap::new()),
             imports: std::sync::Mutex::new(()),
+            failures: std::sync::Mutex::new(HashMap::new()),
         }))
     }
 
@@ -206,7 +209,14 @@ impl Daemon {
         loop {
             rx.borrow_and_update();
             let vm = self.store.find_vm(hostname)?.ok_or_else(|| {
-                ApiError::internal(format!("{hostname} failed to start and was removed"))
+                let why = self
+                    .failures
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .get(hostname)
+                    .cloned()
+                    .unwrap_or_else(|| "no reason recorded".into());
+                ApiError::internal(format!("{hostname} failed to start and was removed: {why}"))
             })?;
             match vm.state {
                 VmState::Running => return Ok(vm),
@@ -365,6 +375,14 @@ impl Daemon {
             ip: info.ip,
             elapsed_ms: started.elapsed().as_millis() as u64,
         })
+    }
+
+    fn remember_failure(&self, hostname: &str, reason: &str) {
+        let mut f = self.failures.lock().unwrap_or_else(|p| p.into_inner());
+        if f.len() > 1024 {
+            f.clear();
+        }
+        f.insert(hostname.to_owned(), reason.to_owned());
     }
 
     /// Removes every trace of a VM (record, files, network).
@@ -603,7 +621,13 @@ impl Daemon {
         };
         tracing::info!(vm = hostname, reason = %stop.reason, "{state}");
         self.release_network(&vm);
-        if vm.persistent {
+        if never_ready && !requested && vm.parent_commit_id.is_some() {
+            // A fork that never came up leaves nothing behind; whoever
+            // waits for it learns why.
+            self.remember_failure(hostname, &stop.reason);
+            let _ = self.store.delete_vm(hostname);
+            let _ = std::fs::remove_dir_all(&paths.dir);
+        } else if vm.persistent {
             let _ = self
                 .store
                 .clear_process(hostname, state, Some(&stop.reason));

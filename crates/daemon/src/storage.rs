@@ -84,6 +84,10 @@ pub fn verify_commit(path: &Path) -> Result<(), DiskError> {
     Ok(())
 }
 
+/// Chains deeper than this (image, commits, the disk) are flattened when
+/// committed.
+pub const FLATTEN_DEPTH: usize = 16;
+
 /// Makes `disk` a commit at `commit_path` and gives the source a fresh
 /// overlay at `new_disk`; returns the commit's virtual size. On failure
 /// nothing is left behind and `disk` is unchanged.
@@ -92,12 +96,26 @@ pub fn commit_disk(disk: &Path, commit_path: &Path, new_disk: &Path) -> Result<u
     if let Some(dir) = commit_path.parent() {
         std::fs::create_dir_all(dir).map_err(|e| err(&format!("create {}", dir.display()), &e))?;
     }
-    std::fs::hard_link(disk, commit_path).map_err(|e| {
-        err(
-            &format!("link {} to {}", disk.display(), commit_path.display()),
-            &e,
-        )
-    })?;
+    let depth = vstore::backing_chain(disk)
+        .map_err(|e| err(&format!("read the chain of {}", disk.display()), &e))?
+        .len();
+    if depth > FLATTEN_DEPTH {
+        // Long chains cost a lookup per level on every read miss: write the
+        // commit as one standalone file instead (time grows with the data).
+        vstore::flatten(disk, commit_path).map_err(|e| {
+            err(
+                &format!("flatten {} into {}", disk.display(), commit_path.display()),
+                &e,
+            )
+        })?;
+    } else {
+        std::fs::hard_link(disk, commit_path).map_err(|e| {
+            err(
+                &format!("link {} to {}", disk.display(), commit_path.display()),
+                &e,
+            )
+        })?;
+    }
     let undo = |e: DiskError| {
         let _ = std::fs::remove_file(commit_path);
         let _ = std::fs::remove_file(new_disk);
@@ -131,4 +149,102 @@ fn create_disk_on(parent: &Path, dest: &Path) -> Result<(), DiskError> {
 /// Creates a fork's disk: an overlay on the commit.
 pub fn fork_disk(commit_path: &Path, dest: &Path) -> Result<(), DiskError> {
     create_disk_on(commit_path, dest)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn read(path: &Path, offset: u64, len: usize) -> Vec<u8> {
+        let mut d = vstore::open_disk(path, true).expect("open");
+        let mut buf = vec![0u8; len];
+        d.read_at(&mut buf, offset).expect("read");
+        buf
+    }
+
+    fn write(path: &Path, offset: u64, data: &[u8]) {
+        let mut d = vstore::open_disk(path, false).expect("open");
+        d.write_at(data, offset).expect("write");
+        d.flush().expect("flush");
+    }
+
+    #[test]
+    fn commits_share_the_disk_and_forks_are_independent() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let base = dir.path().join("base.raw");
+        std::fs::write(&base, vec![7u8; 1 << 20]).expect("base");
+        let disk = dir.path().join("vm.qcow2");
+        create_disk(&base, &disk, Some(4 << 20)).expect("vm disk");
+        write(&disk, 4096, b"builder");
+        let commit = dir.path().join("c/cmt.qcow2");
+        let next = dir.path().join("next.qcow2");
+        assert_eq!(commit_disk(&disk, &commit, &next).expect("commit"), 4 << 20);
+        assert!(std::fs::metadata(&commit)
+            .expect("meta")
+            .permissions()
+            .readonly());
+        verify_commit(&commit).expect("clean");
+        let (a, b) = (dir.path().join("a.qcow2"), dir.path().join("b.qcow2"));
+        fork_disk(&commit, &a).expect("fork a");
+        fork_disk(&commit, &b).expect("fork b");
+        write(&a, 4096, b"fork--a");
+        assert_eq!(read(&a, 4096, 7), b"fork--a");
+        assert_eq!(
+            read(&b, 4096, 7),
+            b"builder",
+            "siblings do not see each other"
+        );
+        assert_eq!(
+            read(&commit, 4096, 7),
+            b"builder",
+            "the commit never changes"
+        );
+        assert_eq!(
+            read(&next, 0, 4),
+            vec![7u8; 4],
+            "the source goes on from the commit"
+        );
+        assert_eq!(
+            read(&a, 2 << 20, 4),
+            vec![0u8; 4],
+            "beyond the base reads zeros"
+        );
+    }
+
+    #[test]
+    fn deep_chains_are_flattened_when_committed() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let base = dir.path().join("base.raw");
+        std::fs::write(&base, vec![1u8; 256 << 10]).expect("base");
+        let mut top = dir.path().join("l0.qcow2");
+        create_disk(&base, &top, None).expect("l0");
+        write(&top, 0, b"level0");
+        for i in 1..=FLATTEN_DEPTH {
+            let next = dir.path().join(format!("l{i}.qcow2"));
+            create_disk_on(&top, &next).expect("level");
+            top = next;
+        }
+        write(&top, 8192, b"top");
+        let commit = dir.path().join("cmt.qcow2");
+        commit_disk(&top, &commit, &dir.path().join("after.qcow2")).expect("commit");
+        let info = vstore::info(&commit).expect("info");
+        assert!(info.backing.is_none(), "flattened: {info:?}");
+        assert_eq!(read(&commit, 0, 6), b"level0");
+        assert_eq!(read(&commit, 8192, 3), b"top");
+        assert_eq!(read(&commit, 100 << 10, 1), vec![1u8]);
+    }
+
+    #[test]
+    fn a_corrupted_or_missing_commit_is_named() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let missing = verify_commit(&dir.path().join("nope.qcow2")).expect_err("missing");
+        assert!(missing.to_string().contains("is missing"), "{missing}");
+        let base = dir.path().join("base.raw");
+        std::fs::write(&base, vec![0u8; 1 << 20]).expect("base");
+        let c = dir.path().join("c.qcow2");
+        create_disk(&base, &c, None).expect("disk");
+        std::fs::write(&c, vec![0u8; 512]).expect("zero the header");
+        let bad = verify_commit(&c).expect_err("corrupt");
+        assert!(bad.to_string().contains("corrupt"), "{bad}");
+    }
 }
