@@ -780,7 +780,15 @@ impl Daemon {
             self.stop_process(&vm, true, Duration::from_secs(5)).await;
         }
         let _guard = self.lock_vm(&vm.hostname).await;
-        let vm = self.vm(&vm.hostname)?;
+        let Some(vm) = self.store.find_vm(&vm.hostname)? else {
+            // An ephemeral VM removes itself when it stops.
+            let _ = std::fs::remove_dir_all(self.paths(&vm.hostname).dir);
+            return Ok(api::LifecycleResponse {
+                hostname: vm.hostname,
+                state: VmState::Stopped,
+                elapsed_ms: began.elapsed().as_millis() as u64,
+            });
+        };
         if vm.state.is_live() {
             return Err(ApiError::internal(format!(
                 "{} did not stop; not deleted",
