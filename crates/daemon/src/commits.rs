@@ -24,7 +24,6 @@ use crate::api::{
 use crate::daemon::{validate_name, validate_tag, Daemon, Wait, DEFAULT_FIXUPS};
 use crate::db::{now_ms, CommitRecord, NewVm};
 use crate::error::{ApiError, ApiResult};
-use crate::process::VmPaths;
 use crate::storage;
 
 /// Most characters in a cache key.
@@ -276,28 +275,11 @@ impl Daemon {
         let this = self.clone();
         // The fork finishes even if the client goes away.
         let job = tokio::spawn(async move {
-            let data_dir = this.data_dir.clone();
-            let vm = this.store.insert_vm(&new, |h| {
-                VmPaths::new(&data_dir, h)
-                    .dir
-                    .join("disk.qcow2")
-                    .display()
-                    .to_string()
-            })?;
-            let hostname = vm.hostname.clone();
-            let result = async {
-                std::fs::create_dir_all(this.paths(&hostname).dir)
-                    .map_err(|e| ApiError::internal(format!("create VM folder: {e}")))?;
-                storage::fork_disk(&commit_path, Path::new(&vm.disk))
-                    .map_err(|e| ApiError::internal(format!("fork disk: {e}")))?;
-                this.start(&hostname).await
-            }
-            .await;
-            if let Err(e) = result {
-                this.discard(&hostname).await;
-                return Err(e);
-            }
-            Ok(hostname)
+            this.provision(&new, move |disk: &Path| {
+                storage::fork_disk(&commit_path, disk)
+                    .map_err(|e| ApiError::internal(format!("fork disk: {e}")))
+            })
+            .await
         });
         let hostname = job
             .await

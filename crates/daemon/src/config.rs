@@ -95,6 +95,10 @@ pub struct Config {
     /// Start-up policy for persistent VMs found stopped.
     #[serde(default)]
     pub reconcile: Reconcile,
+    /// VMs booting at once (launch to agent-ready); more wait their turn.
+    /// Default: the host's CPU count.
+    #[serde(default)]
+    pub boot_concurrency: Option<u32>,
     /// Host groups (at least one).
     pub host_groups: Vec<HostGroup>,
 }
@@ -249,6 +253,7 @@ impl Config {
             cmdline: None,
             api: ApiConfig::default(),
             reconcile: Reconcile::Relaunch,
+            boot_concurrency: None,
             host_groups: vec![HostGroup {
                 name: "vm".into(),
                 count: 0,
@@ -363,6 +368,9 @@ impl Config {
                 .map(|g| (g.name.as_str(), &g.network)),
         )
         .map_err(|e| invalid("host_groups[].network", e.to_string()))?;
+        if self.boot_concurrency == Some(0) {
+            return Err(invalid("boot_concurrency", "must be at least 1"));
+        }
         if let Some(bind) = &self.api.bind {
             bind.parse::<std::net::SocketAddr>().map_err(|_| {
                 invalid(
@@ -427,6 +435,7 @@ mod tests {
     #[test]
     fn problems_are_named() {
         assert!(error_of("host_groups: []").contains("at least one host group"));
+        assert!(error_of("boot_concurrency: 0\nhost_groups:\n  - name: a\n").contains("boot_concurrency"));
         assert!(error_of("host_groups:\n  - name: Dev\n").contains("host_groups[0].name"));
         assert!(error_of("host_groups:\n  - name: a\n  - name: a\n").contains("used twice"));
         assert!(error_of("host_groups:\n  - name: a\n    ram_mb: 8\n").contains("ram_mb"));

@@ -64,6 +64,8 @@ pub struct Daemon {
     locks: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Serialises image imports (concurrent creates share one copy).
     imports: std::sync::Mutex<()>,
+    /// Boot slots: at most this many VMs between launch and agent-ready.
+    boot_slots: Arc<tokio::sync::Semaphore>,
     /// Why removed VMs failed (forks that never came up), for waiters.
     failures: std::sync::Mutex<HashMap<String, String>>,
 }
@@ -115,6 +117,14 @@ impl Daemon {
         let vmm = artifacts::find_vmm(config.vmm.as_deref())?;
         let kernel = artifacts::find_kernel(config.kernel.as_deref(), &data_dir)?;
         let (changes, _) = watch::channel(0);
+        let boot_concurrency = config
+            .boot_concurrency
+            .map(|n| n as usize)
+            .unwrap_or_else(|| {
+                std::thread::available_parallelism()
+                    .map(usize::from)
+                    .unwrap_or(1)
+            });
         Ok(Arc::new(Daemon {
             config,
             data_dir,
@@ -126,6 +136,7 @@ impl Daemon {
             locks: std::sync::Mutex::new(HashMap::new()),
             imports: std::sync::Mutex::new(()),
             failures: std::sync::Mutex::new(HashMap::new()),
+            boot_slots: Arc::new(tokio::sync::Semaphore::new(boot_concurrency)),
         }))
     }
 
@@ -338,30 +349,11 @@ impl Daemon {
             })
             .await
             .map_err(|e| internal("import image", e))??;
-            let data_dir = this.data_dir.clone();
-            let vm = this.store.insert_vm(&new, |h| {
-                VmPaths::new(&data_dir, h)
-                    .dir
-                    .join("disk.qcow2")
-                    .display()
-                    .to_string()
-            })?;
-            this.notify();
-            let hostname = vm.hostname.clone();
-            let result = async {
-                let paths = this.paths(&hostname);
-                std::fs::create_dir_all(&paths.dir).map_err(|e| internal("create VM folder", e))?;
-                storage::create_disk(Path::new(&base.path), Path::new(&vm.disk), size)
-                    .map_err(|e| internal("create disk", e))?;
-                this.start(&hostname).await
-            }
-            .await;
-            if let Err(e) = result {
-                // Nothing behind: no record, no files, no network.
-                this.discard(&hostname).await;
-                return Err(e);
-            }
-            Ok(hostname)
+            let base = PathBuf::from(&base.path);
+            this.provision(&new, move |disk: &Path| {
+                storage::create_disk(&base, disk, size).map_err(|e| internal("create disk", e))
+            })
+            .await
         });
         let hostname = job.await.map_err(|e| internal("create", e))??;
         let vm = match wait {
@@ -385,6 +377,37 @@ impl Daemon {
         f.insert(hostname.to_owned(), reason.to_owned());
     }
 
+    /// Records a new VM, makes its disk with `make_disk` and starts it; on
+    /// any failure it leaves nothing behind (no record, files or network).
+    pub(crate) async fn provision(
+        self: &Arc<Self>,
+        new: &NewVm,
+        make_disk: impl FnOnce(&Path) -> ApiResult<()>,
+    ) -> ApiResult<String> {
+        let data_dir = self.data_dir.clone();
+        let vm = self.store.insert_vm(new, |h| {
+            VmPaths::new(&data_dir, h)
+                .dir
+                .join("disk.qcow2")
+                .display()
+                .to_string()
+        })?;
+        self.notify();
+        let hostname = vm.hostname.clone();
+        let result = async {
+            std::fs::create_dir_all(self.paths(&hostname).dir)
+                .map_err(|e| internal("create VM folder", e))?;
+            make_disk(Path::new(&vm.disk))?;
+            self.start(&hostname).await
+        }
+        .await;
+        if let Err(e) = result {
+            self.discard(&hostname).await;
+            return Err(e);
+        }
+        Ok(hostname)
+    }
+
     /// Removes every trace of a VM (record, files, network).
     pub(crate) async fn discard(&self, hostname: &str) {
         if let Ok(Some(vm)) = self.store.find_vm(hostname) {
@@ -406,9 +429,58 @@ impl Daemon {
         }
     }
 
-    /// Launches the VM's process and supervises it: the set-up at
-    /// agent-ready, then its exit.
+    /// Queues the VM's boot: it is `starting` (without a process) at once,
+    /// and its tine-vmm is launched when a boot slot is free
+    /// (`boot_concurrency`): a storm of creates boots a few at a time
+    /// instead of starving every guest.
     pub(crate) async fn start(self: &Arc<Self>, hostname: &str) -> ApiResult<()> {
+        self.store.queue_start(hostname)?;
+        self.notify();
+        let this = self.clone();
+        let h = hostname.to_owned();
+        tokio::spawn(async move {
+            let permit = this.boot_slots.clone().acquire_owned().await.ok();
+            let _guard = this.lock_vm(&h).await;
+            match this.store.find_vm(&h) {
+                Ok(Some(vm)) if vm.state == VmState::Starting && vm.pid.is_none() => {}
+                // Deleted or stopped while it waited.
+                _ => return,
+            }
+            if let Err(e) = this.launch(&h, permit) {
+                tracing::warn!(vm = %h, "launch: {}", e.message);
+                this.launch_failed(&h, &e.message);
+            }
+        });
+        Ok(())
+    }
+
+    /// A queued VM could not be launched: a fork is removed (its waiter
+    /// learns why), any other VM is recorded as failed with the reason.
+    fn launch_failed(&self, hostname: &str, reason: &str) {
+        let Ok(Some(vm)) = self.store.find_vm(hostname) else {
+            return;
+        };
+        self.release_network(&vm);
+        if vm.is_unborn_fork() {
+            self.remember_failure(hostname, reason);
+            let _ = self.store.delete_vm(hostname);
+            let _ = std::fs::remove_dir_all(self.paths(hostname).dir);
+        } else {
+            let _ = self
+                .store
+                .clear_process(hostname, VmState::Failed, Some(reason));
+        }
+        self.notify();
+    }
+
+    /// Launches the VM's process and supervises it (the set-up at
+    /// agent-ready, then its exit); `permit` is the boot slot, held until
+    /// the boot's set-up ends.
+    fn launch(
+        self: &Arc<Self>,
+        hostname: &str,
+        permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    ) -> ApiResult<()> {
         let vm = self.vm(hostname)?;
         let group = self.group(&vm.host_group)?.clone();
         let paths = self.paths(hostname);
@@ -436,7 +508,7 @@ impl Daemon {
         self.store.set_process(hostname, pid, pid_start)?;
         self.notify();
         tracing::info!(vm = hostname, pid, "started");
-        self.supervise(hostname.to_owned(), pid, pid_start, Some(child));
+        self.supervise(hostname.to_owned(), pid, pid_start, Some(child), permit);
         Ok(())
     }
 
@@ -447,10 +519,14 @@ impl Daemon {
         pid: u32,
         pid_start: u64,
         child: Option<std::process::Child>,
+        permit: Option<tokio::sync::OwnedSemaphorePermit>,
     ) {
         let this = self.clone();
         let h = hostname.clone();
         let boot = tokio::spawn(async move {
+            // The boot slot is free again when the set-up ends (or the
+            // process exits and this task is aborted).
+            let _permit = permit;
             if let Err(e) = this.finish_boot(&h).await {
                 tracing::warn!(vm = %h, "boot set-up: {}", e.message);
                 if this
@@ -621,7 +697,7 @@ impl Daemon {
         };
         tracing::info!(vm = hostname, reason = %stop.reason, "{state}");
         self.release_network(&vm);
-        if never_ready && !requested && vm.parent_commit_id.is_some() {
+        if never_ready && !requested && vm.is_unborn_fork() {
             // A fork that never came up leaves nothing behind; whoever
             // waits for it learns why.
             self.remember_failure(hostname, &stop.reason);
@@ -654,9 +730,8 @@ impl Daemon {
         timeout: Duration,
     ) -> ApiResult<api::LifecycleResponse> {
         let began = Instant::now();
-        let vm = self.vm(key)?;
-        let hostname = vm.hostname.clone();
-        {
+        let hostname = self.vm(key)?.hostname;
+        let vm = {
             let _guard = self.lock_vm(&hostname).await;
             let vm = self.vm(&hostname)?;
             if !vm.state.is_live() {
@@ -665,6 +740,25 @@ impl Daemon {
                     vm.state
                 )));
             }
+            if vm.pid.is_none() {
+                // Still waiting for a boot slot: it never ran.
+                if vm.persistent {
+                    self.store.clear_process(
+                        &hostname,
+                        VmState::Stopped,
+                        Some("stopped before it was launched"),
+                    )?;
+                } else {
+                    self.store.delete_vm(&hostname)?;
+                    let _ = std::fs::remove_dir_all(self.paths(&hostname).dir);
+                }
+                self.notify();
+                return Ok(api::LifecycleResponse {
+                    hostname,
+                    state: VmState::Stopped,
+                    elapsed_ms: began.elapsed().as_millis() as u64,
+                });
+            }
             self.store.transition(
                 &hostname,
                 &[VmState::Starting, VmState::Running, VmState::Stopping],
@@ -672,7 +766,8 @@ impl Daemon {
                 None,
             )?;
             self.notify();
-        }
+            vm
+        };
         self.stop_process(&vm, poweroff, timeout).await;
         let state = self
             .store
@@ -767,17 +862,21 @@ impl Daemon {
     pub async fn delete(self: &Arc<Self>, key: &str) -> ApiResult<api::LifecycleResponse> {
         let began = Instant::now();
         let vm = self.vm(key)?;
-        if vm.state.is_live() {
-            {
-                let _guard = self.lock_vm(&vm.hostname).await;
-                let _ = self.store.transition(
-                    &vm.hostname,
-                    &[VmState::Starting, VmState::Running, VmState::Stopping],
-                    VmState::Stopping,
-                    Some("deleting"),
-                );
-            }
-            self.stop_process(&vm, true, Duration::from_secs(5)).await;
+        let running = {
+            let _guard = self.lock_vm(&vm.hostname).await;
+            let current = self.vm(&vm.hostname)?;
+            // Stopping also keeps a queued VM from being launched.
+            let _ = self.store.transition(
+                &vm.hostname,
+                &[VmState::Starting, VmState::Running, VmState::Stopping],
+                VmState::Stopping,
+                Some("deleting"),
+            );
+            current
+        };
+        if running.pid.is_some() && running.state.is_live() {
+            self.stop_process(&running, true, Duration::from_secs(5))
+                .await;
         }
         let _guard = self.lock_vm(&vm.hostname).await;
         let Some(vm) = self.store.find_vm(&vm.hostname)? else {
@@ -789,7 +888,7 @@ impl Daemon {
                 elapsed_ms: began.elapsed().as_millis() as u64,
             });
         };
-        if vm.state.is_live() {
+        if vm.state.is_live() && vm.pid.is_some() {
             return Err(ApiError::internal(format!(
                 "{} did not stop; not deleted",
                 vm.hostname
@@ -892,6 +991,13 @@ impl Daemon {
                     self.discard(&vm.hostname).await;
                     report.removed.push(vm.hostname.clone());
                 }
+                VmState::Starting if vm.pid.is_none() => {
+                    // Queued for a boot slot when the daemon went down.
+                    match self.start(&vm.hostname).await {
+                        Ok(()) => report.relaunched.push(vm.hostname.clone()),
+                        Err(_) => report.failed.push(vm.hostname.clone()),
+                    }
+                }
                 s if s.is_live() => {
                     let alive = matches!((vm.pid, vm.pid_start), (Some(p), Some(t)) if process::is_ours(p, t, &paths));
                     if alive {
@@ -904,7 +1010,7 @@ impl Daemon {
                                 None,
                             );
                         }
-                        self.supervise(vm.hostname.clone(), pid, start, None);
+                        self.supervise(vm.hostname.clone(), pid, start, None, None);
                         report.adopted.push(vm.hostname.clone());
                     } else if !vm.persistent {
                         self.discard(&vm.hostname).await;
@@ -915,17 +1021,7 @@ impl Daemon {
                             .clear_process(&vm.hostname, VmState::Stopped, Some(reason))?;
                         self.release_network(vm);
                         if self.config.reconcile == Reconcile::Relaunch {
-                            match self.start(&vm.hostname).await {
-                                Ok(()) => report.relaunched.push(vm.hostname.clone()),
-                                Err(e) => {
-                                    self.store.set_state(
-                                        &vm.hostname,
-                                        VmState::Failed,
-                                        Some(&e.message),
-                                    )?;
-                                    report.failed.push(vm.hostname.clone());
-                                }
-                            }
+                            self.relaunch_at_start(&vm.hostname, &mut report).await?;
                         } else {
                             report.stopped.push(vm.hostname.clone());
                         }
@@ -936,17 +1032,7 @@ impl Daemon {
                         && self.config.reconcile == Reconcile::Relaunch
                         && Path::new(&vm.disk).is_file()
                     {
-                        match self.start(&vm.hostname).await {
-                            Ok(()) => report.relaunched.push(vm.hostname.clone()),
-                            Err(e) => {
-                                self.store.set_state(
-                                    &vm.hostname,
-                                    VmState::Failed,
-                                    Some(&e.message),
-                                )?;
-                                report.failed.push(vm.hostname.clone());
-                            }
-                        }
+                        self.relaunch_at_start(&vm.hostname, &mut report).await?;
                     }
                 }
             }
@@ -1030,6 +1116,25 @@ impl Daemon {
         }
         self.notify();
         Ok(report)
+    }
+}
+
+impl Daemon {
+    /// Boots a persistent VM during reconciliation, recording the outcome.
+    async fn relaunch_at_start(
+        self: &Arc<Self>,
+        hostname: &str,
+        report: &mut ReconcileReport,
+    ) -> anyhow::Result<()> {
+        match self.start(hostname).await {
+            Ok(()) => report.relaunched.push(hostname.to_owned()),
+            Err(e) => {
+                self.store
+                    .set_state(hostname, VmState::Failed, Some(&e.message))?;
+                report.failed.push(hostname.to_owned());
+            }
+        }
+        Ok(())
     }
 }
 

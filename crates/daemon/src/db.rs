@@ -153,6 +153,14 @@ pub struct VmRecord {
     pub fixups: Option<Vec<String>>,
 }
 
+impl VmRecord {
+    /// A fork that has not reached agent-ready yet (its fix-ups are still
+    /// pending): if it fails now, it is removed rather than kept failed.
+    pub fn is_unborn_fork(&self) -> bool {
+        self.parent_commit_id.is_some() && self.fixups.is_some()
+    }
+}
+
 /// A new VM's fields; the store picks the hostname.
 #[derive(Debug, Clone, Default)]
 pub struct NewVm {
@@ -508,6 +516,16 @@ impl Store {
             "UPDATE vms SET state = 'starting', pid = ?2, pid_start = ?3, started_ms = ?4, \
              reason = NULL, boot_ms = NULL WHERE hostname = ?1",
             params![hostname, pid, pid_start as i64, now_ms() as i64],
+        )?;
+        Ok(())
+    }
+
+    /// Marks a VM as waiting for a boot slot: `starting`, no process yet.
+    pub fn queue_start(&self, hostname: &str) -> Result<()> {
+        self.lock().execute(
+            "UPDATE vms SET state = 'starting', pid = NULL, pid_start = NULL, reason = NULL, \
+             boot_ms = NULL WHERE hostname = ?1",
+            [hostname],
         )?;
         Ok(())
     }
