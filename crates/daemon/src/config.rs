@@ -435,7 +435,8 @@ mod tests {
     #[test]
     fn problems_are_named() {
         assert!(error_of("host_groups: []").contains("at least one host group"));
-        assert!(error_of("boot_concurrency: 0\nhost_groups:\n  - name: a\n").contains("boot_concurrency"));
+        assert!(error_of("boot_concurrency: 0\nhost_groups:\n  - name: a\n")
+            .contains("boot_concurrency"));
         assert!(error_of("host_groups:\n  - name: Dev\n").contains("host_groups[0].name"));
         assert!(error_of("host_groups:\n  - name: a\n  - name: a\n").contains("used twice"));
         assert!(error_of("host_groups:\n  - name: a\n    ram_mb: 8\n").contains("ram_mb"));

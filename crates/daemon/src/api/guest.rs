@@ -134,17 +134,20 @@ pub(super) async fn exec(
         let control = execution.control();
         tokio::spawn(async move {
             let mut stream = body.into_data_stream();
+            let mut open = true;
             while let Some(chunk) = stream.next().await {
                 match chunk {
-                    Ok(bytes) => {
-                        if control.write(&bytes).await.is_err() {
-                            return;
-                        }
-                    }
+                    // Once the command stops reading, the rest of the body
+                    // is drained, not refused: the client still gets the
+                    // output and the exit frame.
+                    Ok(bytes) if open => open = control.write(&bytes).await.is_ok(),
+                    Ok(_) => {}
                     Err(_) => break,
                 }
             }
-            let _ = control.close_stdin().await;
+            if open {
+                let _ = control.close_stdin().await;
+            }
         });
     }
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(32);
