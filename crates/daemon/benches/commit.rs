@@ -50,7 +50,9 @@ fn measure(size: u64, runs: usize) -> ((f64, f64), (f64, f64)) {
         std::fs::copy(&template, &src).expect("copy");
         // A stopped VM's disk is flushed; so is this copy, or the commit's
         // directory fsync would time the copy's write-back.
-        std::fs::File::open(&src).and_then(|f| f.sync_all()).expect("sync");
+        std::fs::File::open(&src)
+            .and_then(|f| f.sync_all())
+            .expect("sync");
         let commit = dir.path().join(format!("c/cmt-{i}.qcow2"));
         let next = dir.path().join(format!("next-{i}.qcow2"));
         let t = Instant::now();

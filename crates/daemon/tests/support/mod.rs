@@ -1,0 +1,265 @@
+//! Shared by the daemon's test-bed tests and benches: a daemon process per
+//! test (this binary re-executed as `tine up`), a client, shell helpers,
+//! and the host-side build of what the bed needs.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tine_client::api::{ExecOptions, TineClient};
+use tine_proto::api::{CreateVmRequest, ErrorCode, ListQuery};
+use tine_testbed::{guest_kernel, repo_root, Failed};
+
+/// Set in a re-executed copy of this binary: run the daemon with the
+/// config file this names.
+pub const DAEMON_CONFIG_ENV: &str = "TINE_TEST_DAEMON_CONFIG";
+/// The min image's directory, from the host into the bed.
+pub const IMAGE_ENV: &str = "TINE_IMAGE_MIN";
+/// Generous: a nested boot takes 10-60 s under load.
+pub const BOOT: Duration = Duration::from_secs(240);
+
+pub type R<T = ()> = Result<T, Failed>;
+
+pub fn fail(msg: impl Into<String>) -> Failed {
+    Failed::from(msg.into())
+}
+
+pub fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+/// One daemon process on its own data directory.
+pub struct Daemon {
+    /// Scratch folder.
+    pub dir: PathBuf,
+    config: PathBuf,
+    child: Option<Child>,
+    /// Client on the daemon's socket.
+    pub client: TineClient,
+}
+
+impl Daemon {
+    /// Writes a config with one group `t` and starts the daemon.
+    pub fn start(name: &str, extra_group: &str, api_bind: Option<&str>) -> R<Self> {
+        let dir = PathBuf::from(format!("/tmp/td-{name}"));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir)?;
+        let vmm = repo_root().join("target/debug/tine-vmm");
+        let vmm = std::env::var("TINE_TEST_VMM")
+            .map(PathBuf::from)
+            .unwrap_or(vmm);
+        let mut yaml = format!(
+            "data_dir: {}\nvmm: {}\nhost_groups:\n  - name: t\n    cpus: 1\n    max_cpus: 2\n    ram_mb: 256\n    max_ram_mb: 512\n    persistent: true\n{extra_group}",
+            dir.join("data").display(),
+            vmm.display()
+        );
+        if let Some(b) = api_bind {
+            yaml.push_str(&format!("api:\n  bind: {b}\n"));
+        }
+        let config = dir.join("tine.yaml");
+        std::fs::write(&config, yaml)?;
+        let mut d = Daemon {
+            client: TineClient::unix(dir.join("data/tine.sock")),
+            dir,
+            config,
+            child: None,
+        };
+        d.spawn()?;
+        Ok(d)
+    }
+
+    pub fn data(&self) -> PathBuf {
+        self.dir.join("data")
+    }
+
+    pub fn spawn_raw(&self) -> R<Child> {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("daemon.log"))?;
+        Ok(Command::new(std::env::current_exe()?)
+            .env(DAEMON_CONFIG_ENV, &self.config)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()?)
+    }
+
+    /// Starts the daemon process and waits for its socket to answer.
+    pub fn spawn(&mut self) -> R {
+        let _ = std::fs::remove_file(self.data().join("tine.sock"));
+        let mut child = self.spawn_raw()?;
+        let start = Instant::now();
+        loop {
+            if let Some(status) = child.try_wait()? {
+                return Err(fail(format!(
+                    "daemon exited with {status}: {}",
+                    self.log_tail()
+                )));
+            }
+            if rt().block_on(self.client.healthz()).is_ok() {
+                break;
+            }
+            if start.elapsed() > Duration::from_secs(60) {
+                return Err(fail(format!("daemon did not answer: {}", self.log_tail())));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        self.child = Some(child);
+        Ok(())
+    }
+
+    pub fn log_tail(&self) -> String {
+        let t = std::fs::read_to_string(self.dir.join("daemon.log")).unwrap_or_default();
+        let lines: Vec<&str> = t.lines().collect();
+        lines[lines.len().saturating_sub(15)..].join("\n")
+    }
+
+    pub fn kill9(&mut self) -> R {
+        if let Some(mut c) = self.child.take() {
+            c.kill()?;
+            c.wait()?;
+        }
+        Ok(())
+    }
+
+    pub fn vmm_pid(&self, hostname: &str) -> R<u32> {
+        let info = rt()
+            .block_on(self.client.describe(hostname))
+            .map_err(|e| fail(e.to_string()))?;
+        info.pid
+            .ok_or_else(|| fail(format!("{hostname} has no pid")))
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        // Stop every VM this daemon started, then the daemon.
+        if self.child.is_some() {
+            let r = rt();
+            if let Ok(vms) = r.block_on(self.client.list_vms(None, &ListQuery::default())) {
+                for vm in vms {
+                    let _ = r.block_on(self.client.delete(&vm.hostname));
+                }
+            }
+        }
+        let _ = self.kill9();
+        for (pid, _) in tine_daemon::process::find_vmm_processes(&self.data().join("vms")) {
+            let _ = Command::new("kill").arg("-9").arg(pid.to_string()).status();
+        }
+    }
+}
+
+pub async fn pid_of(c: &TineClient, hostname: &str) -> R<u32> {
+    let info = c
+        .describe(hostname)
+        .await
+        .map_err(|e| fail(e.to_string()))?;
+    info.pid
+        .ok_or_else(|| fail(format!("{hostname} has no pid")))
+}
+
+pub fn alive(pid: u32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .unwrap_or_default()
+            .contains(") Z")
+}
+
+pub async fn sh(c: &TineClient, vm: &str, script: &str) -> R<(i32, String, String)> {
+    let mut o = ExecOptions::new(script, Vec::<String>::new());
+    o.shell = Some(true);
+    let out = c
+        .exec_output(vm, &o)
+        .await
+        .map_err(|e| fail(format!("exec on {vm}: {e}")))?;
+    Ok((
+        out.code.unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    ))
+}
+
+pub async fn sh_ok(c: &TineClient, vm: &str, script: &str) -> R<String> {
+    let (code, out, err) = sh(c, vm, script).await?;
+    if code != 0 {
+        return Err(fail(format!("`{script}` on {vm} exited {code}: {err}")));
+    }
+    Ok(out)
+}
+
+pub fn code_of(e: &tine_client::api::ApiError) -> Option<ErrorCode> {
+    e.code()
+}
+
+pub fn expect_err<T: std::fmt::Debug>(
+    r: Result<T, tine_client::api::ApiError>,
+    code: ErrorCode,
+    needle: &str,
+) -> R {
+    match r {
+        Ok(v) => Err(fail(format!("expected {code:?} ({needle}), got {v:?}"))),
+        Err(e) if code_of(&e) == Some(code) && e.to_string().contains(needle) => Ok(()),
+        Err(e) => Err(fail(format!(
+            "expected {code:?} containing {needle:?}, got {e}"
+        ))),
+    }
+}
+
+pub fn create_req(persistent: bool) -> CreateVmRequest {
+    CreateVmRequest {
+        persistent: Some(persistent),
+        ..CreateVmRequest::default()
+    }
+}
+
+pub fn build_artifacts() -> Result<(), String> {
+    let root = repo_root();
+    let status = Command::new("cargo")
+        .args(["build", "-q", "-p", "tine-vmm", "--bin", "tine-vmm"])
+        .current_dir(&root)
+        .status()
+        .map_err(|e| format!("cargo: {e}"))?;
+    if !status.success() {
+        return Err("cargo build -p tine-vmm failed".into());
+    }
+    let kernel = guest_kernel().map_err(|e| e.to_string())?;
+    let out = Command::new(root.join("guest/rootfs/min/build"))
+        .stderr(Stdio::inherit())
+        .output()
+        .map_err(|e| format!("min image: {e}"))?;
+    let dir = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .last()
+        .unwrap_or_default()
+        .trim()
+        .to_owned();
+    let image = Path::new(&dir).join("rootfs.ext4");
+    if !out.status.success() || !image.is_file() {
+        return Err(format!("min image build failed ({dir})"));
+    }
+    // Before any thread: the bed inherits the environment.
+    std::env::set_var(IMAGE_ENV, image);
+    std::env::set_var("TINE_KERNEL", kernel.vmlinux);
+    std::env::set_var("TINE_TEST_VMM", root.join("target/debug/tine-vmm"));
+    if std::env::var_os("TINE_TESTBED_TIMEOUT").is_none() {
+        std::env::set_var("TINE_TESTBED_TIMEOUT", "2400");
+    }
+    Ok(())
+}
+
+/// Call first in `main`: in a re-executed copy, runs the daemon and exits.
+pub fn run_daemon_if_asked() {
+    if let Some(config) = std::env::var_os(DAEMON_CONFIG_ENV) {
+        if let Err(e) = tine_daemon::run_from_cli(Some(config.into()), None) {
+            eprintln!("tine: {e:#}");
+            std::process::exit(1);
+        }
+        std::process::exit(0);
+    }
+}
