@@ -286,6 +286,35 @@ mod tests {
     }
 
     #[test]
+    fn the_daemon_accepts_what_tine_new_writes() {
+        for flags in [
+            vec!["dev"],
+            vec![
+                "ci",
+                "--count",
+                "3",
+                "--net",
+                "isolated",
+                "--allow",
+                "169.254.1.1:443",
+            ],
+            vec![
+                "br",
+                "--net",
+                "bridge",
+                "--cidr",
+                "169.254.64.0/24",
+                "--persistent",
+            ],
+        ] {
+            let text = run(&new_args(&flags)).expect("new");
+            tine_daemon::config::Config::parse(&text).unwrap_or_else(|e| {
+                panic!("tine new {flags:?} wrote what tine up refuses: {e}\n{text}")
+            });
+        }
+    }
+
+    #[test]
     fn every_flag_lands_in_the_yaml() {
         let dir = tempfile::tempdir().expect("tempdir");
         let ud = dir.path().join("ud.sh");

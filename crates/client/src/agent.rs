@@ -561,8 +561,7 @@ impl AgentClient {
     }
 
     async fn open(&self, request: &Request) -> Result<(StreamSender, StreamReceiver)> {
-        let stream = self.mux.open()?;
-        stream.send_msg(request).await?;
+        let stream = self.mux.open_with_msg(request)?;
         Ok(stream.split())
     }
 

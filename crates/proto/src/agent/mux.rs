@@ -576,7 +576,9 @@ impl Mux {
         (Mux { shared, live }, incoming)
     }
 
-    /// Opens a new stream (client side). Send the request message first.
+    /// Opens a new stream (client side). Send the request message first;
+    /// when several tasks open streams at once, use
+    /// [`Mux::open_with_msg`], which keeps first frames in id order.
     pub fn open(&self) -> Result<Stream, MuxError> {
         let mut state = self.shared.lock();
         if let Some(reason) = &state.closed {
@@ -588,6 +590,42 @@ impl Mux {
         let id = state.next_id;
         state.next_id += 1;
         let stream = make_stream(&self.shared, &mut state, id, self.live.clone());
+        Ok(stream)
+    }
+
+    /// Opens a new stream and queues `msg` as its first frame in one step
+    /// (client side). The server takes a message on an id above every id
+    /// it has seen as a new stream, so the first frames of streams must
+    /// leave in id order: allocating the id and queueing the frame under
+    /// one lock guarantees that when many tasks open streams at once.
+    pub fn open_with_msg<T: Serialize>(&self, msg: &T) -> Result<Stream, MuxError> {
+        let payload = serde_json::to_vec(msg).map_err(MuxError::Encode)?;
+        let cost = HEADER_REST_LEN + payload.len() as u32;
+        if cost > STREAM_WINDOW {
+            return Err(MuxError::Encode(serde::ser::Error::custom(
+                "request larger than a stream's window",
+            )));
+        }
+        let mut state = self.shared.lock();
+        if let Some(reason) = &state.closed {
+            return Err(MuxError::ConnectionLost(reason.clone()));
+        }
+        if state.next_id == u32::MAX || state.streams.len() >= self.shared.config.max_streams {
+            return Err(MuxError::StreamsExhausted);
+        }
+        let id = state.next_id;
+        state.next_id += 1;
+        let stream = make_stream(&self.shared, &mut state, id, self.live.clone());
+        // A fresh stream has a whole window of credit.
+        match stream.sender.shared.send_credit.try_acquire_many(cost) {
+            Ok(permit) => permit.forget(),
+            Err(_) => return Err(MuxError::StreamClosed),
+        }
+        self.shared
+            .out
+            .send(Outbound::Frame(Frame::new(id, FrameKind::Msg, payload)))
+            .map_err(|_| self.shared.lost())?;
+        drop(state);
         Ok(stream)
     }
 
@@ -838,6 +876,38 @@ mod tests {
         let client = Mux::client(a, MuxConfig::default());
         let (_server, incoming) = Mux::server(b, MuxConfig::default());
         (client, incoming)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn many_streams_opened_at_once_all_reach_the_server() {
+        // Ids are allocated in open order; were first frames sent later,
+        // tasks could send them out of order and the server would take a
+        // lower id for an already closed stream and drop the request.
+        let (client, mut incoming) = pair();
+        let opens: Vec<_> = (0..200)
+            .map(|i| {
+                let client = client.clone();
+                tokio::spawn(async move {
+                    tokio::task::yield_now().await;
+                    client
+                        .open_with_msg(&serde_json::json!({ "n": i }))
+                        .expect("open")
+                })
+            })
+            .collect();
+        let mut streams = Vec::new();
+        for o in opens {
+            streams.push(o.await.expect("task"));
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        for _ in 0..200 {
+            let mut s = tokio::time::timeout(Duration::from_secs(5), incoming.accept())
+                .await
+                .expect("every stream arrives")
+                .expect("accepted");
+            seen.insert(recv_msg(&mut s).await["n"].as_u64().expect("n"));
+        }
+        assert_eq!(seen.len(), 200);
     }
 
     async fn recv_msg(stream: &mut Stream) -> serde_json::Value {
