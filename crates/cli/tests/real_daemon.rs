@@ -16,6 +16,7 @@ fn fail(m: impl Into<String>) -> Failed {
 }
 
 fn tine(args: &[&str]) -> R<Output> {
+    eprintln!("$ tine {}", args.join(" "));
     Ok(Command::new(env!("CARGO_BIN_EXE_tine"))
         .args(args)
         .env("TINE_URL", format!("unix://{DATA}/tine.sock"))
