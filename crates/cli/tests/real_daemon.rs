@@ -15,13 +15,58 @@ fn fail(m: impl Into<String>) -> Failed {
     Failed::from(m.into())
 }
 
+/// Longest any one command may take (a create or fork boots a VM).
+const COMMAND_LIMIT: Duration = Duration::from_secs(300);
+
+fn daemon_log() -> String {
+    let log = std::fs::read_to_string("/tmp/tine-cli-e2e.log").unwrap_or_default();
+    let lines: Vec<&str> = log.lines().collect();
+    lines[lines.len().saturating_sub(30)..].join("\n")
+}
+
 fn tine(args: &[&str]) -> R<Output> {
     eprintln!("$ tine {}", args.join(" "));
-    Ok(Command::new(env!("CARGO_BIN_EXE_tine"))
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tine"))
         .args(args)
         .env("TINE_URL", format!("unix://{DATA}/tine.sock"))
         .stdin(Stdio::null())
-        .output()?)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    // Read both pipes on threads so a chatty command cannot block.
+    let mut out = child.stdout.take().ok_or_else(|| fail("stdout"))?;
+    let mut err = child.stderr.take().ok_or_else(|| fail("stderr"))?;
+    let out_t = std::thread::spawn(move || {
+        let mut b = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut out, &mut b);
+        b
+    });
+    let err_t = std::thread::spawn(move || {
+        let mut b = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut err, &mut b);
+        b
+    });
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait()? {
+            break s;
+        }
+        if start.elapsed() > COMMAND_LIMIT {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(fail(format!(
+                "tine {} did not finish in {COMMAND_LIMIT:?}; daemon log:\n{}",
+                args.join(" "),
+                daemon_log()
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    Ok(Output {
+        status,
+        stdout: out_t.join().unwrap_or_default(),
+        stderr: err_t.join().unwrap_or_default(),
+    })
 }
 
 /// Runs and requires exit 0; returns stdout.
@@ -29,10 +74,11 @@ fn ok(args: &[&str]) -> R<String> {
     let out = tine(args)?;
     if !out.status.success() {
         return Err(fail(format!(
-            "tine {} exited {:?}: {}",
+            "tine {} exited {:?}: {}\ndaemon log:\n{}",
             args.join(" "),
             out.status.code(),
-            String::from_utf8_lossy(&out.stderr)
+            String::from_utf8_lossy(&out.stderr),
+            daemon_log()
         )));
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
