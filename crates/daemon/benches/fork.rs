@@ -22,7 +22,7 @@ fn stats(mut v: Vec<f64>) -> (f64, f64) {
     (at(0.5), at(0.99))
 }
 
-fn bench() -> R {
+fn bench() -> R<f64> {
     let runs: usize = std::env::var("TINE_BENCH_RUNS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -92,7 +92,7 @@ fn bench() -> R {
             placement()
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
-        Ok(())
+        Ok(f50)
     })
 }
 
@@ -106,6 +106,11 @@ fn main() {
         }
     }
     run_tests(vec![Trial::bench("fork_to_agent_ready", |_| {
-        bench().map(|()| None)
+        bench().map(|p50_ms| {
+            Some(libtest_mimic::Measurement {
+                avg: (p50_ms * 1e6) as u64,
+                variance: 0,
+            })
+        })
     })]);
 }
