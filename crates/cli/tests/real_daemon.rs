@@ -186,6 +186,21 @@ fn cli_against_a_real_daemon() -> R {
         back.to_str().unwrap_or_default(),
     ])?;
     assert_eq!(std::fs::read(back)?, b"payload\n");
+    // A tree, in tar mode (the daemon's answer must decode for it too).
+    let tree = Path::new("/tmp/tine-cli-e2e-tree");
+    std::fs::create_dir_all(tree.join("sub"))?;
+    std::fs::write(tree.join("sub/leaf"), b"leaf\n")?;
+    ok(&[
+        "vm",
+        "cp",
+        "-r",
+        tree.to_str().unwrap_or_default(),
+        &format!("{h}:/root/tree"),
+    ])?;
+    assert_eq!(
+        ok(&["vm", "exec", &h, "--", "cat", "/root/tree/sub/leaf"])?,
+        "leaf\n"
+    );
 
     // JSON for scripts.
     let list: serde_json::Value = serde_json::from_str(&ok(&["vm", "list", "--json"])?)?;

@@ -4,8 +4,7 @@
 //! Every request opens its own connection: on a local socket that costs
 //! little, and streamed bodies (exec, cp) and WebSocket upgrades (shell,
 //! forward) need one each anyway. The methods take and return the types of
-//! [`tine_proto::api`]; the few bodies the contract does not name a type for
-//! ([`CpResponse`], [`DeleteCommitResponse`]) are defined here.
+//! [`tine_proto::api`].
 
 use std::fmt;
 use std::future::poll_fn;
@@ -27,7 +26,7 @@ use hyper::body::{Body as _, Frame, Incoming};
 use hyper_util::rt::TokioIo;
 use percent_encoding::{utf8_percent_encode, AsciiSet, CONTROLS};
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use tine_proto::api::{
     CommitInfo, CommitRequest, CreateVmRequest, CreateVmResponse, DaemonInfo, ErrorBody, ErrorCode,
     ExecFrame, ForkRequest, ForkResponse, HostGroupInfo, LifecycleResponse, ListQuery,
@@ -57,10 +56,8 @@ pub const ENV_TOKEN_FILE: &str = "TINE_TOKEN_FILE";
 /// Largest error body read from a failed response.
 const ERROR_BODY_LIMIT: usize = 64 << 10;
 
-/// Shell WebSocket message types (docs/api.md).
-const SHELL_DATA: u8 = 0;
-const SHELL_RESIZE: u8 = 1;
-const SHELL_EXIT: u8 = 2;
+use tine_proto::api::shell::{DATA as SHELL_DATA, EXIT as SHELL_EXIT, RESIZE as SHELL_RESIZE};
+pub use tine_proto::api::{CpResponse, DeleteCommitResponse};
 
 /// Bytes per WebSocket message when bridging a forward.
 const FORWARD_CHUNK: usize = 64 << 10;
@@ -254,22 +251,6 @@ impl CpMode {
             CpMode::Tar => "tar",
         }
     }
-}
-
-/// `POST /vm/{hostname}/cp` response.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct CpResponse {
-    /// Bytes received by the daemon.
-    pub bytes: u64,
-}
-
-/// `DELETE /vm/commits/{id}` response.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DeleteCommitResponse {
-    /// The commit.
-    pub commit_id: String,
-    /// Always `deleted`.
-    pub status: String,
 }
 
 /// Owner and mode of an uploaded file (`POST /vm/{hostname}/cp`).

@@ -513,6 +513,39 @@ pub struct ForkResponse {
     pub elapsed_ms: u64,
 }
 
+/// `POST /vm/{hostname}/cp` response.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CpResponse {
+    /// Bytes of the request body the daemon received (the file, or the tar).
+    pub bytes: u64,
+    /// Tar mode: entries unpacked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub entries: Option<u64>,
+    /// Tar mode: entries refused (escapes, links).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub skipped: Option<u64>,
+}
+
+/// `DELETE /vm/commits/{id}` response.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeleteCommitResponse {
+    /// The commit.
+    pub commit_id: String,
+    /// Always `deleted`.
+    pub status: String,
+}
+
+/// Message types of the shell WebSocket (`GET /vm/{hostname}/shell`): each
+/// binary message is one type byte, then its payload.
+pub mod shell {
+    /// Terminal bytes, both ways.
+    pub const DATA: u8 = 0;
+    /// Client to daemon: rows (u16 BE), cols (u16 BE).
+    pub const RESIZE: u8 = 1;
+    /// Daemon to client: the shell's exit code (i32 BE), then a close.
+    pub const EXIT: u8 = 2;
+}
+
 /// Query of the VM list routes.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ListQuery {

@@ -15,7 +15,8 @@ use tine_proto::agent::{
     Command, ExecRequest, FileAttrs, ForwardTarget, ProcessOptions, ShellRequest, UploadRequest,
     UploadTarRequest,
 };
-use tine_proto::api::{ErrorCode, ExecFrame, VmHealth};
+use tine_proto::api::shell::{DATA as SHELL_DATA, EXIT as SHELL_EXIT, RESIZE as SHELL_RESIZE};
+use tine_proto::api::{CpResponse, ErrorCode, ExecFrame, VmHealth};
 use tokio_util::io::{ReaderStream, StreamReader};
 
 use super::{parse_timeout, query_get, query_num, query_only, query_pairs, AppState};
@@ -276,7 +277,7 @@ pub(super) async fn upload(
     Path(hostname): Path<String>,
     uri: Uri,
     body: Body,
-) -> ApiResult<Json<serde_json::Value>> {
+) -> ApiResult<Json<CpResponse>> {
     let (q, path, tar) = cp_query(&uri, &["path", "mode", "mode_bits", "uid", "gid"])?;
     let mode = query_get(&q, "mode_bits")
         .map(|m| {
@@ -291,11 +292,19 @@ pub(super) async fn upload(
     let uid = query_num(&q, "uid")?;
     let gid = query_num(&q, "gid")?;
     let (_vm, client) = d.agent(&hostname).await?;
-    let reader = StreamReader::new(
-        body.into_data_stream()
-            .map_err(|e| std::io::Error::other(e.to_string())),
+    // Both modes report the bytes received; the tar mode counts them here.
+    let received = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let counter = received.clone();
+    let reader = tokio_util::io::InspectReader::new(
+        StreamReader::new(
+            body.into_data_stream()
+                .map_err(|e| std::io::Error::other(e.to_string())),
+        ),
+        move |chunk: &[u8]| {
+            counter.fetch_add(chunk.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        },
     );
-    let bytes = if tar {
+    let answer = if tar {
         let s = client
             .upload_tar(
                 UploadTarRequest {
@@ -308,9 +317,13 @@ pub(super) async fn upload(
             )
             .await
             .map_err(|e| ApiError::bad_request(e.to_string()))?;
-        serde_json::json!({"entries": s.entries, "skipped": s.skipped})
+        CpResponse {
+            bytes: received.load(std::sync::atomic::Ordering::Relaxed),
+            entries: Some(s.entries),
+            skipped: Some(s.skipped),
+        }
     } else {
-        let n = client
+        let bytes = client
             .upload(
                 UploadRequest {
                     path,
@@ -322,15 +335,14 @@ pub(super) async fn upload(
             )
             .await
             .map_err(|e| ApiError::bad_request(e.to_string()))?;
-        serde_json::json!({"bytes": n})
+        CpResponse {
+            bytes,
+            entries: None,
+            skipped: None,
+        }
     };
-    Ok(Json(bytes))
+    Ok(Json(answer))
 }
-
-/// Shell message types (docs/api.md).
-const SHELL_DATA: u8 = 0;
-const SHELL_RESIZE: u8 = 1;
-const SHELL_EXIT: u8 = 2;
 
 pub(super) async fn shell(
     State(d): State<AppState>,
