@@ -416,9 +416,17 @@ impl Daemon {
                 process::kill_if_ours(pid, start, &self.paths(hostname));
             }
         }
-        let _ = std::fs::remove_dir_all(self.paths(hostname).dir);
-        let _ = self.store.delete_vm(hostname);
+        let _ = self.forget(hostname);
         self.notify();
+    }
+
+    /// Removes a VM's record, then its folder (disk, sockets, logs). Record
+    /// first: a crash in between leaves an orphan folder, which the next
+    /// start removes, never a record without its disk.
+    fn forget(&self, hostname: &str) -> crate::db::Result<()> {
+        self.store.delete_vm(hostname)?;
+        let _ = std::fs::remove_dir_all(self.paths(hostname).dir);
+        Ok(())
     }
 
     fn release_network(&self, vm: &VmRecord) {
@@ -463,8 +471,7 @@ impl Daemon {
         self.release_network(&vm);
         if vm.is_unborn_fork() {
             self.remember_failure(hostname, reason);
-            let _ = self.store.delete_vm(hostname);
-            let _ = std::fs::remove_dir_all(self.paths(hostname).dir);
+            let _ = self.forget(hostname);
         } else {
             let _ = self
                 .store
@@ -701,16 +708,14 @@ impl Daemon {
             // A fork that never came up leaves nothing behind; whoever
             // waits for it learns why.
             self.remember_failure(hostname, &stop.reason);
-            let _ = self.store.delete_vm(hostname);
-            let _ = std::fs::remove_dir_all(&paths.dir);
+            let _ = self.forget(hostname);
         } else if vm.persistent {
             let _ = self
                 .store
                 .clear_process(hostname, state, Some(&stop.reason));
         } else if state == VmState::Stopped {
             // Ephemeral: gone with its disk.
-            let _ = self.store.delete_vm(hostname);
-            let _ = std::fs::remove_dir_all(&paths.dir);
+            let _ = self.forget(hostname);
         } else {
             // Ephemeral and failed: the disk goes, the record stays to say why.
             let _ = self
@@ -749,8 +754,7 @@ impl Daemon {
                         Some("stopped before it was launched"),
                     )?;
                 } else {
-                    self.store.delete_vm(&hostname)?;
-                    let _ = std::fs::remove_dir_all(self.paths(&hostname).dir);
+                    self.forget(&hostname)?;
                 }
                 self.notify();
                 return Ok(api::LifecycleResponse {
@@ -900,10 +904,7 @@ impl Daemon {
             tracing::info!(vm = %vm.hostname, commit = %id, "deleting a committed source");
         }
         self.release_network(&vm);
-        // Record first, files after: a crash in between leaves an orphan
-        // folder that the next start removes.
-        self.store.delete_vm(&vm.hostname)?;
-        let _ = std::fs::remove_dir_all(self.paths(&vm.hostname).dir);
+        self.forget(&vm.hostname)?;
         self.notify();
         Ok(api::LifecycleResponse {
             hostname: vm.hostname,
