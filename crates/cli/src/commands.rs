@@ -177,15 +177,14 @@ async fn info(g: &GlobalArgs) -> anyhow::Result<i32> {
 
 async fn groups(g: &GlobalArgs) -> anyhow::Result<i32> {
     let groups = client(g)?.host_groups().await?;
-    if g.json {
-        print_json(&groups)?;
-    } else if g.quiet {
-        for group in &groups {
-            println!("{}", group.name);
-        }
-    } else {
-        print!("{}", output::group_table(&groups));
-    }
+    output::print_list(
+        g.json,
+        g.quiet,
+        &groups,
+        |group| &group.name,
+        "No host groups.",
+        output::group_table,
+    )?;
     Ok(exit::OK)
 }
 
@@ -195,17 +194,14 @@ async fn list(g: &GlobalArgs, args: &ListArgs) -> anyhow::Result<i32> {
         tag_prefix: args.tag_prefix.clone(),
     };
     let vms = client(g)?.list_vms(args.group.as_deref(), &query).await?;
-    if g.json {
-        print_json(&vms)?;
-    } else if g.quiet {
-        for v in &vms {
-            println!("{}", v.hostname);
-        }
-    } else if vms.is_empty() {
-        eprintln!("No VMs.");
-    } else {
-        print!("{}", output::vm_table(&vms, SystemTime::now()));
-    }
+    output::print_list(
+        g.json,
+        g.quiet,
+        &vms,
+        |v| &v.hostname,
+        "No VMs.",
+        |vms| output::vm_table(vms, SystemTime::now()),
+    )?;
     Ok(exit::OK)
 }
 
@@ -446,17 +442,14 @@ async fn commit(g: &GlobalArgs, c: &TineClient, args: CommitArgs) -> anyhow::Res
                     source: l.source,
                 })
                 .await?;
-            if g.json {
-                print_json(&commits)?;
-            } else if g.quiet {
-                for cm in &commits {
-                    println!("{}", cm.commit_id);
-                }
-            } else if commits.is_empty() {
-                eprintln!("No commits.");
-            } else {
-                print!("{}", output::commit_table(&commits, SystemTime::now()));
-            }
+            output::print_list(
+                g.json,
+                g.quiet,
+                &commits,
+                |cm| &cm.commit_id,
+                "No commits.",
+                |commits| output::commit_table(commits, SystemTime::now()),
+            )?;
             Ok(exit::OK)
         }
         Some(CommitCommand::Delete { id }) => {

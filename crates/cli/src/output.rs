@@ -277,6 +277,31 @@ pub fn print_json<T: Serialize>(value: &T) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Prints a list the way every list command does: the JSON array with
+/// `--json`, one `id` per line with `--quiet`, otherwise `table` (or
+/// `empty` on stderr when there is nothing to show).
+pub fn print_list<T: Serialize>(
+    json: bool,
+    quiet: bool,
+    items: &[T],
+    id: impl Fn(&T) -> &str,
+    empty: &str,
+    table: impl FnOnce(&[T]) -> String,
+) -> anyhow::Result<()> {
+    if json {
+        print_json(&items)?;
+    } else if quiet {
+        for item in items {
+            println!("{}", id(item));
+        }
+    } else if items.is_empty() {
+        eprintln!("{empty}");
+    } else {
+        print!("{}", table(items));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
