@@ -8,12 +8,11 @@ use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use tine_client::proto::{ExecRequest, FileAttrs, FixupRequest, AGENT_VSOCK_PORT};
 use tine_client::AgentClient;
-use tine_testbed::{guest_kernel, placement, repo_root, run_tests, Failed, Trial};
+use tine_testbed::{guest_kernel, min_image, placement, run_tests, Failed, Trial};
 use tine_vmm::device_manager::{DeviceConfigs, DriveConfig, RestoreOverrides, VsockConfig};
 use tine_vmm::vmm::{BootConfig, ConsoleConfig, Vmm, DEFAULT_CMDLINE};
 
@@ -279,24 +278,10 @@ async fn agent_in_vm_async() -> Result<(), Failed> {
 /// Builds the min image (and the static agent in it) on the host and
 /// passes its directory to the test bed through the environment.
 fn build_min_image() -> Result<(), String> {
-    let script = repo_root().join("guest/rootfs/min/build");
-    let out = Command::new(&script)
-        .stderr(std::process::Stdio::inherit())
-        .output()
-        .map_err(|e| format!("cannot run {}: {e}", script.display()))?;
-    if !out.status.success() {
-        return Err(format!("{} failed: {}", script.display(), out.status));
-    }
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let dir = stdout
-        .lines()
-        .last()
-        .ok_or_else(|| format!("{} printed nothing", script.display()))?
-        .trim()
-        .to_owned();
-    if !Path::new(&dir).join("rootfs.ext4").is_file() {
-        return Err(format!("{dir}/rootfs.ext4 does not exist"));
-    }
+    let image = min_image().map_err(|e| e.to_string())?;
+    let dir = image
+        .parent()
+        .ok_or_else(|| format!("{} has no folder", image.display()))?;
     // Before any thread: the test bed inherits this environment.
     std::env::set_var(IMAGE_ENV, dir);
     Ok(())

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use tine_testbed::{guest_kernel, placement, repo_root, run_tests, Failed, Trial};
+use tine_testbed::{guest_kernel, min_image, placement, run_tests, vmm_binary, Failed, Trial};
 
 const DATA: &str = "/tmp/tine-cli-e2e";
 
@@ -250,31 +250,19 @@ fn cli_against_a_real_daemon() -> R {
 fn main() {
     let listing = std::env::args().any(|a| a == "--list");
     if placement().is_none() && !listing {
-        let root = repo_root();
-        let built = Command::new("cargo")
-            .args(["build", "-q", "-p", "tine-vmm", "--bin", "tine-vmm"])
-            .current_dir(&root)
-            .status()
-            .map(|s| s.success())
-            .unwrap_or(false);
-        let kernel = guest_kernel();
-        let image = Command::new(root.join("guest/rootfs/min/build"))
-            .stderr(Stdio::inherit())
-            .output();
-        match (built, kernel, image) {
-            (true, Ok(k), Ok(out)) if out.status.success() => {
-                let dir = String::from_utf8_lossy(&out.stdout)
-                    .lines()
-                    .last()
-                    .unwrap_or_default()
-                    .trim()
-                    .to_owned();
+        match (vmm_binary(), guest_kernel(), min_image()) {
+            (Ok(_), Ok(k), Ok(image)) => {
                 // Before any thread: the bed inherits the environment.
                 std::env::set_var("TINE_KERNEL", k.vmlinux);
-                std::env::set_var("TINE_IMAGE_MIN", Path::new(&dir).join("rootfs.ext4"));
+                std::env::set_var("TINE_IMAGE_MIN", image);
             }
-            _ => {
-                eprintln!("cli e2e: cannot build tine-vmm, the kernel or the min image");
+            (vmm, kernel, image) => {
+                eprintln!(
+                    "cli e2e: cannot build tine-vmm ({:?}), the kernel ({:?}) or the min image ({:?})",
+                    vmm.err(),
+                    kernel.err(),
+                    image.err()
+                );
                 std::process::exit(101);
             }
         }

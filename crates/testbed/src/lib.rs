@@ -91,6 +91,41 @@ pub fn guest_kernel() -> Result<GuestKernel, TestbedError> {
     Ok(kernel)
 }
 
+/// The min image's root filesystem (`guest/rootfs/min/build`: busybox and
+/// a static tine-agent), building it if the cache lacks it.
+pub fn min_image() -> Result<PathBuf, TestbedError> {
+    let image = run_script("guest/rootfs/min/build")?.join("rootfs.ext4");
+    if !image.is_file() {
+        return Err(TestbedError::MissingArtifact(image));
+    }
+    Ok(image)
+}
+
+/// Builds the `tine-vmm` binary (debug) and returns its path, for tests
+/// whose crate does not own it.
+pub fn vmm_binary() -> Result<PathBuf, TestbedError> {
+    let root = repo_root();
+    let status = Command::new("cargo")
+        .args(["build", "-q", "-p", "tine-vmm", "--bin", "tine-vmm"])
+        .current_dir(&root)
+        .status()
+        .map_err(|source| TestbedError::Spawn {
+            script: PathBuf::from("cargo"),
+            source,
+        })?;
+    if !status.success() {
+        return Err(TestbedError::Script {
+            script: PathBuf::from("cargo build -p tine-vmm"),
+            status,
+        });
+    }
+    let binary = root.join("target/debug/tine-vmm");
+    if !binary.is_file() {
+        return Err(TestbedError::MissingArtifact(binary));
+    }
+    Ok(binary)
+}
+
 /// Runs a repository script that prints a directory as its last stdout line.
 fn run_script(relative: &str) -> Result<PathBuf, TestbedError> {
     let script = repo_root().join(relative);

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use tine_client::api::{ExecOptions, TineClient};
 use tine_proto::api::{CreateVmRequest, ErrorCode, ListQuery};
-use tine_testbed::{guest_kernel, repo_root, Failed};
+use tine_testbed::{guest_kernel, min_image, repo_root, vmm_binary, Failed};
 
 /// Set in a re-executed copy of this binary: run the daemon with the
 /// config file this names.
@@ -219,34 +219,13 @@ pub fn create_req(persistent: bool) -> CreateVmRequest {
 }
 
 pub fn build_artifacts() -> Result<(), String> {
-    let root = repo_root();
-    let status = Command::new("cargo")
-        .args(["build", "-q", "-p", "tine-vmm", "--bin", "tine-vmm"])
-        .current_dir(&root)
-        .status()
-        .map_err(|e| format!("cargo: {e}"))?;
-    if !status.success() {
-        return Err("cargo build -p tine-vmm failed".into());
-    }
+    let vmm = vmm_binary().map_err(|e| e.to_string())?;
     let kernel = guest_kernel().map_err(|e| e.to_string())?;
-    let out = Command::new(root.join("guest/rootfs/min/build"))
-        .stderr(Stdio::inherit())
-        .output()
-        .map_err(|e| format!("min image: {e}"))?;
-    let dir = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .last()
-        .unwrap_or_default()
-        .trim()
-        .to_owned();
-    let image = Path::new(&dir).join("rootfs.ext4");
-    if !out.status.success() || !image.is_file() {
-        return Err(format!("min image build failed ({dir})"));
-    }
+    let image = min_image().map_err(|e| e.to_string())?;
     // Before any thread: the bed inherits the environment.
     std::env::set_var(IMAGE_ENV, image);
     std::env::set_var("TINE_KERNEL", kernel.vmlinux);
-    std::env::set_var("TINE_TEST_VMM", root.join("target/debug/tine-vmm"));
+    std::env::set_var("TINE_TEST_VMM", vmm);
     if std::env::var_os("TINE_TESTBED_TIMEOUT").is_none() {
         std::env::set_var("TINE_TESTBED_TIMEOUT", "2400");
     }
