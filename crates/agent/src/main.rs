@@ -2,7 +2,10 @@
 //! serves the agent protocol (docs/agent-protocol.md) on a Unix socket;
 //! `--vsock-port N` serves it on vsock in a VM. Run as PID 1 without a
 //! `serve` command line (the min image's `/sbin/init`), it serves on vsock
-//! port [`AGENT_VSOCK_PORT`].
+//! port [`AGENT_VSOCK_PORT`]. `tine-agent power-off` stops the VM at once
+//! through tine-vmm's debug-exit port: the last step of a systemd guest's
+//! shutdown (guest/systemd/tine-poweroff), after its file systems are synced
+//! and read-only.
 
 use std::path::PathBuf;
 
@@ -32,6 +35,9 @@ enum Commands {
         #[arg(long, default_value = "/")]
         root: PathBuf,
     },
+    /// Stop the VM now (tine-vmm's debug-exit port). Syncs nothing: run it
+    /// only once the file systems are synced and read-only.
+    PowerOff,
 }
 
 /// The command line: as PID 1 the kernel passes init whatever parameters it
@@ -55,6 +61,13 @@ fn parse_cli() -> Cli {
 
 fn main() -> anyhow::Result<()> {
     let cli = parse_cli();
+    if let Commands::PowerOff = cli.command {
+        system::init::debug_exit(0).context("write tine-vmm's debug-exit port")?;
+        // The VMM stops the vCPUs asynchronously; a few more instructions
+        // may run. Still running after that: not under tine-vmm.
+        std::thread::sleep(std::time::Duration::from_secs(2));
+        bail!("the VM is still running: not a tine-vmm guest?");
+    }
     // Before the runtime or any thread: PID 1 duties, the reaper every
     // spawn goes through, userdata.
     let started = system::start().context("start the guest system")?;
@@ -70,7 +83,10 @@ fn main() -> anyhow::Result<()> {
         unix,
         vsock_port,
         root,
-    } = cli.command;
+    } = cli.command
+    else {
+        bail!("only `serve` runs the agent");
+    };
     let config = AgentConfig {
         system_root: root,
         ..AgentConfig::default()

@@ -207,5 +207,6 @@ async fn run(
         Request::Network(req) => ops::system::network(req).await,
         Request::UserdataStatus => ops::system::userdata(&agent).await,
         Request::UserdataRun(req) => ops::system::userdata_run(&agent, req).await,
+        Request::Shutdown(req) => ops::system::shutdown(req).await,
     }
 }

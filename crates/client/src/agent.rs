@@ -12,8 +12,8 @@ use tine_proto::agent::{
     BgWaitRequest, Channel, CloseReason, Control, DirEntry, ErrorCode, ExecRequest, ExitStatus,
     FileAttrs, FileStat, FixupReport, FixupRequest, ForwardRequest, ForwardTarget, HandshakeError,
     Health, Hello, MkdirRequest, NetworkRequest, PathRequest, RemoveRequest, Request, Response,
-    ShellRequest, StatRequest, UploadRequest, UploadTarRequest, UserdataRunRequest, UserdataStatus,
-    Welcome, PROTOCOL_VERSION,
+    ShellRequest, ShutdownAction, ShutdownRequest, StatRequest, UploadRequest, UploadTarRequest,
+    UserdataRunRequest, UserdataStatus, Welcome, PROTOCOL_VERSION,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
@@ -889,6 +889,19 @@ impl AgentClient {
     /// route, DNS), e.g. to give a restored fork its own address.
     pub async fn network(&self, req: NetworkRequest) -> Result<()> {
         match self.call(&Request::Network(req)).await? {
+            Response::Ok => Ok(()),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Asks the guest to shut down cleanly (stop its processes, sync,
+    /// remount `/` read-only, then `action`). The agent answers before the
+    /// shutdown begins; the VM stops some seconds later.
+    pub async fn shutdown(&self, action: ShutdownAction) -> Result<()> {
+        match self
+            .call(&Request::Shutdown(ShutdownRequest { action }))
+            .await?
+        {
             Response::Ok => Ok(()),
             other => Err(unexpected(other)),
         }

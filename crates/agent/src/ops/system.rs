@@ -1,10 +1,11 @@
-//! Health, fix-ups and userdata: thin wrappers over [`crate::system`].
+//! Health, fix-ups, userdata, network and shutdown: thin wrappers over
+//! [`crate::system`].
 
 use std::sync::Arc;
 
 use tine_proto::agent::{
-    ErrorCode, FixupReport, FixupRequest, Health, NetworkRequest, Response, UserdataRunRequest,
-    UserdataStatus, PROTOCOL_VERSION,
+    ErrorCode, FixupReport, FixupRequest, Health, NetworkRequest, Response, ShutdownRequest,
+    UserdataRunRequest, UserdataStatus, PROTOCOL_VERSION,
 };
 
 use super::files::blocking;
@@ -114,6 +115,19 @@ pub(crate) async fn network(req: NetworkRequest) -> Result<Response, OpError> {
     };
     blocking(move || {
         system::net::configure(&config)
+            .map_err(|e| OpError::new(ErrorCode::Io, system::describe_error(&e)))
+    })
+    .await?;
+    Ok(Response::Ok)
+}
+
+/// Starts a clean shutdown and answers [`Response::Ok`]: as PID 1 the
+/// shutdown runs on its own thread (terminate, sync, remount `/` read-only,
+/// power off) while the answer goes out; under another init (systemd) the
+/// agent asks it to `poweroff` or `reboot`.
+pub(crate) async fn shutdown(req: ShutdownRequest) -> Result<Response, OpError> {
+    blocking(move || {
+        system::init::request_shutdown(req.action)
             .map_err(|e| OpError::new(ErrorCode::Io, system::describe_error(&e)))
     })
     .await?;

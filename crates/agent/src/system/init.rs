@@ -6,7 +6,9 @@
 //! named on the kernel command line ([`super::cmdline`]).
 //!
 //! Signals sent to PID 1 ([`spawn_signal_thread`]): `SIGTERM` and `SIGINT`
-//! are forwarded to every process and the VM then powers off; `SIGUSR1`,
+//! are forwarded to every process and the VM then powers off (Ctrl-Alt-Del,
+//! which tine-vmm's graceful shutdown presses, arrives as `SIGINT`: [`boot`]
+//! turns the kernel's immediate, unsynced reboot on Ctrl-Alt-Del off); `SIGUSR1`,
 //! `SIGUSR2` and `SIGPWR` (busybox `halt`, `poweroff`, and power events)
 //! power off the same way. busybox `reboot` sends `SIGTERM`, so it powers
 //! off too; `reboot -f` or [`request_shutdown`] reboots.
@@ -77,14 +79,8 @@ pub enum InitError {
     Command(String, #[source] io::Error),
 }
 
-/// What to do at the end of [`shutdown`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub enum ShutdownAction {
-    /// Stop the VM.
-    Poweroff,
-    /// Restart the guest (tine-vmm reports it and stops the VM).
-    Reboot,
-}
+/// What to do at the end of [`shutdown`]: power off or reboot.
+pub use tine_proto::agent::ShutdownAction;
 
 /// What [`boot`] did.
 #[derive(Debug, Clone, Default)]
@@ -114,6 +110,17 @@ pub fn boot(root: &Path) -> BootReport {
     std::env::set_var("PATH", PATH);
     if std::env::var_os("HOME").is_none_or(|h| h == "/") {
         std::env::set_var("HOME", "/root");
+    }
+
+    // The kernel's default answer to Ctrl-Alt-Del is an immediate restart
+    // that syncs nothing: whatever the guest wrote last would be lost. With
+    // it off, the kernel sends PID 1 SIGINT instead, and [`shutdown`] runs.
+    if is_pid1() {
+        if let Err(e) = nix::sys::reboot::set_cad_enabled(false) {
+            rep.warnings.push(format!(
+                "reboot(RB_DISABLE_CAD) failed ({e}): Ctrl-Alt-Del restarts without syncing"
+            ));
+        }
     }
 
     let m = mount_base(root);

@@ -152,6 +152,9 @@ pub enum Request {
     /// (Re)configure a network interface: address, default route, DNS.
     /// A fork restored from a snapshot gets its own address this way.
     Network(NetworkRequest),
+    /// Shut the guest down cleanly: stop every process, sync, remount `/`
+    /// read-only, then power off (or reboot). Answered before it begins.
+    Shutdown(ShutdownRequest),
 }
 
 impl Request {
@@ -178,6 +181,7 @@ impl Request {
         "userdata_status",
         "userdata_run",
         "network",
+        "shutdown",
     ];
 }
 
@@ -572,6 +576,25 @@ pub struct NetworkRequest {
 
 fn default_iface() -> String {
     "eth0".to_owned()
+}
+
+/// What [`Request::Shutdown`] ends with.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ShutdownAction {
+    /// Stop the VM.
+    #[default]
+    Poweroff,
+    /// Restart the guest (tine-vmm reports the reboot and stops the VM).
+    Reboot,
+}
+
+/// Shuts the guest down ([`Request::Shutdown`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShutdownRequest {
+    /// Power off (the default) or reboot once the file systems are synced.
+    #[serde(default)]
+    pub action: ShutdownAction,
 }
 
 /// Installs and starts the userdata script ([`Request::UserdataRun`]).
