@@ -335,8 +335,12 @@ async fn shutdown(g: &GlobalArgs, c: &TineClient, args: &ShutdownArgs) -> anyhow
     } else if g.quiet {
         println!("{}", r.hostname);
     } else {
+        let how = r
+            .stop_mode
+            .map(|m| format!(", {}", output::stop_mode_text(m)))
+            .unwrap_or_default();
         println!(
-            "{} {} (in {})",
+            "{} {} (in {}{how})",
             r.hostname,
             r.state,
             output::millis(r.elapsed_ms)

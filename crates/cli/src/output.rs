@@ -3,7 +3,7 @@
 use std::time::{Duration, SystemTime};
 
 use serde::Serialize;
-use tine_proto::api::{CommitInfo, ErrorCode, HostGroupInfo, VmInfo};
+use tine_proto::api::{CommitInfo, ErrorCode, HostGroupInfo, StopMode, VmInfo};
 
 /// Columns are separated by this many spaces.
 const GAP: usize = 3;
@@ -229,6 +229,9 @@ pub fn describe(v: &VmInfo, now: SystemTime) -> String {
     if let Some(reason) = &v.reason {
         pairs.push(("reason", reason.clone()));
     }
+    if let Some(mode) = v.stop_mode {
+        pairs.push(("stop", stop_mode_text(mode).to_owned()));
+    }
     pairs.push((
         "disk",
         format!(
@@ -302,6 +305,16 @@ pub fn print_list<T: Serialize>(
     Ok(())
 }
 
+/// How a stop mode reads for people.
+pub fn stop_mode_text(mode: StopMode) -> &'static str {
+    match mode {
+        StopMode::Graceful => "graceful (the guest synced and powered off)",
+        StopMode::Forced => "forced (killed: writes the guest had not synced may be lost)",
+        StopMode::Guest => "by the guest (it powered off or rebooted itself)",
+        StopMode::Crashed => "crashed",
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -320,6 +333,7 @@ mod tests {
             network: None,
             pid: None,
             reason: None,
+            stop_mode: None,
             created_at: "2026-01-01T00:00:00.000Z".into(),
             started_at: None,
             boot_ms: None,

@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tine_client::AgentClient;
-use tine_proto::agent::{FixupRequest, AGENT_VSOCK_PORT};
-use tine_proto::api::{self, CreateVmRequest, VmState};
+use tine_proto::agent::{FixupRequest, ShutdownAction, AGENT_VSOCK_PORT};
+use tine_proto::api::{self, CreateVmRequest, StopMode, VmState};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::watch;
 
@@ -22,6 +22,7 @@ use crate::db::{now_ms, NewVm, Store, VmRecord};
 use crate::error::{ApiError, ApiResult};
 use crate::process::{self, LaunchSpec, VmPaths};
 use crate::storage;
+use tine_vmm::control::Request as VmmRequest;
 
 /// Kernel command line for every VM (the image's init is the agent).
 pub const BASE_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 pci=off nomodule nokaslr \
@@ -33,6 +34,10 @@ pub const DEFAULT_FIXUPS: &[&str] = &["hostname", "machine-id", "ssh-host-keys"]
 
 /// How long a graceful shutdown waits before killing.
 pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// How long a graceful shutdown waits for the agent to take the request
+/// before it presses Ctrl-Alt-Del instead.
+const AGENT_SHUTDOWN_ASK: Duration = Duration::from_secs(5);
 
 /// What a create or fork waits for before answering.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,10 +73,25 @@ pub struct Daemon {
     boot_slots: Arc<tokio::sync::Semaphore>,
     /// Why removed VMs failed (forks that never came up), for waiters.
     failures: std::sync::Mutex<HashMap<String, String>>,
+    /// VMs being stopped without the guest's help, with the reason their
+    /// exit is recorded under ([`StopMode::Forced`]).
+    forced: std::sync::Mutex<HashMap<String, String>>,
 }
 
 fn internal(what: &str, e: impl std::fmt::Display) -> ApiError {
     ApiError::internal(format!("{what}: {e}"))
+}
+
+/// How a run ended: `forced` when the daemon killed it, `clean` when the
+/// VMM reported a power-off, reboot or requested kill, `requested` when the
+/// daemon had asked it to stop.
+fn stop_mode(forced: bool, clean: bool, requested: bool) -> StopMode {
+    match (forced, clean, requested) {
+        (true, _, _) => StopMode::Forced,
+        (false, false, _) => StopMode::Crashed,
+        (false, true, true) => StopMode::Graceful,
+        (false, true, false) => StopMode::Guest,
+    }
 }
 
 /// Checks a tag: 1..=128 printable characters without spaces or commas.
@@ -136,6 +156,7 @@ impl Daemon {
             locks: std::sync::Mutex::new(HashMap::new()),
             imports: std::sync::Mutex::new(()),
             failures: std::sync::Mutex::new(HashMap::new()),
+            forced: std::sync::Mutex::new(HashMap::new()),
             boot_slots: Arc::new(tokio::sync::Semaphore::new(boot_concurrency)),
         }))
     }
@@ -198,6 +219,11 @@ impl Daemon {
             network,
             pid: if vm.state.is_live() { vm.pid } else { None },
             reason: vm.reason.clone(),
+            stop_mode: if vm.state.is_live() {
+                None
+            } else {
+                vm.stop_mode
+            },
             created_at: api::rfc3339_millis(vm.created_ms),
             started_at: vm.started_ms.map(api::rfc3339_millis),
             boot_ms: vm.boot_ms,
@@ -473,11 +499,45 @@ impl Daemon {
             self.remember_failure(hostname, reason);
             let _ = self.forget(hostname);
         } else {
-            let _ = self
-                .store
-                .clear_process(hostname, VmState::Failed, Some(reason));
+            self.record_exit(hostname, VmState::Failed, reason, StopMode::Crashed);
         }
         self.notify();
+    }
+
+    /// Records a VM's end (its process is gone), logging a failed write.
+    fn record_exit(&self, hostname: &str, state: VmState, reason: &str, mode: StopMode) {
+        if let Err(e) = self
+            .store
+            .clear_process(hostname, state, Some(reason), Some(mode))
+        {
+            tracing::error!(
+                vm = hostname,
+                "cannot record that it is {state} ({reason}): {e}"
+            );
+        }
+    }
+
+    /// Removes a VM's record and folder, logging a failed removal.
+    fn forget_logged(&self, hostname: &str) {
+        if let Err(e) = self.forget(hostname) {
+            tracing::error!(vm = hostname, "cannot remove its record: {e}");
+        }
+    }
+
+    /// Marks a VM as being stopped without the guest's help: its exit is
+    /// recorded as [`StopMode::Forced`] with `reason`.
+    fn mark_forced(&self, hostname: &str, reason: String) {
+        self.forced
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(hostname.to_owned(), reason);
+    }
+
+    fn take_forced(&self, hostname: &str) -> Option<String> {
+        self.forced
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(hostname)
     }
 
     /// Launches the VM's process and supervises it (the set-up at
@@ -508,6 +568,8 @@ impl Daemon {
             disk: PathBuf::from(&vm.disk),
             net: network.as_ref().and_then(crate::vmnet::tap_and_mac),
         };
+        // A forced stop of an earlier run that was never reaped here.
+        self.take_forced(hostname);
         let child = process::launch(&spec, &paths)
             .map_err(|e| internal(&format!("start {} for {hostname}", self.vmm.display()), e))?;
         let pid = child.id();
@@ -702,32 +764,37 @@ impl Daemon {
         } else {
             VmState::Failed
         };
-        tracing::info!(vm = hostname, reason = %stop.reason, "{state}");
+        let forced = self.take_forced(hostname);
+        let mode = stop_mode(forced.is_some(), stop.clean, requested);
+        let reason = forced.unwrap_or(stop.reason);
+        tracing::info!(vm = hostname, %reason, stop = %mode, "{state}");
         self.release_network(&vm);
         if never_ready && !requested && vm.is_unborn_fork() {
             // A fork that never came up leaves nothing behind; whoever
             // waits for it learns why.
-            self.remember_failure(hostname, &stop.reason);
-            let _ = self.forget(hostname);
+            self.remember_failure(hostname, &reason);
+            self.forget_logged(hostname);
         } else if vm.persistent {
-            let _ = self
-                .store
-                .clear_process(hostname, state, Some(&stop.reason));
+            self.record_exit(hostname, state, &reason, mode);
         } else if state == VmState::Stopped {
             // Ephemeral: gone with its disk.
-            let _ = self.forget(hostname);
+            self.forget_logged(hostname);
         } else {
             // Ephemeral and failed: the disk goes, the record stays to say why.
-            let _ = self
-                .store
-                .clear_process(hostname, state, Some(&stop.reason));
-            let _ = std::fs::remove_file(&vm.disk);
+            self.record_exit(hostname, state, &reason, mode);
+            if let Err(e) = std::fs::remove_file(&vm.disk) {
+                tracing::warn!(vm = hostname, "cannot remove the disk {}: {e}", vm.disk);
+            }
         }
         self.notify();
     }
 
-    /// Stops a VM: Ctrl-Alt-Del and wait (`poweroff`: kill at once), kill
-    /// after `timeout`.
+    /// Stops a VM. Graceful: the agent is asked to power the guest off (it
+    /// stops every process, syncs, remounts `/` read-only), or, when it does
+    /// not take the request, Ctrl-Alt-Del is pressed (the min image's init
+    /// takes it as the same request); a guest still running after `timeout`
+    /// is killed. `poweroff` kills at once. A kill is recorded as
+    /// [`StopMode::Forced`]: writes the guest had not synced may be lost.
     pub async fn shutdown(
         self: &Arc<Self>,
         key: &str,
@@ -752,6 +819,7 @@ impl Daemon {
                         &hostname,
                         VmState::Stopped,
                         Some("stopped before it was launched"),
+                        Some(StopMode::Graceful),
                     )?;
                 } else {
                     self.forget(&hostname)?;
@@ -760,6 +828,7 @@ impl Daemon {
                 return Ok(api::LifecycleResponse {
                     hostname,
                     state: VmState::Stopped,
+                    stop_mode: Some(StopMode::Graceful),
                     elapsed_ms: began.elapsed().as_millis() as u64,
                 });
             }
@@ -772,7 +841,7 @@ impl Daemon {
             self.notify();
             vm
         };
-        self.stop_process(&vm, poweroff, timeout).await;
+        let mode = self.stop_process(&vm, poweroff, timeout).await;
         let state = self
             .store
             .find_vm(&hostname)?
@@ -781,30 +850,104 @@ impl Daemon {
         Ok(api::LifecycleResponse {
             hostname,
             state,
+            stop_mode: Some(mode),
             elapsed_ms: began.elapsed().as_millis() as u64,
         })
     }
 
-    /// Asks the process to stop and waits for the exit handler to run.
-    async fn stop_process(self: &Arc<Self>, vm: &VmRecord, poweroff: bool, timeout: Duration) {
+    /// Asks the process to stop (see [`Daemon::shutdown`]) and waits for the
+    /// exit handler to run; returns whether the stop was graceful or forced.
+    async fn stop_process(
+        self: &Arc<Self>,
+        vm: &VmRecord,
+        poweroff: bool,
+        timeout: Duration,
+    ) -> StopMode {
         let paths = self.paths(&vm.hostname);
         let (Some(pid), Some(start)) = (vm.pid, vm.pid_start) else {
-            return;
+            return StopMode::Graceful;
         };
-        let op = if poweroff { "kill" } else { "shutdown" };
-        let _ = process::control(&paths, serde_json::json!({ "op": op })).await;
-        if !self.wait_not_live(&vm.hostname, timeout).await {
-            tracing::warn!(vm = %vm.hostname, "did not stop within {timeout:?}; killing it");
-            let _ = process::control(&paths, serde_json::json!({ "op": "kill" })).await;
-            if !self
-                .wait_not_live(&vm.hostname, Duration::from_secs(5))
+        let hostname = vm.hostname.as_str();
+        let deadline = tokio::time::Instant::now() + timeout;
+        if poweroff {
+            self.mark_forced(
+                hostname,
+                "forced stop (action=poweroff): killed; writes the guest had not synced may be lost"
+                    .into(),
+            );
+            self.vmm_request(&paths, hostname, &VmmRequest::Kill).await;
+        } else {
+            match self
+                .ask_agent_to_power_off(hostname, timeout.min(AGENT_SHUTDOWN_ASK))
                 .await
             {
-                process::kill_if_ours(pid, start, &paths);
-                self.wait_not_live(&vm.hostname, Duration::from_secs(5))
-                    .await;
+                Ok(()) => tracing::info!(vm = hostname, "the agent is powering the guest off"),
+                Err(e) => {
+                    tracing::info!(vm = hostname, "agent shutdown: {e}; pressing Ctrl-Alt-Del");
+                    self.vmm_request(&paths, hostname, &VmmRequest::Shutdown)
+                        .await;
+                }
             }
         }
+        if self.wait_not_live_until(hostname, deadline).await {
+            return if poweroff {
+                StopMode::Forced
+            } else {
+                StopMode::Graceful
+            };
+        }
+        tracing::warn!(vm = hostname, "did not stop within {timeout:?}; killing it");
+        self.mark_forced(
+            hostname,
+            format!(
+                "forced stop: the guest did not power off within {}; killed, writes it had not \
+                 synced may be lost",
+                humantime::format_duration(timeout)
+            ),
+        );
+        self.vmm_request(&paths, hostname, &VmmRequest::Kill).await;
+        if !self.wait_not_live(hostname, Duration::from_secs(5)).await {
+            process::kill_if_ours(pid, start, &paths);
+            self.wait_not_live(hostname, Duration::from_secs(5)).await;
+        }
+        StopMode::Forced
+    }
+
+    /// Asks the VM's agent to shut the guest down cleanly, within `within`.
+    async fn ask_agent_to_power_off(&self, hostname: &str, within: Duration) -> Result<(), String> {
+        let ask = async {
+            let client = self.connect_agent(hostname).await?;
+            client
+                .shutdown(ShutdownAction::Poweroff)
+                .await
+                .map_err(|e| format!("the agent refused: {e}"))
+        };
+        tokio::time::timeout(within, ask).await.map_err(|_| {
+            format!(
+                "the agent did not answer within {}",
+                humantime::format_duration(within)
+            )
+        })?
+    }
+
+    /// Sends one request to the VM's tine-vmm, logging a failure (the
+    /// caller's deadline handles a VMM that does not act on it).
+    async fn vmm_request(&self, paths: &VmPaths, hostname: &str, request: &VmmRequest) {
+        let value = match serde_json::to_value(request) {
+            Ok(v) => v,
+            Err(e) => {
+                tracing::error!(vm = hostname, "cannot encode {request:?}: {e}");
+                return;
+            }
+        };
+        if let Err(e) = process::control(paths, value).await {
+            tracing::warn!(vm = hostname, "tine-vmm control {request:?}: {e}");
+        }
+    }
+
+    async fn wait_not_live_until(&self, hostname: &str, deadline: tokio::time::Instant) -> bool {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        self.wait_not_live(hostname, left).await
     }
 
     async fn wait_not_live(&self, hostname: &str, timeout: Duration) -> bool {
@@ -858,6 +1001,7 @@ impl Daemon {
         Ok(api::LifecycleResponse {
             hostname: vm.hostname,
             state: vm.state,
+            stop_mode: None,
             elapsed_ms: began.elapsed().as_millis() as u64,
         })
     }
@@ -889,6 +1033,7 @@ impl Daemon {
             return Ok(api::LifecycleResponse {
                 hostname: vm.hostname,
                 state: VmState::Stopped,
+                stop_mode: None,
                 elapsed_ms: began.elapsed().as_millis() as u64,
             });
         };
@@ -909,6 +1054,7 @@ impl Daemon {
         Ok(api::LifecycleResponse {
             hostname: vm.hostname,
             state: VmState::Stopped,
+            stop_mode: None,
             elapsed_ms: began.elapsed().as_millis() as u64,
         })
     }
@@ -1018,8 +1164,12 @@ impl Daemon {
                         report.removed.push(vm.hostname.clone());
                     } else {
                         let reason = "its process ended while the daemon was down";
-                        self.store
-                            .clear_process(&vm.hostname, VmState::Stopped, Some(reason))?;
+                        self.store.clear_process(
+                            &vm.hostname,
+                            VmState::Stopped,
+                            Some(reason),
+                            Some(StopMode::Crashed),
+                        )?;
                         self.release_network(vm);
                         if self.config.reconcile == Reconcile::Relaunch {
                             self.relaunch_at_start(&vm.hostname, &mut report).await?;
@@ -1156,4 +1306,24 @@ pub struct ReconcileReport {
     pub failed: Vec<String>,
     /// VMs created to keep `count`.
     pub created: Vec<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_kill_by_the_daemon_is_forced() {
+        // Killed after the timeout or by action=poweroff: forced, whatever
+        // the VMM reported.
+        assert_eq!(stop_mode(true, true, true), StopMode::Forced);
+        assert_eq!(stop_mode(true, false, true), StopMode::Forced);
+        // Asked to stop and it powered off: graceful.
+        assert_eq!(stop_mode(false, true, true), StopMode::Graceful);
+        // Stopped by itself.
+        assert_eq!(stop_mode(false, true, false), StopMode::Guest);
+        // A crash, asked to stop or not.
+        assert_eq!(stop_mode(false, false, false), StopMode::Crashed);
+        assert_eq!(stop_mode(false, false, true), StopMode::Crashed);
+    }
 }

@@ -11,7 +11,7 @@ use std::path::Path;
 use std::sync::{Mutex, MutexGuard};
 
 use rusqlite::{params, Connection, OptionalExtension, Row, Transaction};
-use tine_proto::api::VmState;
+use tine_proto::api::{StopMode, VmState};
 
 /// Errors from the store.
 #[derive(Debug, thiserror::Error)]
@@ -97,6 +97,8 @@ const MIGRATIONS: &[&str] = &[
         size_bytes INTEGER NOT NULL,
         imported_ms INTEGER NOT NULL
     );",
+    // 2: how a VM's last run ended (api::StopMode).
+    "ALTER TABLE vms ADD COLUMN stop_mode TEXT;",
 ];
 
 /// One VM as recorded.
@@ -137,6 +139,8 @@ pub struct VmRecord {
     pub pid_start: Option<u64>,
     /// Why it stopped or failed.
     pub reason: Option<String>,
+    /// How its last run ended; `None` while it runs or before it ran.
+    pub stop_mode: Option<StopMode>,
     /// Created, Unix ms.
     pub created_ms: u64,
     /// Last started, Unix ms.
@@ -266,7 +270,7 @@ fn to_json<T: serde::Serialize>(v: &T) -> String {
 
 const VM_COLUMNS: &str = "hostname, host_group, idx, state, cpus, ram_bytes, persistent, managed, \
      tags, name, userdata, disk, network, policy, pid, pid_start, reason, created_ms, started_ms, \
-     boot_ms, booted_once, commit_id, parent_commit_id, fixups";
+     boot_ms, booted_once, commit_id, parent_commit_id, fixups, stop_mode";
 
 fn vm_from_row(row: &Row<'_>) -> rusqlite::Result<std::result::Result<VmRecord, DbError>> {
     let state: String = row.get(3)?;
@@ -274,6 +278,7 @@ fn vm_from_row(row: &Row<'_>) -> rusqlite::Result<std::result::Result<VmRecord, 
     let network: Option<String> = row.get(12)?;
     let policy: Option<String> = row.get(13)?;
     let fixups: Option<String> = row.get(23)?;
+    let stop_mode: Option<String> = row.get(24)?;
     let build = || -> Result<VmRecord> {
         Ok(VmRecord {
             hostname: row.get(0)?,
@@ -303,6 +308,14 @@ fn vm_from_row(row: &Row<'_>) -> rusqlite::Result<std::result::Result<VmRecord, 
             commit_id: row.get(21)?,
             parent_commit_id: row.get(22)?,
             fixups: fixups.map(|f| json_vec(&f, "vms.fixups")).transpose()?,
+            stop_mode: stop_mode
+                .map(|m| {
+                    StopMode::parse(&m).ok_or(DbError::Corrupt {
+                        what: "vms.stop_mode",
+                        detail: m,
+                    })
+                })
+                .transpose()?,
         })
     };
     Ok(build())
@@ -514,7 +527,7 @@ impl Store {
     pub fn set_process(&self, hostname: &str, pid: u32, pid_start: u64) -> Result<()> {
         self.lock().execute(
             "UPDATE vms SET state = 'starting', pid = ?2, pid_start = ?3, started_ms = ?4, \
-             reason = NULL, boot_ms = NULL WHERE hostname = ?1",
+             reason = NULL, stop_mode = NULL, boot_ms = NULL WHERE hostname = ?1",
             params![hostname, pid, pid_start as i64, now_ms() as i64],
         )?;
         Ok(())
@@ -524,23 +537,29 @@ impl Store {
     pub fn queue_start(&self, hostname: &str) -> Result<()> {
         self.lock().execute(
             "UPDATE vms SET state = 'starting', pid = NULL, pid_start = NULL, reason = NULL, \
-             boot_ms = NULL WHERE hostname = ?1",
+             stop_mode = NULL, boot_ms = NULL WHERE hostname = ?1",
             [hostname],
         )?;
         Ok(())
     }
 
-    /// Records that the process is gone.
+    /// Records that the process is gone, why, and how it ended.
     pub fn clear_process(
         &self,
         hostname: &str,
         state: VmState,
         reason: Option<&str>,
+        stop_mode: Option<StopMode>,
     ) -> Result<()> {
         self.lock().execute(
-            "UPDATE vms SET state = ?2, reason = ?3, pid = NULL, pid_start = NULL \
+            "UPDATE vms SET state = ?2, reason = ?3, stop_mode = ?4, pid = NULL, pid_start = NULL \
              WHERE hostname = ?1",
-            params![hostname, state.as_str(), reason],
+            params![
+                hostname,
+                state.as_str(),
+                reason,
+                stop_mode.map(StopMode::as_str)
+            ],
         )?;
         Ok(())
     }
@@ -843,14 +862,24 @@ mod tests {
         assert!(!s
             .transition(&vm.hostname, &[VmState::Stopped], VmState::Failed, None)
             .expect("no-op"));
-        s.clear_process(&vm.hostname, VmState::Failed, Some("boom"))
-            .expect("clear");
+        s.clear_process(
+            &vm.hostname,
+            VmState::Failed,
+            Some("boom"),
+            Some(StopMode::Crashed),
+        )
+        .expect("clear");
         let got = s.find_vm(&vm.hostname).expect("find").expect("some");
         assert_eq!(
             (got.state, got.pid, got.reason.as_deref(), got.boot_ms),
             (VmState::Failed, None, Some("boom"), Some(120))
         );
+        assert_eq!(got.stop_mode, Some(StopMode::Crashed));
         assert!(got.booted_once);
+        // A new run forgets how the last one ended.
+        s.queue_start(&vm.hostname).expect("queue");
+        let got = s.find_vm(&vm.hostname).expect("find").expect("some");
+        assert_eq!((got.stop_mode, got.reason), (None, None));
     }
 
     fn commit(id: &str, source: &str, key: Option<&str>) -> CommitRecord {

@@ -96,6 +96,52 @@ pub struct HostGroupInfo {
     pub nodes: usize,
 }
 
+/// How a VM's last run ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopMode {
+    /// tine shut it down gracefully: the guest stopped its processes,
+    /// synced its file systems, made `/` read-only and powered off.
+    Graceful,
+    /// tine stopped it without the guest's help (`action=poweroff`, or the
+    /// kill after the shutdown timeout): writes the guest had not synced may
+    /// be lost.
+    Forced,
+    /// The guest powered off or rebooted by itself.
+    Guest,
+    /// The guest or its VMM crashed, or the process was killed from outside.
+    Crashed,
+}
+
+impl StopMode {
+    /// The lower-case name used on the wire and in the database.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StopMode::Graceful => "graceful",
+            StopMode::Forced => "forced",
+            StopMode::Guest => "guest",
+            StopMode::Crashed => "crashed",
+        }
+    }
+
+    /// Parses [`StopMode::as_str`]'s output.
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "graceful" => StopMode::Graceful,
+            "forced" => StopMode::Forced,
+            "guest" => StopMode::Guest,
+            "crashed" => StopMode::Crashed,
+            _ => return None,
+        })
+    }
+}
+
+impl std::fmt::Display for StopMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// A VM's life-cycle state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -247,6 +293,10 @@ pub struct VmInfo {
     /// Why it stopped or failed, when it did.
     #[serde(default)]
     pub reason: Option<String>,
+    /// How its last run ended, once it has stopped: `graceful` (synced),
+    /// `forced` (unsynced writes may be lost), `guest` or `crashed`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop_mode: Option<StopMode>,
     /// Created (RFC 3339).
     pub created_at: String,
     /// Last (re)started (RFC 3339).
@@ -394,6 +444,9 @@ pub struct LifecycleResponse {
     pub hostname: String,
     /// Its state after the request.
     pub state: VmState,
+    /// For a shutdown: how the VM stopped (`graceful` or `forced`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop_mode: Option<StopMode>,
     /// Milliseconds the request took.
     pub elapsed_ms: u64,
 }

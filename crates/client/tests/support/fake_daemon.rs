@@ -270,6 +270,7 @@ fn vm(hostname: &str) -> Option<VmInfo> {
         network: None,
         pid: None,
         reason: None,
+        stop_mode: None,
         created_at: "2026-01-01T00:00:00.000Z".into(),
         started_at: None,
         boot_ms: Some(812),
@@ -433,6 +434,7 @@ fn lifecycle(h: &str, state: VmState) -> Response {
         Some(v) => Json(LifecycleResponse {
             hostname: v.hostname,
             state,
+            stop_mode: None,
             elapsed_ms: 5,
         })
         .into_response(),
