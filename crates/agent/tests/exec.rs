@@ -171,12 +171,15 @@ async fn test_exec_env_cwd_and_identity_are_applied() {
     let agent = TestAgent::start().await;
     let client = agent.client().await;
     let dir = agent.scratch("cwd");
-    let mut req = ExecRequest::shell("echo $FOO; pwd; id -u; id -g")
+    assert!(
+        common::is_root(),
+        "this test runs the command as another user and needs root (as CI runs it)"
+    );
+    let req = ExecRequest::shell("echo $FOO; pwd; id -u; id -g")
         .env("FOO", "bar baz")
-        .cwd(common::s(&dir));
-    if common::is_root() {
-        req = req.uid(4321).gid(8765);
-    }
+        .cwd(common::s(&dir))
+        .uid(4321)
+        .gid(8765);
 
     let output = client.exec_output(req).await.expect("exec");
 
@@ -186,10 +189,8 @@ async fn test_exec_env_cwd_and_identity_are_applied() {
         lines[1],
         common::s(&std::fs::canonicalize(&dir).expect("canonical"))
     );
-    if common::is_root() {
-        assert_eq!(lines[2], "4321");
-        assert_eq!(lines[3], "8765");
-    }
+    assert_eq!(lines[2], "4321");
+    assert_eq!(lines[3], "8765");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

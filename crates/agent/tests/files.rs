@@ -25,10 +25,14 @@ async fn test_file_round_trip_keeps_bytes_mode_and_owner() {
     let dir = agent.scratch("files");
     let path = dir.join("sub/dir/data.bin");
     let data = pattern(3 << 20);
+    assert!(
+        is_root(),
+        "this test sets owners and needs root (as CI runs it)"
+    );
     let attrs = FileAttrs {
         mode: Some(0o4750),
-        uid: is_root().then_some(1234),
-        gid: is_root().then_some(5678),
+        uid: Some(1234),
+        gid: Some(5678),
     };
 
     let written = client
@@ -45,10 +49,8 @@ async fn test_file_round_trip_keeps_bytes_mode_and_owner() {
     assert_eq!(stat.mode, 0o4750);
     let meta = fs::metadata(&path).expect("local stat");
     assert_eq!(meta.mode() & 0o7777, 0o4750);
-    if is_root() {
-        assert_eq!((stat.uid, stat.gid), (1234, 5678));
-        assert_eq!((meta.uid(), meta.gid()), (1234, 5678));
-    }
+    assert_eq!((stat.uid, stat.gid), (1234, 5678));
+    assert_eq!((meta.uid(), meta.gid()), (1234, 5678));
     let leftovers: Vec<_> = fs::read_dir(dir.join("sub/dir"))
         .expect("list")
         .filter_map(|e| e.ok())
@@ -284,10 +286,10 @@ async fn test_tar_tree_round_trip_keeps_symlinks_empty_dirs_and_modes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn test_tar_upload_with_owner_override_chowns_entries() {
-    if !is_root() {
-        eprintln!("skipped: needs root");
-        return;
-    }
+    assert!(
+        is_root(),
+        "this test chowns files and needs root (run the suite as root, as CI does)"
+    );
     let agent = TestAgent::start().await;
     let client = agent.client().await;
     let source = agent.scratch("own-src");

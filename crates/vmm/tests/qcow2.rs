@@ -36,12 +36,12 @@ impl Rng {
     }
 }
 
-fn have(tool: &str) -> bool {
-    let found = Command::new(tool).arg("--version").output().is_ok();
-    if !found {
-        eprintln!("skipping: {tool} not found");
+/// Fails the test when an interop tool is missing: these tests exist to
+/// check our files against QEMU's tools, and must never pass without them.
+fn require(tool: &str) {
+    if let Err(e) = Command::new(tool).arg("--version").output() {
+        panic!("{tool} is needed for the qcow2 interop tests ({e}); scripts/setup installs it (qemu-utils)");
     }
-    found
 }
 
 fn run(cmd: &mut Command) -> std::process::Output {
@@ -96,9 +96,7 @@ fn random_writes(path: &Path, model: &mut [u8], seed: u64, writes: usize, max_le
 
 #[test]
 fn test_qemu_accepts_and_reads_our_images() {
-    if !have("qemu-img") {
-        return;
-    }
+    require("qemu-img");
     for (cluster_size, size, writes) in [
         (512u64, 12u64 << 20, 3000),
         (4096, 8 << 20, 500),
@@ -133,9 +131,7 @@ fn test_qemu_accepts_and_reads_our_images() {
 
 #[test]
 fn test_qemu_accepts_our_image_after_refcount_table_growth() {
-    if !have("qemu-img") {
-        return;
-    }
+    require("qemu-img");
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("grow.qcow2");
     create(
@@ -174,9 +170,7 @@ fn test_qemu_accepts_our_image_after_refcount_table_growth() {
 
 #[test]
 fn test_qemu_reads_our_chain_and_lists_it() {
-    if !have("qemu-img") {
-        return;
-    }
+    require("qemu-img");
     let dir = tempfile::tempdir().expect("tempdir");
     let base = dir.path().join("base.raw");
     let mut model = vec![0u8; 5 << 20];
@@ -230,9 +224,8 @@ fn test_qemu_reads_our_chain_and_lists_it() {
 
 #[test]
 fn test_we_read_and_write_qemu_images() {
-    if !have("qemu-img") || !have("qemu-io") {
-        return;
-    }
+    require("qemu-img");
+    require("qemu-io");
     for opts in [
         "compat=1.1,cluster_size=65536",
         "compat=0.10,cluster_size=65536",
@@ -281,9 +274,8 @@ fn test_we_read_and_write_qemu_images() {
 
 #[test]
 fn test_overlay_on_qemu_image_without_backing_format() {
-    if !have("qemu-img") || !have("qemu-io") {
-        return;
-    }
+    require("qemu-img");
+    require("qemu-io");
     let dir = tempfile::tempdir().expect("tempdir");
     let base = dir.path().join("base.qcow2");
     run(Command::new("qemu-img")
@@ -316,9 +308,7 @@ fn test_overlay_on_qemu_image_without_backing_format() {
 
 #[test]
 fn test_compressed_clusters_refused_clearly() {
-    if !have("qemu-img") {
-        return;
-    }
+    require("qemu-img");
     let dir = tempfile::tempdir().expect("tempdir");
     let raw = dir.path().join("data.raw");
     std::fs::write(&raw, vec![0x5au8; 1 << 20]).expect("raw");
@@ -337,9 +327,7 @@ fn test_compressed_clusters_refused_clearly() {
 
 #[test]
 fn test_leaks_after_a_crash_agree_with_qemu() {
-    if !have("qemu-img") {
-        return;
-    }
+    require("qemu-img");
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("crash.qcow2");
     create_empty(&path, 8 << 20).expect("create");
@@ -364,9 +352,7 @@ fn test_leaks_after_a_crash_agree_with_qemu() {
 
 #[test]
 fn test_our_check_flags_what_qemu_flags() {
-    if !have("qemu-img") {
-        return;
-    }
+    require("qemu-img");
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("img.qcow2");
     create_empty(&path, 4 << 20).expect("create");
