@@ -18,10 +18,47 @@ fn fail(m: impl Into<String>) -> Failed {
 /// Longest any one command may take (a create or fork boots a VM).
 const COMMAND_LIMIT: Duration = Duration::from_secs(300);
 
+fn tail(path: &Path, n: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
 fn daemon_log() -> String {
-    let log = std::fs::read_to_string("/tmp/tine-cli-e2e.log").unwrap_or_default();
-    let lines: Vec<&str> = log.lines().collect();
-    lines[lines.len().saturating_sub(30)..].join("\n")
+    tail(Path::new("/tmp/tine-cli-e2e.log"), 30)
+}
+
+/// Everything that can say why a command stalled: the daemon's log, each
+/// VM's VMM log and serial console, the processes, and the kernel's log
+/// (the test bed's L1 when nested).
+fn stall_report() -> String {
+    let mut out = format!("daemon log:\n{}\n", daemon_log());
+    if let Ok(entries) = std::fs::read_dir(Path::new(DATA).join("vms")) {
+        for e in entries.flatten() {
+            for file in ["vmm.log", "serial.log"] {
+                out.push_str(&format!(
+                    "--- {}/{file}:\n{}\n",
+                    e.file_name().to_string_lossy(),
+                    tail(&e.path().join(file), 15)
+                ));
+            }
+        }
+    }
+    for (what, cmd) in [
+        (
+            "processes",
+            "ps -eo pid,ppid,stat,etime,time,args | grep -v ' \\[' | tail -40",
+        ),
+        ("kernel log", "dmesg | tail -30"),
+    ] {
+        let text = Command::new("sh")
+            .args(["-c", cmd])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_else(|e| format!("cannot run `{cmd}`: {e}"));
+        out.push_str(&format!("--- {what}:\n{text}\n"));
+    }
+    out
 }
 
 fn tine(args: &[&str]) -> R<Output> {
@@ -55,9 +92,9 @@ fn tine(args: &[&str]) -> R<Output> {
             let _ = child.kill();
             let _ = child.wait();
             return Err(fail(format!(
-                "tine {} did not finish in {COMMAND_LIMIT:?}; daemon log:\n{}",
+                "tine {} did not finish in {COMMAND_LIMIT:?}; {}",
                 args.join(" "),
-                daemon_log()
+                stall_report()
             )));
         }
         std::thread::sleep(Duration::from_millis(20));
@@ -222,6 +259,24 @@ fn cli_against_a_real_daemon() -> R {
     assert_eq!(big.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&big.stderr).contains("ram_bytes"));
     assert_eq!(ok(&["vm", "list", "--quiet"])?.lines().count(), 1);
+
+    // A write is kept by a graceful shutdown, with no sync.
+    ok(&[
+        "vm",
+        "exec",
+        &h,
+        "--",
+        "sh",
+        "-c",
+        "echo round1 > /root/marker1",
+    ])?;
+    let stopped = ok(&["vm", "shutdown", &h])?;
+    assert!(stopped.contains("graceful"), "{stopped}");
+    ok(&["vm", "relaunch", &h, "--wait", "--timeout", "240s"])?;
+    assert_eq!(
+        ok(&["vm", "exec", &h, "--", "cat", "/root/marker1"])?,
+        "round1\n"
+    );
 
     // Stop, commit, fork, clean up.
     ok(&["vm", "shutdown", &h])?;

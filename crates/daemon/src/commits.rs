@@ -24,6 +24,7 @@ use crate::api::{
 use crate::daemon::{validate_name, validate_tag, Daemon, Wait, DEFAULT_FIXUPS};
 use crate::db::{now_ms, CommitRecord, NewVm};
 use crate::error::{ApiError, ApiResult};
+use crate::failpoint::{self, Failpoint};
 use crate::storage;
 
 /// Most characters in a cache key.
@@ -156,6 +157,7 @@ impl Daemon {
             created_ms: now_ms(),
             elapsed_ms: began.elapsed().as_millis() as u64,
         };
+        failpoint::hit(Failpoint::CommitOverlayMade);
         if let Err(e) = self
             .store
             .insert_commit(&record, &new_disk.display().to_string())
@@ -164,6 +166,7 @@ impl Daemon {
             let _ = std::fs::remove_file(&new_disk);
             return Err(e.into());
         }
+        failpoint::hit(Failpoint::CommitRecorded);
         // The old name of the (now committed) inode.
         let _ = std::fs::remove_file(&old_disk);
         tracing::info!(vm = %vm.hostname, commit = %id, ms = record.elapsed_ms, "committed");

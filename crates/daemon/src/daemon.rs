@@ -20,6 +20,7 @@ use crate::artifacts;
 use crate::config::{Config, HostGroup, Reconcile, MIN_RAM_MB};
 use crate::db::{now_ms, NewVm, Store, VmRecord};
 use crate::error::{ApiError, ApiResult};
+use crate::failpoint::{self, Failpoint};
 use crate::process::{self, LaunchSpec, VmPaths};
 use crate::storage;
 use tine_vmm::control::Request as VmmRequest;
@@ -419,11 +420,13 @@ impl Daemon {
                 .to_string()
         })?;
         self.notify();
+        failpoint::hit(Failpoint::ProvisionRecorded);
         let hostname = vm.hostname.clone();
         let result = async {
             std::fs::create_dir_all(self.paths(&hostname).dir)
                 .map_err(|e| internal("create VM folder", e))?;
             make_disk(Path::new(&vm.disk))?;
+            failpoint::hit(Failpoint::ProvisionDiskMade);
             self.start(&hostname).await
         }
         .await;
@@ -451,6 +454,7 @@ impl Daemon {
     /// start removes, never a record without its disk.
     fn forget(&self, hostname: &str) -> crate::db::Result<()> {
         self.store.delete_vm(hostname)?;
+        failpoint::hit(Failpoint::DeleteRecordRemoved);
         let _ = std::fs::remove_dir_all(self.paths(hostname).dir);
         Ok(())
     }
@@ -470,6 +474,7 @@ impl Daemon {
     pub(crate) async fn start(self: &Arc<Self>, hostname: &str) -> ApiResult<()> {
         self.store.queue_start(hostname)?;
         self.notify();
+        failpoint::hit(Failpoint::BootQueued);
         let this = self.clone();
         let h = hostname.to_owned();
         tokio::spawn(async move {
@@ -574,8 +579,10 @@ impl Daemon {
             .map_err(|e| internal(&format!("start {} for {hostname}", self.vmm.display()), e))?;
         let pid = child.id();
         let pid_start = process::start_time(pid).unwrap_or(0);
+        failpoint::hit(Failpoint::BootSpawned);
         self.store.set_process(hostname, pid, pid_start)?;
         self.notify();
+        failpoint::hit(Failpoint::BootRecorded);
         tracing::info!(vm = hostname, pid, "started");
         self.supervise(hostname.to_owned(), pid, pid_start, Some(child), permit);
         Ok(())
@@ -732,6 +739,7 @@ impl Daemon {
             }
         }
         let boot_ms = now_ms().saturating_sub(started_ms);
+        failpoint::hit(Failpoint::BootSetUp);
         self.store.set_running(hostname, boot_ms)?;
         self.notify();
         tracing::info!(
@@ -1026,6 +1034,7 @@ impl Daemon {
             self.stop_process(&running, true, Duration::from_secs(5))
                 .await;
         }
+        failpoint::hit(Failpoint::DeleteStopped);
         let _guard = self.lock_vm(&vm.hostname).await;
         let Some(vm) = self.store.find_vm(&vm.hostname)? else {
             // An ephemeral VM removes itself when it stops.

@@ -5,7 +5,8 @@
 //! migrations), `daemon` (VM life cycles, supervision, start-up
 //! reconciliation), `process` (launching and recognising tine-vmm
 //! processes), `api` (the REST routes, docs/api.md), `server` (listeners,
-//! the data-directory lock, the token).
+//! the data-directory lock, the token), `failpoint` (crash points for the
+//! fault-injection tests).
 
 pub mod api;
 pub mod artifacts;
@@ -14,6 +15,7 @@ pub mod config;
 pub mod daemon;
 pub mod db;
 pub mod error;
+pub mod failpoint;
 pub mod network;
 pub mod process;
 pub mod server;

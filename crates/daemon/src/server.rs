@@ -97,6 +97,7 @@ pub fn run_from_cli(config_path: Option<PathBuf>, data_dir: Option<PathBuf>) -> 
     } else {
         std::env::current_dir()?.join(data_dir)
     };
+    crate::failpoint::arm_from_env()?;
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("TINE_LOG")

@@ -116,6 +116,7 @@ pub fn commit_disk(disk: &Path, commit_path: &Path, new_disk: &Path) -> Result<u
             )
         })?;
     }
+    crate::failpoint::hit(crate::failpoint::Failpoint::CommitLinked);
     let undo = |e: DiskError| {
         let _ = std::fs::remove_file(commit_path);
         let _ = std::fs::remove_file(new_disk);

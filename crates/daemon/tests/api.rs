@@ -499,7 +499,8 @@ fn commit_and_fork() -> R {
         sh_ok(
             c,
             &h,
-            "mkdir -p /opt/cache && echo built > /opt/cache/artifact && sync",
+            // No sync: the graceful shutdown below must keep it.
+            "mkdir -p /opt/cache && echo built > /opt/cache/artifact",
         )
         .await?;
         expect_err(

@@ -78,22 +78,63 @@ impl Daemon {
     }
 
     pub fn spawn_raw(&self) -> R<Child> {
+        self.spawn_raw_with(None)
+    }
+
+    /// Starts the daemon process with `TINE_FAILPOINT` set to `failpoint`
+    /// (none: unset).
+    fn spawn_raw_with(&self, failpoint: Option<&str>) -> R<Child> {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(self.dir.join("daemon.log"))?;
-        Ok(Command::new(std::env::current_exe()?)
-            .env(DAEMON_CONFIG_ENV, &self.config)
+        let mut cmd = Command::new(std::env::current_exe()?);
+        cmd.env(DAEMON_CONFIG_ENV, &self.config)
+            .env_remove(tine_daemon::failpoint::ENV)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()?)
+            .stderr(log);
+        if let Some(point) = failpoint {
+            cmd.env(tine_daemon::failpoint::ENV, point);
+        }
+        Ok(cmd.spawn()?)
     }
 
     /// Starts the daemon process and waits for its socket to answer.
     pub fn spawn(&mut self) -> R {
+        self.spawn_with(None)
+    }
+
+    /// Starts the daemon armed to crash (SIGKILL) at `point`.
+    pub fn spawn_armed(&mut self, point: tine_daemon::failpoint::Failpoint) -> R {
+        self.spawn_with(Some(point.name()))
+    }
+
+    /// Waits for the daemon process to end by itself (a crash point), up
+    /// to `limit`.
+    pub fn wait_exit(&mut self, limit: Duration) -> R<std::process::ExitStatus> {
+        let Some(child) = self.child.as_mut() else {
+            return Err(fail("no daemon process"));
+        };
+        let start = Instant::now();
+        loop {
+            if let Some(status) = child.try_wait()? {
+                self.child = None;
+                return Ok(status);
+            }
+            if start.elapsed() > limit {
+                return Err(fail(format!(
+                    "the daemon still runs after {limit:?}: {}",
+                    self.log_tail()
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn spawn_with(&mut self, failpoint: Option<&str>) -> R {
         let _ = std::fs::remove_file(self.data().join("tine.sock"));
-        let mut child = self.spawn_raw()?;
+        let mut child = self.spawn_raw_with(failpoint)?;
         let start = Instant::now();
         loop {
             if let Some(status) = child.try_wait()? {
@@ -240,5 +281,67 @@ pub fn run_daemon_if_asked() {
             std::process::exit(1);
         }
         std::process::exit(0);
+    }
+}
+
+/// Turns a client error into a test failure that names it.
+pub trait OrFail<T> {
+    fn or_fail(self) -> R<T>;
+}
+
+impl<T> OrFail<T> for Result<T, tine_client::api::ApiError> {
+    fn or_fail(self) -> R<T> {
+        self.map_err(|e| fail(e.to_string()))
+    }
+}
+
+/// Runs a host tool and returns its stdout; a missing tool or a non-zero
+/// exit fails, naming the tool (`what` says which package has it).
+pub fn run_tool(cmd: &mut Command, what: &str) -> R<String> {
+    let out = cmd.output().map_err(|e| {
+        fail(format!(
+            "cannot run {what}: {e} (scripts/setup installs it)"
+        ))
+    })?;
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    if !out.status.success() {
+        return Err(fail(format!(
+            "{cmd:?} exited with {}: {stdout}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        )));
+    }
+    Ok(stdout)
+}
+
+/// `qemu-img check`: no corruption (leaked clusters, which a crash may
+/// leave and which harm nothing, are allowed and printed).
+pub fn qemu_img_check(disk: &Path) -> R {
+    let out = Command::new("qemu-img")
+        .arg("check")
+        .arg(disk)
+        .output()
+        .map_err(|e| fail(format!("cannot run qemu-img (qemu-utils): {e}")))?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // 0: clean; 3: leaked clusters only.
+    match out.status.code() {
+        Some(0) => Ok(()),
+        Some(3) if !text.contains("ERROR") => {
+            println!(
+                "qemu-img check {}: leaks only: {}",
+                disk.display(),
+                text.trim()
+            );
+            Ok(())
+        }
+        _ => Err(fail(format!(
+            "qemu-img check {} failed ({}): {text}",
+            disk.display(),
+            out.status
+        ))),
     }
 }

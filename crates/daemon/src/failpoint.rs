@@ -1,0 +1,151 @@
+//! Crash points for fault-injection tests. With `TINE_FAILPOINT=NAME` in its
+//! environment the daemon kills itself with `SIGKILL` the first time it
+//! reaches the point `NAME`, exactly as a `kill -9` at that instant would:
+//! no destructor, no log flush, no answer. Unset (always, outside tests), a
+//! point costs one load of an initialised cell.
+//!
+//! The points sit between the steps of every state change (record, files,
+//! process), where a crash is hardest to recover from; start-up
+//! reconciliation must leave nothing half-made after any of them
+//! (crates/daemon/tests/faults.rs checks that it does).
+
+use std::sync::OnceLock;
+
+/// The environment variable that arms one point.
+pub const ENV: &str = "TINE_FAILPOINT";
+
+/// A place where the daemon can be made to crash.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Failpoint {
+    /// A new VM (create or fork) is recorded as `creating`; no folder yet.
+    ProvisionRecorded,
+    /// The new VM's disk exists; the VM is still `creating`.
+    ProvisionDiskMade,
+    /// The VM is `starting`, queued for a boot slot, with no process.
+    BootQueued,
+    /// Its tine-vmm runs, but no record names the process yet.
+    BootSpawned,
+    /// The process is recorded; the agent has not answered.
+    BootRecorded,
+    /// The agent answered and the set-up ran; not yet recorded `running`.
+    BootSetUp,
+    /// A commit's file is linked (or flattened) next to the source's disk.
+    CommitLinked,
+    /// The source's fresh overlay exists too; nothing is recorded.
+    CommitOverlayMade,
+    /// The commit is recorded; the source's old disk name is still there.
+    CommitRecorded,
+    /// A deleted VM's process is gone; its record is still there.
+    DeleteStopped,
+    /// The record is gone; its folder is still there.
+    DeleteRecordRemoved,
+}
+
+impl Failpoint {
+    /// Every point, in the order an operation reaches them.
+    pub const ALL: &'static [Failpoint] = &[
+        Failpoint::ProvisionRecorded,
+        Failpoint::ProvisionDiskMade,
+        Failpoint::BootQueued,
+        Failpoint::BootSpawned,
+        Failpoint::BootRecorded,
+        Failpoint::BootSetUp,
+        Failpoint::CommitLinked,
+        Failpoint::CommitOverlayMade,
+        Failpoint::CommitRecorded,
+        Failpoint::DeleteStopped,
+        Failpoint::DeleteRecordRemoved,
+    ];
+
+    /// The name `TINE_FAILPOINT` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Failpoint::ProvisionRecorded => "provision-recorded",
+            Failpoint::ProvisionDiskMade => "provision-disk-made",
+            Failpoint::BootQueued => "boot-queued",
+            Failpoint::BootSpawned => "boot-spawned",
+            Failpoint::BootRecorded => "boot-recorded",
+            Failpoint::BootSetUp => "boot-set-up",
+            Failpoint::CommitLinked => "commit-linked",
+            Failpoint::CommitOverlayMade => "commit-overlay-made",
+            Failpoint::CommitRecorded => "commit-recorded",
+            Failpoint::DeleteStopped => "delete-stopped",
+            Failpoint::DeleteRecordRemoved => "delete-record-removed",
+        }
+    }
+
+    /// Parses [`Failpoint::name`]'s output.
+    pub fn parse(name: &str) -> Option<Failpoint> {
+        Failpoint::ALL.iter().copied().find(|p| p.name() == name)
+    }
+}
+
+/// A `TINE_FAILPOINT` value that names no point.
+#[derive(Debug, thiserror::Error)]
+#[error("{ENV}={value:?} names no crash point; use one of: {}", names())]
+pub struct UnknownFailpoint {
+    /// What the variable held.
+    pub value: String,
+}
+
+fn names() -> String {
+    Failpoint::ALL
+        .iter()
+        .map(|p| p.name())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+static ARMED: OnceLock<Option<Failpoint>> = OnceLock::new();
+
+/// Reads `TINE_FAILPOINT` once; call at start-up so a bad value is refused
+/// before anything runs.
+pub fn arm_from_env() -> Result<Option<Failpoint>, UnknownFailpoint> {
+    let wanted = match std::env::var(ENV) {
+        Ok(v) if !v.is_empty() => Some(Failpoint::parse(&v).ok_or(UnknownFailpoint { value: v })?),
+        _ => None,
+    };
+    Ok(*ARMED.get_or_init(|| wanted))
+}
+
+/// Crashes the daemon here if this point is armed.
+pub fn hit(point: Failpoint) {
+    if ARMED.get().copied().flatten() == Some(point) {
+        eprintln!("tine: crash point {} reached: SIGKILL", point.name());
+        if let Err(e) = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL) {
+            eprintln!("tine: cannot raise SIGKILL at {}: {e}", point.name());
+            std::process::abort();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_and_are_distinct() {
+        let mut seen = std::collections::HashSet::new();
+        for p in Failpoint::ALL {
+            assert_eq!(Failpoint::parse(p.name()), Some(*p));
+            assert!(seen.insert(p.name()), "{} twice", p.name());
+        }
+        assert_eq!(Failpoint::parse("nope"), None);
+    }
+
+    #[test]
+    fn an_unknown_name_lists_the_points() {
+        let e = UnknownFailpoint {
+            value: "commit".into(),
+        };
+        let text = e.to_string();
+        assert!(text.contains("\"commit\" names no crash point"), "{text}");
+        assert!(text.contains("commit-linked"), "{text}");
+    }
+
+    #[test]
+    fn an_unarmed_point_returns() {
+        // Nothing in the test environment arms a point.
+        hit(Failpoint::BootQueued);
+    }
+}
