@@ -23,7 +23,7 @@ use crate::error::{ApiError, ApiResult};
 use crate::failpoint::{self, Failpoint};
 use crate::process::{self, LaunchSpec, VmPaths};
 use crate::storage;
-use tine_vmm::control::Request as VmmRequest;
+use tine_vmm::control::{Request as VmmRequest, Response as VmmResponse};
 
 /// Kernel command line for every VM (the image's init is the agent).
 pub const BASE_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 pci=off nomodule nokaslr \
@@ -39,6 +39,9 @@ pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(20);
 /// How long a graceful shutdown waits for the agent to take the request
 /// before it presses Ctrl-Alt-Del instead.
 const AGENT_SHUTDOWN_ASK: Duration = Duration::from_secs(5);
+
+/// How long a request on a VMM's control socket may take to be answered.
+const VMM_CONTROL_ANSWER: Duration = Duration::from_secs(5);
 
 /// What a create or fork waits for before answering.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -850,11 +853,12 @@ impl Daemon {
             vm
         };
         let mode = self.stop_process(&vm, poweroff, timeout).await;
-        let state = self
-            .store
-            .find_vm(&hostname)?
-            .map(|v| v.state)
-            .unwrap_or(VmState::Stopped);
+        // As recorded (a guest can crash on its way down); an ephemeral VM
+        // is gone with its record.
+        let (state, mode) = match self.store.find_vm(&hostname)? {
+            Some(v) => (v.state, v.stop_mode.unwrap_or(mode)),
+            None => (VmState::Stopped, mode),
+        };
         Ok(api::LifecycleResponse {
             hostname,
             state,
@@ -938,18 +942,15 @@ impl Daemon {
         })?
     }
 
-    /// Sends one request to the VM's tine-vmm, logging a failure (the
-    /// caller's deadline handles a VMM that does not act on it).
+    /// Sends one request to the VM's tine-vmm, logging a failure or a
+    /// refusal (the caller's deadline handles a VMM that does not act on it).
     async fn vmm_request(&self, paths: &VmPaths, hostname: &str, request: &VmmRequest) {
-        let value = match serde_json::to_value(request) {
-            Ok(v) => v,
-            Err(e) => {
-                tracing::error!(vm = hostname, "cannot encode {request:?}: {e}");
-                return;
+        match process::control(paths, request, VMM_CONTROL_ANSWER).await {
+            Ok(VmmResponse::Ok { .. }) => {}
+            Ok(VmmResponse::Error { error }) => {
+                tracing::warn!(vm = hostname, "tine-vmm refused {request:?}: {error}")
             }
-        };
-        if let Err(e) = process::control(paths, value).await {
-            tracing::warn!(vm = hostname, "tine-vmm control {request:?}: {e}");
+            Err(e) => tracing::warn!(vm = hostname, "tine-vmm control {request:?}: {e}"),
         }
     }
 

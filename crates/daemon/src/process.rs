@@ -286,20 +286,31 @@ pub fn last_lines(path: &Path, n: usize) -> Vec<String> {
 }
 
 /// Sends one request line to a VM's control socket and returns its answer.
+/// A VMM that does not answer within `within` is an error (`TimedOut`).
 pub async fn control(
     paths: &VmPaths,
-    request: serde_json::Value,
-) -> std::io::Result<serde_json::Value> {
-    let io = tokio::net::UnixStream::connect(&paths.control).await?;
-    let (r, mut w) = io.into_split();
-    let mut line = request.to_string();
-    line.push('\n');
-    w.write_all(line.as_bytes()).await?;
-    let mut answer = String::new();
-    let mut reader = BufReader::new(r.take(64 * 1024));
-    reader.read_line(&mut answer).await?;
-    serde_json::from_str(&answer)
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+    request: &tine_vmm::control::Request,
+    within: Duration,
+) -> std::io::Result<tine_vmm::control::Response> {
+    let exchange = async {
+        let io = tokio::net::UnixStream::connect(&paths.control).await?;
+        let (r, mut w) = io.into_split();
+        let mut line = serde_json::to_string(request)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+        line.push('\n');
+        w.write_all(line.as_bytes()).await?;
+        let mut answer = String::new();
+        let mut reader = BufReader::new(r.take(64 * 1024));
+        reader.read_line(&mut answer).await?;
+        serde_json::from_str(&answer)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+    };
+    tokio::time::timeout(within, exchange).await.map_err(|_| {
+        std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("no answer on {} within {within:?}", paths.control.display()),
+        )
+    })?
 }
 
 /// Sends SIGKILL to `pid` if it is still the process launched for `paths`.
@@ -315,6 +326,60 @@ pub fn kill_if_ours(pid: u32, pid_start: u64, paths: &VmPaths) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A stand-in control socket that reads one request line and then
+    /// answers `answer` (or nothing).
+    fn fake_vmm(paths: &VmPaths, answer: Option<&'static str>) -> tokio::task::JoinHandle<String> {
+        let listener = tokio::net::UnixListener::bind(&paths.control).expect("bind");
+        tokio::spawn(async move {
+            let (io, _) = listener.accept().await.expect("accept");
+            let (r, mut w) = io.into_split();
+            let mut line = String::new();
+            BufReader::new(r).read_line(&mut line).await.expect("read");
+            match answer {
+                Some(a) => w.write_all(a.as_bytes()).await.expect("answer"),
+                None => tokio::time::sleep(Duration::from_secs(60)).await,
+            }
+            line
+        })
+    }
+
+    #[tokio::test]
+    async fn control_sends_typed_requests_and_reads_typed_answers() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let paths = VmPaths::new(dir.path(), "dev-1");
+        std::fs::create_dir_all(&paths.dir).expect("dir");
+        let vmm = fake_vmm(&paths, Some("{\"status\":\"ok\",\"duration_us\":7}\n"));
+        let answer = control(
+            &paths,
+            &tine_vmm::control::Request::Shutdown,
+            Duration::from_secs(5),
+        )
+        .await
+        .expect("answer");
+        assert!(matches!(
+            answer,
+            tine_vmm::control::Response::Ok { duration_us: 7, .. }
+        ));
+        assert_eq!(vmm.await.expect("vmm"), "{\"op\":\"shutdown\"}\n");
+    }
+
+    #[tokio::test]
+    async fn control_gives_up_on_a_vmm_that_does_not_answer() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let paths = VmPaths::new(dir.path(), "dev-1");
+        std::fs::create_dir_all(&paths.dir).expect("dir");
+        let _vmm = fake_vmm(&paths, None);
+        let err = control(
+            &paths,
+            &tine_vmm::control::Request::Kill,
+            Duration::from_millis(200),
+        )
+        .await
+        .expect_err("no answer");
+        assert_eq!(err.kind(), std::io::ErrorKind::TimedOut);
+        assert!(err.to_string().contains("control.sock"), "{err}");
+    }
 
     #[test]
     fn our_own_start_time_is_readable_and_stable() {
