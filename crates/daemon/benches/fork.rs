@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use support::*;
 use tine_client::api::{ShutdownAction, Wait};
 use tine_proto::api::{CommitRequest, ForkRequest};
-use tine_testbed::{placement, run_tests, Trial};
+use tine_testbed::{placement, Trial};
 
 fn stats(mut v: Vec<f64>) -> (f64, f64) {
     v.sort_by(f64::total_cmp);
@@ -97,20 +97,15 @@ fn bench() -> R<f64> {
 }
 
 fn main() {
-    run_daemon_if_asked();
-    let listing = std::env::args().any(|a| a == "--list");
-    if placement().is_none() && !listing {
-        if let Err(e) = build_artifacts() {
-            eprintln!("fork bench: {e}");
-            std::process::exit(101);
-        }
-    }
-    run_tests(vec![Trial::bench("fork_to_agent_ready", |_| {
-        bench().map(|p50_ms| {
-            Some(libtest_mimic::Measurement {
-                avg: (p50_ms * 1e6) as u64,
-                variance: 0,
+    bed_main(
+        "fork bench",
+        vec![Trial::bench("fork_to_agent_ready", |_| {
+            bench().map(|p50_ms| {
+                Some(libtest_mimic::Measurement {
+                    avg: (p50_ms * 1e6) as u64,
+                    variance: 0,
+                })
             })
-        })
-    })]);
+        })],
+    );
 }

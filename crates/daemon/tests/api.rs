@@ -16,7 +16,7 @@ use tine_client::api::{
 use tine_proto::api::{
     CommitRequest, CreateVmRequest, ErrorCode, ForkRequest, ListQuery, TagsPatch, VmState,
 };
-use tine_testbed::{placement, run_tests, Failed, Trial};
+use tine_testbed::{Failed, Trial};
 
 /// Create, exec (codes, stdin, env), files, tags, health, logs, shutdown,
 /// relaunch with the disk kept, delete.
@@ -803,20 +803,15 @@ fn commit_on_a_full_disk() -> R {
 }
 
 fn main() {
-    run_daemon_if_asked();
-    let listing = std::env::args().any(|a| a == "--list");
-    if placement().is_none() && !listing {
-        if let Err(e) = build_artifacts() {
-            eprintln!("daemon api test: {e}");
-            std::process::exit(101);
-        }
-    }
-    run_tests(vec![
-        Trial::test("bad_input", bad_input),
-        Trial::test("lifecycle", lifecycle),
-        Trial::test("kill_nine", kill_nine),
-        Trial::test("concurrent_creates", concurrent_creates),
-        Trial::test("commit_and_fork", commit_and_fork),
-        Trial::test("commit_on_a_full_disk", commit_on_a_full_disk),
-    ]);
+    bed_main(
+        "daemon api test",
+        vec![
+            Trial::test("bad_input", bad_input),
+            Trial::test("lifecycle", lifecycle),
+            Trial::test("kill_nine", kill_nine),
+            Trial::test("concurrent_creates", concurrent_creates),
+            Trial::test("commit_and_fork", commit_and_fork),
+            Trial::test("commit_on_a_full_disk", commit_on_a_full_disk),
+        ],
+    );
 }

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use support::*;
 use tine_client::api::{ShutdownAction, TineClient, Wait};
 use tine_proto::api::{CommitRequest, ForkRequest, StopMode, VmState};
-use tine_testbed::{placement, run_tests, Failed, Trial};
+use tine_testbed::{Failed, Trial};
 
 /// Each scenario runs this many times.
 const ROUNDS: usize = 5;
@@ -338,24 +338,19 @@ fn vmm_killed_during_writes() -> R {
 }
 
 fn main() {
-    run_daemon_if_asked();
-    let listing = std::env::args().any(|a| a == "--list");
-    if placement().is_none() && !listing {
-        if let Err(e) = build_artifacts() {
-            eprintln!("daemon durability test: {e}");
-            std::process::exit(101);
-        }
-    }
-    run_tests(vec![
-        Trial::test(
-            "shutdown_then_relaunch_keeps_writes",
-            shutdown_then_relaunch_keeps_writes,
-        ),
-        Trial::test(
-            "shutdown_then_commit_keeps_writes_in_forks",
-            shutdown_then_commit_keeps_writes_in_forks,
-        ),
-        Trial::test("ignored_shutdown_is_forced", ignored_shutdown_is_forced),
-        Trial::test("vmm_killed_during_writes", vmm_killed_during_writes),
-    ]);
+    bed_main(
+        "daemon durability test",
+        vec![
+            Trial::test(
+                "shutdown_then_relaunch_keeps_writes",
+                shutdown_then_relaunch_keeps_writes,
+            ),
+            Trial::test(
+                "shutdown_then_commit_keeps_writes_in_forks",
+                shutdown_then_commit_keeps_writes_in_forks,
+            ),
+            Trial::test("ignored_shutdown_is_forced", ignored_shutdown_is_forced),
+            Trial::test("vmm_killed_during_writes", vmm_killed_during_writes),
+        ],
+    );
 }

@@ -23,7 +23,7 @@ use support::*;
 use tine_client::api::{CommitQuery, ShutdownAction, TineClient, Wait};
 use tine_daemon::failpoint::Failpoint;
 use tine_proto::api::{CommitRequest, ForkRequest, ListQuery, VmState};
-use tine_testbed::{placement, run_tests, Failed, Trial};
+use tine_testbed::{Failed, Trial};
 
 /// How many times each (operation, point) pair runs; `TINE_FAULT_REPEATS`
 /// overrides it.
@@ -430,16 +430,8 @@ fn kill_nine_everywhere() -> R {
 }
 
 fn main() {
-    run_daemon_if_asked();
-    let listing = std::env::args().any(|a| a == "--list");
-    if placement().is_none() && !listing {
-        if let Err(e) = build_artifacts() {
-            eprintln!("daemon fault-injection test: {e}");
-            std::process::exit(101);
-        }
-    }
-    run_tests(vec![Trial::test(
-        "kill_nine_everywhere",
-        kill_nine_everywhere,
-    )]);
+    bed_main(
+        "daemon fault-injection test",
+        vec![Trial::test("kill_nine_everywhere", kill_nine_everywhere)],
+    );
 }

@@ -345,3 +345,17 @@ pub fn qemu_img_check(disk: &Path) -> R {
         ))),
     }
 }
+
+/// The `main` of a test-bed target: runs the daemon in a re-executed copy,
+/// builds what the bed needs on the host, then runs `tests` in the bed.
+pub fn bed_main(what: &str, tests: Vec<tine_testbed::Trial>) -> ! {
+    run_daemon_if_asked();
+    let listing = std::env::args().any(|a| a == "--list");
+    if tine_testbed::placement().is_none() && !listing {
+        if let Err(e) = build_artifacts() {
+            eprintln!("{what}: {e}");
+            std::process::exit(101);
+        }
+    }
+    tine_testbed::run_tests(tests)
+}
