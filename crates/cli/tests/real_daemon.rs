@@ -18,47 +18,15 @@ fn fail(m: impl Into<String>) -> Failed {
 /// Longest any one command may take (a create or fork boots a VM).
 const COMMAND_LIMIT: Duration = Duration::from_secs(300);
 
-fn tail(path: &Path, n: usize) -> String {
-    let text = std::fs::read_to_string(path).unwrap_or_default();
-    let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(n)..].join("\n")
-}
-
 fn daemon_log() -> String {
-    tail(Path::new("/tmp/tine-cli-e2e.log"), 30)
+    tine_testbed::tail_lines(Path::new("/tmp/tine-cli-e2e.log"), 30)
 }
 
-/// Everything that can say why a command stalled: the daemon's log, each
-/// VM's VMM log and serial console, the processes, and the kernel's log
-/// (the test bed's L1 when nested).
 fn stall_report() -> String {
-    let mut out = format!("daemon log:\n{}\n", daemon_log());
-    if let Ok(entries) = std::fs::read_dir(Path::new(DATA).join("vms")) {
-        for e in entries.flatten() {
-            for file in ["vmm.log", "serial.log"] {
-                out.push_str(&format!(
-                    "--- {}/{file}:\n{}\n",
-                    e.file_name().to_string_lossy(),
-                    tail(&e.path().join(file), 15)
-                ));
-            }
-        }
-    }
-    for (what, cmd) in [
-        (
-            "processes",
-            "ps -eo pid,ppid,stat,etime,time,args | grep -v ' \\[' | tail -40",
-        ),
-        ("kernel log", "dmesg | tail -30"),
-    ] {
-        let text = Command::new("sh")
-            .args(["-c", cmd])
-            .output()
-            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-            .unwrap_or_else(|e| format!("cannot run `{cmd}`: {e}"));
-        out.push_str(&format!("--- {what}:\n{text}\n"));
-    }
-    out
+    tine_testbed::stall_report(
+        &[PathBuf::from("/tmp/tine-cli-e2e.log")],
+        &Path::new(DATA).join("vms"),
+    )
 }
 
 fn tine(args: &[&str]) -> R<Output> {

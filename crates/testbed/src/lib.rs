@@ -249,3 +249,51 @@ pub fn run_tests(tests: Vec<Trial>) -> ! {
         }
     }
 }
+
+/// The last `n` lines of a text file (empty when it cannot be read).
+pub fn tail_lines(path: &Path, n: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// What can say why a test stalled, for its failure message: the tail of
+/// each file in `logs`, each VM folder's `vmm.log` and `serial.log` below
+/// `vms_dir`, the processes and threads with their wait channels, and the
+/// kernel log (the bed's L1 when nested).
+pub fn stall_report(logs: &[PathBuf], vms_dir: &Path) -> String {
+    let mut out = String::new();
+    for log in logs {
+        out.push_str(&format!(
+            "--- {}:\n{}\n",
+            log.display(),
+            tail_lines(log, 40)
+        ));
+    }
+    if let Ok(entries) = std::fs::read_dir(vms_dir) {
+        for e in entries.flatten() {
+            for file in ["vmm.log", "serial.log"] {
+                out.push_str(&format!(
+                    "--- {}/{file}:\n{}\n",
+                    e.file_name().to_string_lossy(),
+                    tail_lines(&e.path().join(file), 12)
+                ));
+            }
+        }
+    }
+    for (what, cmd) in [
+        (
+            "processes",
+            "ps -eLo pid,tid,stat,wchan:24,etime,time,comm | grep -v ' \\[' | grep -v kworker",
+        ),
+        ("kernel log", "dmesg | tail -30"),
+    ] {
+        let text = Command::new("sh")
+            .args(["-c", cmd])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_else(|e| format!("cannot run `{cmd}`: {e}"));
+        out.push_str(&format!("--- {what}:\n{text}\n"));
+    }
+    out
+}

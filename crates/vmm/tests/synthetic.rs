@@ -70,6 +70,30 @@ fn test_synthetic_pause_stops_progress_and_resume_continues() {
     vmm.kill();
 }
 
+/// A kill ends a guest that never exits on its own, at any moment: right
+/// after boot (the vCPU thread may not have entered `KVM_RUN` yet) or while
+/// it spins. A kick that lands outside `KVM_RUN` used to be lost and the
+/// kill then waited forever; each round here runs on a watchdog thread.
+#[test]
+fn test_synthetic_kill_ends_a_spinning_guest_every_time() {
+    for round in 0..300u32 {
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut vmm =
+                Vmm::boot(&raw_config(COUNTER_LOOP), &ConsoleConfig::default()).expect("boot");
+            if round % 3 == 1 {
+                wait_counter_above(&vmm, 0);
+            }
+            let reason = vmm.kill();
+            let _ = done_tx.send(reason);
+        });
+        match done_rx.recv_timeout(Duration::from_secs(20)) {
+            Ok(reason) => assert_eq!(reason, StopReason::Killed, "round {round}"),
+            Err(_) => panic!("round {round}: kill did not return within 20 s"),
+        }
+    }
+}
+
 #[test]
 fn test_synthetic_snapshot_restores_into_isolated_children() {
     let dir = tempfile::tempdir().expect("tmp");

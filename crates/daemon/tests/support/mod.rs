@@ -41,6 +41,32 @@ pub struct Daemon {
     child: Option<Child>,
     /// Client on the daemon's socket.
     pub client: TineClient,
+    /// Set when the test is done: the stall watchdog then stays quiet.
+    done: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// How long one test may run before the watchdog prints what every part
+/// is doing (the test goes on; the bed's own limit ends it).
+const STALL_REPORT_AFTER: Duration = Duration::from_secs(900);
+
+/// Prints the bed's stall report once if the test is not done after
+/// [`STALL_REPORT_AFTER`].
+fn watch_for_stalls(dir: PathBuf, done: std::sync::Arc<std::sync::atomic::AtomicBool>) {
+    std::thread::spawn(move || {
+        let start = Instant::now();
+        while start.elapsed() < STALL_REPORT_AFTER {
+            if done.load(std::sync::atomic::Ordering::SeqCst) {
+                return;
+            }
+            std::thread::sleep(Duration::from_secs(1));
+        }
+        if !done.load(std::sync::atomic::Ordering::SeqCst) {
+            println!(
+                "stall watchdog: the test still runs after {STALL_REPORT_AFTER:?}\n{}",
+                tine_testbed::stall_report(&[dir.join("daemon.log")], &dir.join("data/vms"))
+            );
+        }
+    });
 }
 
 impl Daemon {
@@ -63,11 +89,14 @@ impl Daemon {
         }
         let config = dir.join("tine.yaml");
         std::fs::write(&config, yaml)?;
+        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        watch_for_stalls(dir.clone(), done.clone());
         let mut d = Daemon {
             client: TineClient::unix(dir.join("data/tine.sock")),
             dir,
             config,
             child: None,
+            done,
         };
         d.spawn()?;
         Ok(d)
@@ -180,6 +209,7 @@ impl Daemon {
 
 impl Drop for Daemon {
     fn drop(&mut self) {
+        self.done.store(true, std::sync::atomic::Ordering::SeqCst);
         // Stop every VM this daemon started, then the daemon.
         if self.child.is_some() {
             let r = rt();

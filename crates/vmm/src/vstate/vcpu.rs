@@ -436,29 +436,40 @@ impl VcpuHandle {
         }
     }
 
-    /// Ends the thread and returns the vCPU.
+    /// Ends the thread and returns the vCPU (`None` when the thread did not
+    /// end within [`ANSWER_TIMEOUT`]; it is then left to the process's exit).
     pub fn exit(mut self) -> Option<Vcpu> {
+        self.end_thread()
+    }
+
+    /// Asks the thread to exit and kicks it until it has. One kick is not
+    /// enough: a kick that lands after the thread read the pause flag but
+    /// before it entered `KVM_RUN` is handled in user space, and the thread
+    /// then blocks in `KVM_RUN` for as long as the guest makes no exit (an
+    /// idle or spinning guest: forever), so a kill would never finish.
+    fn end_thread(&mut self) -> Option<Vcpu> {
+        let thread = self.thread.take()?;
         self.pause.store(true, Ordering::SeqCst);
         let _ = self.commands.send(Command::Exit);
-        // SAFETY: as in `pause`.
-        unsafe {
-            libc::pthread_kill(self.pthread, kick_signal());
+        let deadline = Instant::now() + ANSWER_TIMEOUT;
+        while !thread.is_finished() {
+            if Instant::now() >= deadline {
+                return None;
+            }
+            // SAFETY: the thread is alive (it has not finished and we hold
+            // its JoinHandle), and the kick signal has a no-op handler.
+            unsafe {
+                libc::pthread_kill(self.pthread, kick_signal());
+            }
+            std::thread::sleep(KICK_INTERVAL);
         }
-        self.thread.take().and_then(|t| t.join().ok())
+        thread.join().ok()
     }
 }
 
 impl Drop for VcpuHandle {
     fn drop(&mut self) {
-        if let Some(thread) = self.thread.take() {
-            self.pause.store(true, Ordering::SeqCst);
-            let _ = self.commands.send(Command::Exit);
-            // SAFETY: as in `pause`.
-            unsafe {
-                libc::pthread_kill(self.pthread, kick_signal());
-            }
-            let _ = thread.join();
-        }
+        self.end_thread();
     }
 }
 
