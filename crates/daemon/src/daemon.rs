@@ -1141,6 +1141,26 @@ impl Daemon {
         let mut report = ReconcileReport::default();
         let vms = self.store.list_vms(None)?;
         let vms_dir = self.data_dir.join("vms");
+        // Processes nobody recorded (a crash between launch and record) go
+        // first: such a VMM holds the disk and sockets of a VM that is about
+        // to be launched again, and two VMMs must never share a disk.
+        let mut orphans = Vec::new();
+        for (pid, host) in process::find_vmm_processes(&vms_dir) {
+            let recorded = vms
+                .iter()
+                .any(|v| v.hostname == host && v.pid == Some(pid) && v.state.is_live());
+            if !recorded {
+                if let Err(e) = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid as i32),
+                    nix::sys::signal::Signal::SIGKILL,
+                ) {
+                    tracing::warn!(vm = %host, pid, "cannot kill an unrecorded tine-vmm: {e}");
+                }
+                report.killed.push(format!("{host} (pid {pid})"));
+                orphans.push(pid);
+            }
+        }
+        process::wait_gone(&orphans, Duration::from_secs(5)).await;
         for vm in &vms {
             let paths = self.paths(&vm.hostname);
             match vm.state {
@@ -1198,25 +1218,12 @@ impl Daemon {
                 }
             }
         }
-        // Processes nobody recorded (a crash between launch and record).
         let known: HashMap<String, VmRecord> = self
             .store
             .list_vms(None)?
             .into_iter()
             .map(|v| (v.hostname.clone(), v))
             .collect();
-        for (pid, host) in process::find_vmm_processes(&vms_dir) {
-            let recorded = known
-                .get(&host)
-                .is_some_and(|v| v.pid == Some(pid) && v.state.is_live());
-            if !recorded {
-                let _ = nix::sys::signal::kill(
-                    nix::unistd::Pid::from_raw(pid as i32),
-                    nix::sys::signal::Signal::SIGKILL,
-                );
-                report.killed.push(format!("{host} (pid {pid})"));
-            }
-        }
         // Folders nobody recorded.
         if let Ok(entries) = std::fs::read_dir(&vms_dir) {
             for e in entries.flatten() {

@@ -313,6 +313,29 @@ pub async fn control(
     })?
 }
 
+/// Waits until none of `pids` exists any more (a zombie counts as gone),
+/// up to `limit`.
+pub async fn wait_gone(pids: &[u32], limit: Duration) {
+    let deadline = tokio::time::Instant::now() + limit;
+    while pids.iter().any(|&pid| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|s| {
+                !s.rsplit(')')
+                    .next()
+                    .unwrap_or("")
+                    .trim_start()
+                    .starts_with('Z')
+            })
+            .unwrap_or(false)
+    }) {
+        if tokio::time::Instant::now() >= deadline {
+            tracing::warn!("processes {pids:?} still exist after {limit:?}");
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Sends SIGKILL to `pid` if it is still the process launched for `paths`.
 pub fn kill_if_ours(pid: u32, pid_start: u64, paths: &VmPaths) {
     if is_ours(pid, pid_start, paths) {
@@ -379,6 +402,17 @@ mod tests {
         .expect_err("no answer");
         assert_eq!(err.kind(), std::io::ErrorKind::TimedOut);
         assert!(err.to_string().contains("control.sock"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn wait_gone_returns_once_the_processes_have_ended() {
+        let mut child = Command::new("sleep").arg("0.2").spawn().expect("sleep");
+        let pid = child.id();
+        let start = std::time::Instant::now();
+        wait_gone(&[pid], Duration::from_secs(10)).await;
+        assert!(start.elapsed() < Duration::from_secs(5), "{:?}", start.elapsed());
+        // Ended (a zombie until reaped here), not merely timed out.
+        assert!(child.try_wait().expect("wait").is_some());
     }
 
     #[test]
