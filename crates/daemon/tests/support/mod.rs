@@ -298,7 +298,7 @@ pub fn build_artifacts() -> Result<(), String> {
     std::env::set_var("TINE_KERNEL", kernel.vmlinux);
     std::env::set_var("TINE_TEST_VMM", vmm);
     if std::env::var_os("TINE_TESTBED_TIMEOUT").is_none() {
-        std::env::set_var("TINE_TESTBED_TIMEOUT", "2400");
+        std::env::set_var("TINE_TESTBED_TIMEOUT", "1200");
     }
     Ok(())
 }
