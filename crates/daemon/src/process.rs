@@ -177,17 +177,7 @@ pub async fn wait_adopted(pid: u32, pid_start: u64) {
     loop {
         match start_time(pid) {
             Some(t) if t == pid_start => {
-                // A zombie whose parent has not reaped it yet counts as gone.
-                if std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                    .map(|s| {
-                        s.rsplit(')')
-                            .next()
-                            .unwrap_or("")
-                            .trim_start()
-                            .starts_with('Z')
-                    })
-                    .unwrap_or(true)
-                {
+                if is_gone(pid) {
                     return;
                 }
             }
@@ -313,21 +303,25 @@ pub async fn control(
     })?
 }
 
+/// Whether `pid` no longer runs: no such process, or a zombie whose parent
+/// has not reaped it yet.
+fn is_gone(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| {
+            s.rsplit(')')
+                .next()
+                .unwrap_or("")
+                .trim_start()
+                .starts_with('Z')
+        })
+        .unwrap_or(true)
+}
+
 /// Waits until none of `pids` exists any more (a zombie counts as gone),
 /// up to `limit`.
 pub async fn wait_gone(pids: &[u32], limit: Duration) {
     let deadline = tokio::time::Instant::now() + limit;
-    while pids.iter().any(|&pid| {
-        std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .map(|s| {
-                !s.rsplit(')')
-                    .next()
-                    .unwrap_or("")
-                    .trim_start()
-                    .starts_with('Z')
-            })
-            .unwrap_or(false)
-    }) {
+    while pids.iter().any(|&pid| !is_gone(pid)) {
         if tokio::time::Instant::now() >= deadline {
             tracing::warn!("processes {pids:?} still exist after {limit:?}");
             return;
@@ -410,7 +404,11 @@ mod tests {
         let pid = child.id();
         let start = std::time::Instant::now();
         wait_gone(&[pid], Duration::from_secs(10)).await;
-        assert!(start.elapsed() < Duration::from_secs(5), "{:?}", start.elapsed());
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            start.elapsed()
+        );
         // Ended (a zombie until reaped here), not merely timed out.
         assert!(child.try_wait().expect("wait").is_some());
     }
