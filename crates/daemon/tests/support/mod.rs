@@ -185,9 +185,7 @@ impl Daemon {
     }
 
     pub fn log_tail(&self) -> String {
-        let t = std::fs::read_to_string(self.dir.join("daemon.log")).unwrap_or_default();
-        let lines: Vec<&str> = t.lines().collect();
-        lines[lines.len().saturating_sub(15)..].join("\n")
+        tine_testbed::tail_lines(&self.dir.join("daemon.log"), 15)
     }
 
     pub fn kill9(&mut self) -> R {
