@@ -560,26 +560,13 @@ pub struct CommitListArgs {
     pub source: Option<String>,
 }
 
-/// A fix-up applied to a fork.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Fixup {
-    /// Set the fork's own hostname
-    Hostname,
-    /// Give it a new /etc/machine-id
-    MachineId,
-    /// Regenerate the SSH host keys
-    SshHostKeys,
-}
-
-impl Fixup {
-    /// The name the API uses.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Fixup::Hostname => "hostname",
-            Fixup::MachineId => "machine-id",
-            Fixup::SshHostKeys => "ssh-host-keys",
-        }
-    }
+/// `--fixup`: one of the API's fix-up names (`tine_proto::api::Fixup`).
+fn fixup_parser() -> impl clap::builder::TypedValueParser<Value = tine_client::rest::Fixup> {
+    use clap::builder::TypedValueParser;
+    clap::builder::PossibleValuesParser::new(
+        tine_client::rest::Fixup::ALL.iter().map(|f| f.as_str()),
+    )
+    .try_map(|s| s.parse::<tine_client::rest::Fixup>())
 }
 
 /// A fork's network choice on the command line.
@@ -616,8 +603,8 @@ pub struct ForkArgs {
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     pub ram_mb: Option<u64>,
     /// Fix-up to apply (repeatable; default: all)
-    #[arg(long, value_enum, conflicts_with = "no_fixups", action = ArgAction::Append)]
-    pub fixup: Vec<Fixup>,
+    #[arg(long, value_parser = fixup_parser(), conflicts_with = "no_fixups", action = ArgAction::Append)]
+    pub fixup: Vec<tine_client::rest::Fixup>,
     /// Apply no fix-ups
     #[arg(long)]
     pub no_fixups: bool,

@@ -9,8 +9,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 use tine_client::api::{read_token_file, CommitQuery, ShutdownAction, Wait};
 use tine_client::TineClient;
 use tine_proto::api::{
-    CommitRequest, CreateVmRequest, ForkNetwork, ForkRequest, ListQuery, NetworkPolicy, TagsPatch,
-    VmState,
+    CommitRequest, CreateVmRequest, ForkNetwork, ForkRequest, ListQuery, NetworkPolicy, TagMode,
+    TagsPatch, VmState,
 };
 
 use crate::cli::{
@@ -502,7 +502,7 @@ async fn commit(g: &GlobalArgs, c: &TineClient, args: CommitArgs) -> anyhow::Res
 /// The fork request the flags describe.
 pub fn fork_request(args: &ForkArgs) -> ForkRequest {
     let network = if args.network.is_some() {
-        Some(ForkNetwork::Mode("none".into()))
+        Some(ForkNetwork::None)
     } else if !args.allow.is_empty() || !args.drop.is_empty() {
         Some(ForkNetwork::Policy(NetworkPolicy {
             allow: (!args.allow.is_empty()).then(|| args.allow.clone()),
@@ -513,7 +513,7 @@ pub fn fork_request(args: &ForkArgs) -> ForkRequest {
     };
     ForkRequest {
         tags: (!args.tag.is_empty() || args.replace_tags).then(|| args.tag.clone()),
-        tag_mode: args.replace_tags.then(|| "replace".to_string()),
+        tag_mode: args.replace_tags.then_some(TagMode::Replace),
         name: args.name.clone(),
         persistent: args.rm.then_some(false),
         fixups: if args.no_fixups {
@@ -521,7 +521,7 @@ pub fn fork_request(args: &ForkArgs) -> ForkRequest {
         } else if args.fixup.is_empty() {
             None
         } else {
-            Some(args.fixup.iter().map(|f| f.as_str().to_string()).collect())
+            Some(args.fixup.clone())
         },
         no_secrets: args.no_secrets,
         cpus: args.cpu,

@@ -195,44 +195,7 @@ fn api_error(status: u16, body: &[u8]) -> ApiError {
     ApiError::Api { status, body }
 }
 
-/// Whether a create, fork, relaunch or health check waits for the agent.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum Wait {
-    /// Answer at once (`wait=none`).
-    #[default]
-    None,
-    /// Answer when the guest agent answers (`wait=agent`); 408 after the
-    /// timeout.
-    Agent,
-}
-
-impl Wait {
-    fn as_str(self) -> &'static str {
-        match self {
-            Wait::None => "none",
-            Wait::Agent => "agent",
-        }
-    }
-}
-
-/// How `shutdown` stops a VM.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum ShutdownAction {
-    /// Ctrl-Alt-Del, then kill after the timeout.
-    #[default]
-    Shutdown,
-    /// Kill now.
-    Poweroff,
-}
-
-impl ShutdownAction {
-    fn as_str(self) -> &'static str {
-        match self {
-            ShutdownAction::Shutdown => "shutdown",
-            ShutdownAction::Poweroff => "poweroff",
-        }
-    }
-}
+pub use tine_proto::api::{ShutdownAction, Wait};
 
 /// How `cp` moves files.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

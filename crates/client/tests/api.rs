@@ -512,7 +512,7 @@ async fn commits_and_forks() {
         cache_key: Some("k1".into()),
     };
     let commit = c.commit("dev-2", &req).await.expect("commit");
-    assert_eq!(commit.mode, "disk");
+    assert_eq!(commit.mode, tine_proto::api::CommitMode::Disk);
     assert_eq!(commit.labels.get("os").map(String::as_str), Some("min"));
     let err = c.commit("dev-1", &req).await.expect_err("running");
     assert_eq!(err.code(), Some(ErrorCode::Conflict));
@@ -536,7 +536,7 @@ async fn commits_and_forks() {
             &commit.commit_id,
             &ForkRequest {
                 fixups: Some(vec![]),
-                network: Some(ForkNetwork::Mode("none".into())),
+                network: Some(ForkNetwork::None),
                 persistent: Some(false),
                 ..Default::default()
             },
@@ -560,7 +560,7 @@ async fn commits_and_forks() {
     );
 
     let deleted = c.delete_commit(&commit.commit_id).await.expect("delete");
-    assert_eq!(deleted.status, "deleted");
+    assert_eq!(deleted.status, tine_proto::api::DeleteStatus::Deleted);
     let err = c.delete_commit("cmt-x").await.expect_err("unknown");
     assert_eq!(err.code(), Some(ErrorCode::NotFound));
 }

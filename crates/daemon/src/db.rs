@@ -11,7 +11,12 @@ use std::path::Path;
 use std::sync::{Mutex, MutexGuard};
 
 use rusqlite::{params, Connection, OptionalExtension, Row, Transaction};
-use tine_proto::api::{StopMode, VmState};
+use tine_proto::api::{Fixup, ForkNetwork, StopMode, VmState};
+
+use crate::network::VmNetwork;
+
+/// What a VM asked for its network: no NIC, or a policy override.
+pub type NetworkChoice = ForkNetwork;
 
 /// Errors from the store.
 #[derive(Debug, thiserror::Error)]
@@ -99,6 +104,9 @@ const MIGRATIONS: &[&str] = &[
     );",
     // 2: how a VM's last run ended (api::StopMode).
     "ALTER TABLE vms ADD COLUMN stop_mode TEXT;",
+    // 3: a VM without a NIC is stored as the network choice `"none"`, not
+    // as a policy-shaped object.
+    "UPDATE vms SET policy = '\"none\"' WHERE policy = '{\"mode\":\"none\"}';",
 ];
 
 /// One VM as recorded.
@@ -128,10 +136,10 @@ pub struct VmRecord {
     pub userdata: Option<String>,
     /// Disk file.
     pub disk: String,
-    /// Network the VM got (JSON of `network::VmNetwork`).
-    pub network: Option<serde_json::Value>,
-    /// Network policy override (JSON of `api::NetworkPolicy`).
-    pub policy: Option<serde_json::Value>,
+    /// Network the VM got (stored as JSON).
+    pub network: Option<VmNetwork>,
+    /// What the VM asked for: no NIC, or a policy override (stored as JSON).
+    pub policy: Option<NetworkChoice>,
     /// tine-vmm pid while live.
     pub pid: Option<u32>,
     /// That process's start time (clock ticks since boot, /proc stat field
@@ -154,7 +162,7 @@ pub struct VmRecord {
     /// Commit this VM was forked from.
     pub parent_commit_id: Option<String>,
     /// Fix-ups still to apply at the next agent-ready (JSON list).
-    pub fixups: Option<Vec<String>>,
+    pub fixups: Option<Vec<Fixup>>,
 }
 
 impl VmRecord {
@@ -184,12 +192,12 @@ pub struct NewVm {
     pub name: Option<String>,
     /// Userdata.
     pub userdata: Option<String>,
-    /// Policy override.
-    pub policy: Option<serde_json::Value>,
+    /// No NIC, or a policy override.
+    pub policy: Option<NetworkChoice>,
     /// Parent commit (forks).
     pub parent_commit_id: Option<String>,
     /// Fix-ups for the first agent-ready (forks).
-    pub fixups: Option<Vec<String>>,
+    pub fixups: Option<Vec<Fixup>>,
     /// Whether first-boot set-up is already done (forks inherit it).
     pub booted_once: bool,
 }
@@ -253,9 +261,12 @@ fn json_vec(s: &str, what: &'static str) -> Result<Vec<String>> {
     })
 }
 
-fn json_value(s: Option<String>, what: &'static str) -> Result<Option<serde_json::Value>> {
-    s.map(|s| {
-        serde_json::from_str(&s).map_err(|e| DbError::Corrupt {
+fn json_typed<T: serde::de::DeserializeOwned>(
+    s: Option<String>,
+    what: &'static str,
+) -> Result<Option<T>> {
+    s.map(|text| {
+        serde_json::from_str(&text).map_err(|e| DbError::Corrupt {
             what,
             detail: e.to_string(),
         })
@@ -296,8 +307,8 @@ fn vm_from_row(row: &Row<'_>) -> rusqlite::Result<std::result::Result<VmRecord, 
             name: row.get(9)?,
             userdata: row.get(10)?,
             disk: row.get(11)?,
-            network: json_value(network, "vms.network")?,
-            policy: json_value(policy, "vms.policy")?,
+            network: json_typed(network, "vms.network")?,
+            policy: json_typed(policy, "vms.policy")?,
             pid: row.get(14)?,
             pid_start: row.get::<_, Option<i64>>(15)?.map(|v| v as u64),
             reason: row.get(16)?,
@@ -307,7 +318,7 @@ fn vm_from_row(row: &Row<'_>) -> rusqlite::Result<std::result::Result<VmRecord, 
             booted_once: row.get(20)?,
             commit_id: row.get(21)?,
             parent_commit_id: row.get(22)?,
-            fixups: fixups.map(|f| json_vec(&f, "vms.fixups")).transpose()?,
+            fixups: json_typed(fixups, "vms.fixups")?,
             stop_mode: stop_mode
                 .map(|m| {
                     StopMode::parse(&m).ok_or(DbError::Corrupt {
@@ -575,7 +586,7 @@ impl Store {
     }
 
     /// Stores the VM's network.
-    pub fn set_network(&self, hostname: &str, network: Option<&serde_json::Value>) -> Result<()> {
+    pub fn set_network(&self, hostname: &str, network: Option<&VmNetwork>) -> Result<()> {
         self.lock().execute(
             "UPDATE vms SET network = ?2 WHERE hostname = ?1",
             params![hostname, network.map(to_json)],

@@ -4,6 +4,9 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use tine_proto::api::{ErrorBody, ErrorCode};
 
+use crate::core::{chain, Error as CoreError};
+use crate::db::DbError;
+
 /// An error answered to a client as `{error, code}`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{message}")]
@@ -56,18 +59,39 @@ impl ApiError {
     }
 }
 
-impl From<crate::db::DbError> for ApiError {
-    fn from(e: crate::db::DbError) -> Self {
-        match e {
-            crate::db::DbError::Conflict(m) => ApiError::conflict(m),
-            other => ApiError::internal(other.to_string()),
-        }
+/// The one mapping of the core's errors to HTTP: the code (and with it the
+/// status) by kind, the message with the whole cause chain.
+impl From<CoreError> for ApiError {
+    fn from(e: CoreError) -> Self {
+        let code = match &e {
+            CoreError::BadRequest(_) => ErrorCode::BadRequest,
+            CoreError::NotFound(_) => ErrorCode::NotFound,
+            CoreError::Conflict(_) | CoreError::Store(DbError::Conflict(_)) => ErrorCode::Conflict,
+            CoreError::Timeout(_) => ErrorCode::Timeout,
+            CoreError::AgentUnavailable(_) | CoreError::Agent { .. } => ErrorCode::AgentUnavailable,
+            CoreError::Failed(_)
+            | CoreError::Store(_)
+            | CoreError::Disk { .. }
+            | CoreError::Network { .. }
+            | CoreError::Launch { .. }
+            | CoreError::Io { .. }
+            | CoreError::Artifact(_)
+            | CoreError::Config(_)
+            | CoreError::Task { .. }
+            | CoreError::ShuttingDown => ErrorCode::Internal,
+        };
+        let message = match &e {
+            // The conflict's own text is the whole story.
+            CoreError::Store(DbError::Conflict(m)) => m.clone(),
+            other => chain(other),
+        };
+        ApiError::new(code, message)
     }
 }
 
-impl From<crate::artifacts::ArtifactError> for ApiError {
-    fn from(e: crate::artifacts::ArtifactError) -> Self {
-        ApiError::internal(e.to_string())
+impl From<DbError> for ApiError {
+    fn from(e: DbError) -> Self {
+        CoreError::from(e).into()
     }
 }
 
@@ -79,5 +103,30 @@ impl IntoResponse for ApiError {
     }
 }
 
-/// Result alias for daemon operations.
+/// Result alias for the API's handlers.
 pub type ApiResult<T> = Result<T, ApiError>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn core_errors_map_to_codes_with_their_causes() {
+        let e: ApiError = CoreError::io(
+            "create VM folder",
+            std::io::Error::new(std::io::ErrorKind::PermissionDenied, "denied"),
+        )
+        .into();
+        assert_eq!(e.code, ErrorCode::Internal);
+        assert_eq!(e.message, "create VM folder: denied");
+        let e: ApiError = CoreError::Store(DbError::Conflict("name taken".into())).into();
+        assert_eq!(
+            (e.code, e.message.as_str()),
+            (ErrorCode::Conflict, "name taken")
+        );
+        let e: ApiError = CoreError::Timeout("late".into()).into();
+        assert_eq!(e.code.http_status(), 408);
+        let e: ApiError = CoreError::AgentUnavailable("gone".into()).into();
+        assert_eq!(e.code.http_status(), 503);
+    }
+}

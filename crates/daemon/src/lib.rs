@@ -1,25 +1,27 @@
-//! The tine daemon (`tine up`): host groups, one supervised `tine-vmm`
-//! process per VM, the REST API and the SQLite state.
+//! The tine daemon (`tine up`): host groups, one supervised VM per
+//! `tine-vmm` process, the REST API and the SQLite state.
 //!
 //! Modules: `config` (`tine.yaml`), `db` (the SQLite store with
-//! migrations), `daemon` (VM life cycles, supervision, start-up
-//! reconciliation), `process` (launching and recognising tine-vmm
-//! processes), `api` (the REST routes, docs/api.md), `server` (listeners,
-//! the data-directory lock, the token), `failpoint` (crash points for the
+//! migrations), `core` (VM life cycles, supervision, commits and forks,
+//! start-up reconciliation, each VM's network), `launcher` (what runs VMs:
+//! tine-vmm processes, or an in-process fake for tests), `process` (starting
+//! and recognising tine-vmm processes), `storage` (qcow2 disk chains),
+//! `network` (TAPs, bridges, nftables), `api` (the REST routes,
+//! docs/api.md) and `error` (core errors as HTTP), `server` (listeners, the
+//! data-directory lock, the token), `failpoint` (crash points for the
 //! fault-injection tests).
 
 pub mod api;
 pub mod artifacts;
-pub mod commits;
 pub mod config;
-pub mod daemon;
+pub mod core;
 pub mod db;
 pub mod error;
 pub mod failpoint;
+pub mod launcher;
 pub mod network;
 pub mod process;
 pub mod server;
 pub mod storage;
-pub mod vmnet;
 
 pub use server::run_from_cli;

@@ -13,7 +13,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use tine_vmm::vstate::vcpu::StopReason;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+
+use crate::launcher::{BootSpec, RestoreSpec, Stop};
 
 /// The files of one VM, all inside `<data_dir>/vms/<hostname>/`.
 #[derive(Debug, Clone)]
@@ -44,42 +47,12 @@ impl VmPaths {
     }
 }
 
-/// What to launch.
-#[derive(Debug, Clone)]
-pub struct LaunchSpec {
-    /// tine-vmm binary.
-    pub vmm: PathBuf,
-    /// Guest kernel.
-    pub kernel: PathBuf,
-    /// Kernel command line.
-    pub cmdline: String,
-    /// vCPUs.
-    pub cpus: u32,
-    /// RAM in MiB.
-    pub ram_mib: u64,
-    /// Root disk.
-    pub disk: PathBuf,
-    /// TAP and MAC, when the VM has a NIC.
-    pub net: Option<(String, String)>,
-}
-
 /// The serial log is capped at this many bytes per boot.
 pub const SERIAL_LOG_LIMIT: u64 = 8 << 20;
 
 /// Starts tine-vmm for a VM; returns the child (the caller reaps it).
-pub fn launch(spec: &LaunchSpec, paths: &VmPaths) -> std::io::Result<Child> {
-    std::fs::create_dir_all(&paths.dir)?;
-    for stale in [&paths.vsock, &paths.control] {
-        match std::fs::remove_file(stale) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
-            _ => {}
-        }
-    }
-    let log = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&paths.log)?;
-    let mut cmd = Command::new(&spec.vmm);
+pub fn launch(vmm: &Path, spec: &BootSpec, paths: &VmPaths) -> std::io::Result<Child> {
+    let mut cmd = command(vmm, paths)?;
     cmd.arg("--kernel")
         .arg(&spec.kernel)
         .arg("--cmdline")
@@ -92,23 +65,54 @@ pub fn launch(spec: &LaunchSpec, paths: &VmPaths) -> std::io::Result<Child> {
         .arg(&spec.disk)
         .arg("--vsock")
         .arg(format!("3,{}", paths.vsock.display()))
-        .arg("--rng")
-        .arg("--control-socket")
+        .arg("--rng");
+    if let Some((tap, mac)) = &spec.net {
+        cmd.arg("--net").arg(format!("{tap},{mac}"));
+    }
+    cmd.spawn()
+}
+
+/// Starts tine-vmm without a VM (`--prestart`), ready to restore a
+/// snapshot sent on its control socket.
+pub fn prestart(vmm: &Path, spec: &RestoreSpec, paths: &VmPaths) -> std::io::Result<Child> {
+    let mut cmd = command(vmm, paths)?;
+    cmd.arg("--prestart")
+        .arg("--vcpus")
+        .arg(spec.cpus.to_string())
+        .arg("--mem-mib")
+        .arg(spec.ram_mib.to_string());
+    cmd.spawn()
+}
+
+/// The command line every VM process shares: its control socket (which
+/// names the VM's folder, how a restarted daemon recognises it), its serial
+/// log, output appended to `vmm.log`, its own process group.
+fn command(vmm: &Path, paths: &VmPaths) -> std::io::Result<Command> {
+    std::fs::create_dir_all(&paths.dir)?;
+    for stale in [&paths.vsock, &paths.control] {
+        match std::fs::remove_file(stale) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
+    }
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&paths.log)?;
+    let mut cmd = Command::new(vmm);
+    cmd.arg("--control-socket")
         .arg(&paths.control)
         .arg("--serial-log")
         .arg(&paths.serial)
         .arg("--serial-log-limit")
-        .arg(SERIAL_LOG_LIMIT.to_string());
-    if let Some((tap, mac)) = &spec.net {
-        cmd.arg("--net").arg(format!("{tap},{mac}"));
-    }
-    cmd.stdin(Stdio::null())
+        .arg(SERIAL_LOG_LIMIT.to_string())
+        .stdin(Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log)
         // Its own group: signals for the daemon's terminal or group do not
         // reach VMs.
         .process_group(0);
-    cmd.spawn()
+    Ok(cmd)
 }
 
 /// A process's start time (clock ticks since boot, `/proc/PID/stat` field
@@ -187,69 +191,37 @@ pub async fn wait_adopted(pid: u32, pid_start: u64) {
     }
 }
 
-/// Why a VM's process ended, from the last `stopped` event in its log, or
-/// the last lines it wrote when it has none (a crash, a start-up error).
-pub fn stop_reason(paths: &VmPaths, status: Option<std::process::ExitStatus>) -> StopInfo {
-    let tail = read_tail(&paths.log, 16 * 1024);
-    let mut reason = None;
-    for line in tail.lines().rev() {
-        if let Ok(v) = serde_json::from_str::<serde_json::Value>(line) {
-            if v.get("event").and_then(|e| e.as_str()) == Some("stopped") {
-                let r = v["stop"]["reason"].as_str().unwrap_or("unknown").to_owned();
-                let detail = v["stop"]["detail"]
-                    .as_str()
-                    .map(str::to_owned)
-                    .or_else(|| v["stop"]["detail"].as_u64().map(|d| d.to_string()));
-                reason = Some((r, detail));
-                break;
-            }
-        }
-    }
-    match reason {
-        Some((r, detail)) => {
-            let clean = matches!(r.as_str(), "guest_poweroff" | "guest_reboot" | "killed");
-            let text = match detail {
-                Some(d) if !d.is_empty() => format!("{r}: {d}"),
-                _ => r,
-            };
-            StopInfo {
-                clean,
-                reason: text,
-            }
-        }
-        None => {
-            let last: Vec<&str> = tail
-                .lines()
-                .filter(|l| !l.trim().is_empty() && !l.starts_with('{'))
-                .collect();
-            let last = last[last.len().saturating_sub(3)..].join(" | ");
-            let how = match status {
-                Some(s) => match (s.code(), std::os::unix::process::ExitStatusExt::signal(&s)) {
-                    (Some(c), _) => format!("tine-vmm exited with status {c}"),
-                    (_, Some(sig)) => format!("tine-vmm was killed by signal {sig}"),
-                    _ => "tine-vmm exited".to_owned(),
-                },
-                None => "tine-vmm exited without a stop report".to_owned(),
-            };
-            StopInfo {
-                clean: false,
-                reason: if last.is_empty() {
-                    how
-                } else {
-                    format!("{how}: {last}")
-                },
-            }
-        }
-    }
+/// One line tine-vmm prints on stdout when its VM stops.
+#[derive(Debug, serde::Deserialize)]
+struct StoppedEvent {
+    event: String,
+    stop: StopReason,
 }
 
-/// How a VM process ended.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StopInfo {
-    /// A guest poweroff, reboot or a requested kill: not a failure.
-    pub clean: bool,
-    /// For people: `guest_poweroff: 0`, `triple_fault`, `tine-vmm was killed by signal 9: ...`.
-    pub reason: String,
+/// Why a VM's process ended: its last `stopped` event, or how the process
+/// ended with the last lines it wrote when it printed none (a crash, a
+/// start-up error).
+pub fn read_stop(paths: &VmPaths, status: Option<std::process::ExitStatus>) -> Stop {
+    let tail = read_tail(&paths.log, 16 * 1024);
+    let reported = tail.lines().rev().find_map(|line| {
+        serde_json::from_str::<StoppedEvent>(line)
+            .ok()
+            .filter(|e| e.event == "stopped")
+    });
+    if let Some(e) = reported {
+        return Stop::Reported(e.stop);
+    }
+    let last: Vec<&str> = tail
+        .lines()
+        .filter(|l| !l.trim().is_empty() && !l.starts_with('{'))
+        .collect();
+    let output = last[last.len().saturating_sub(3)..].join(" | ");
+    match status.map(|s| (s.code(), std::os::unix::process::ExitStatusExt::signal(&s))) {
+        Some((Some(code), _)) => Stop::Exited { code, output },
+        Some((_, Some(signal))) => Stop::Signalled { signal, output },
+        _ if output.is_empty() => Stop::Vanished,
+        _ => Stop::Exited { code: -1, output },
+    }
 }
 
 /// The last `limit` bytes of a file as text (lossy), empty if unreadable.
@@ -426,33 +398,32 @@ mod tests {
         let dir = tempfile::tempdir().expect("tmp");
         let paths = VmPaths::new(dir.path(), "dev-1");
         std::fs::create_dir_all(&paths.dir).expect("dir");
+        // The line exactly as tine-vmm prints it.
+        let printed = serde_json::json!({"event": "stopped", "stop": StopReason::GuestPoweroff(0)});
         std::fs::write(
             &paths.log,
-            "{\"event\":\"ready\",\"pid\":1}\n{\"event\":\"stopped\",\"stop\":{\"reason\":\"guest_poweroff\",\"detail\":\"0\"}}\n",
+            format!("{{\"event\":\"ready\",\"pid\":1}}\n{printed}\n"),
         )
         .expect("write");
-        assert_eq!(
-            stop_reason(&paths, None),
-            StopInfo {
-                clean: true,
-                reason: "guest_poweroff: 0".into()
-            }
-        );
+        let stop = read_stop(&paths, None);
+        assert_eq!(stop, Stop::Reported(StopReason::GuestPoweroff(0)));
+        assert!(stop.is_clean());
+        assert_eq!(stop.describe(), "guest_poweroff: 0");
         std::fs::write(&paths.log, "error: cannot open kernel /x: No such file\n").expect("write");
-        let info = stop_reason(&paths, None);
-        assert!(!info.clean);
+        let stop = read_stop(&paths, None);
+        assert!(!stop.is_clean());
         assert!(
-            info.reason.contains("cannot open kernel /x"),
+            stop.describe().contains("cannot open kernel /x"),
             "{}",
-            info.reason
+            stop.describe()
         );
         std::fs::write(
             &paths.log,
             "{\"event\":\"stopped\",\"stop\":{\"reason\":\"triple_fault\"}}\n",
         )
         .expect("write");
-        assert_eq!(stop_reason(&paths, None).reason, "triple_fault");
-        assert!(!stop_reason(&paths, None).clean);
+        assert_eq!(read_stop(&paths, None).describe(), "triple_fault");
+        assert!(!read_stop(&paths, None).is_clean());
     }
 
     #[test]

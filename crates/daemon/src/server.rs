@@ -12,7 +12,7 @@ use anyhow::{bail, Context};
 use nix::fcntl::{Flock, FlockArg};
 
 use crate::config::{Config, DEFAULT_DATA_DIR};
-use crate::daemon::Daemon;
+use crate::core::Daemon;
 
 /// Unix socket paths longer than this do not fit `sockaddr_un` once the
 /// VM folder and socket names are appended.
@@ -128,7 +128,7 @@ pub async fn serve(config: Config, data_dir: PathBuf) -> anyhow::Result<()> {
         .clone()
         .unwrap_or_else(|| data_dir.join("tine.sock"));
     let bind = config.api.bind.clone();
-    let daemon = Daemon::new(config, data_dir.clone())?;
+    let daemon = open_daemon(config, data_dir.clone())?;
     let report = daemon.reconcile().await?;
     tracing::info!(
         adopted = ?report.adopted,
@@ -193,3 +193,31 @@ pub async fn serve(config: Config, data_dir: PathBuf) -> anyhow::Result<()> {
 
 /// Keeps the type referenced for docs.
 pub type Shared = Arc<Daemon>;
+
+/// The daemon over `data_dir` (which the caller has locked), running VMs as
+/// tine-vmm processes.
+pub fn open_daemon(
+    config: crate::config::Config,
+    data_dir: PathBuf,
+) -> anyhow::Result<Arc<Daemon>> {
+    use anyhow::Context;
+    std::fs::create_dir_all(data_dir.join("vms"))
+        .with_context(|| format!("create {}", data_dir.display()))?;
+    let db = data_dir.join("tine.db");
+    let store = crate::db::Store::open(&db).with_context(|| format!("open {}", db.display()))?;
+    let vmm = crate::artifacts::find_vmm(config.vmm.as_deref())?;
+    let kernel = crate::artifacts::find_kernel(config.kernel.as_deref(), &data_dir)?;
+    let launcher = Arc::new(crate::launcher::vmm::VmmLauncher::new(
+        vmm,
+        data_dir.clone(),
+    ));
+    Ok(Daemon::from_parts(crate::core::Parts {
+        config,
+        data_dir,
+        store,
+        kernel,
+        launcher,
+        network: crate::network::NetworkManager::default(),
+        deadlines: crate::core::Deadlines::default(),
+    }))
+}

@@ -244,8 +244,8 @@ pub struct CreateVmRequest {
 /// The network a VM got.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VmNetworkInfo {
-    /// `bridge` or `isolated`.
-    pub mode: String,
+    /// How the VM is attached.
+    pub mode: NetworkMode,
     /// Host TAP device.
     pub tap: String,
     /// Guest MAC address.
@@ -260,8 +260,8 @@ pub struct VmNetworkInfo {
     /// Effective drop list.
     #[serde(default)]
     pub drop: Vec<String>,
-    /// Where the policy came from: `host_group` or `override`.
-    pub policy_source: String,
+    /// Where the policy came from.
+    pub policy_source: PolicySource,
 }
 
 /// `GET /vm/{hostname}`: one VM.
@@ -472,9 +472,9 @@ pub struct CommitInfo {
     /// `cmt-<group>-<16 hex>`.
     pub commit_id: String,
     /// Always `committed`.
-    pub status: String,
-    /// Always `disk` (disk state only).
-    pub mode: String,
+    pub status: CommitStatus,
+    /// What the commit holds.
+    pub mode: CommitMode,
     /// The VM it was committed from.
     pub source: String,
     /// The source's host group.
@@ -510,20 +510,21 @@ pub struct ForkRequest {
     /// them with `tag_mode: replace`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tags: Option<Vec<String>>,
-    /// `append` (default) or `replace`.
+    /// How `tags` combine with the inherited ones (default `append`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tag_mode: Option<String>,
+    pub tag_mode: Option<TagMode>,
     /// Friendly name.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
     /// Keep the disk when the fork stops (default true; false = `--rm`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub persistent: Option<bool>,
-    /// Fix-ups: any of `hostname`, `machine-id`, `ssh-host-keys`
-    /// (default all; `[]` none).
+    /// Fix-ups applied at the fork's first agent-ready (default all; `[]`
+    /// none, not even the hostname).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub fixups: Option<Vec<String>>,
-    /// Delete inherited secrets.
+    pub fixups: Option<Vec<Fixup>>,
+    /// Delete inherited secrets. Refused (400) until tine has secrets: it
+    /// would otherwise be an option that does nothing.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub no_secrets: bool,
     /// vCPUs (within the group's limits).
@@ -537,14 +538,45 @@ pub struct ForkRequest {
     pub network: Option<ForkNetwork>,
 }
 
-/// A fork's network choice.
+/// A fork's network choice: `"none"` (no NIC) or a policy override.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(untagged)]
+#[serde(try_from = "ForkNetworkWire", into = "ForkNetworkWire")]
 pub enum ForkNetwork {
     /// `"none"`: no NIC.
-    Mode(String),
+    None,
     /// A policy override.
     Policy(NetworkPolicy),
+}
+
+/// How [`ForkNetwork`] looks in JSON; a string other than `none` is
+/// refused with a message naming the allowed values.
+#[derive(Serialize, Deserialize)]
+#[serde(untagged)]
+enum ForkNetworkWire {
+    Text(String),
+    Policy(NetworkPolicy),
+}
+
+impl TryFrom<ForkNetworkWire> for ForkNetwork {
+    type Error = String;
+    fn try_from(w: ForkNetworkWire) -> Result<Self, String> {
+        match w {
+            ForkNetworkWire::Text(t) if t == "none" => Ok(ForkNetwork::None),
+            ForkNetworkWire::Text(t) => Err(format!(
+                "network `{t}` is not `none` or a policy {{allow, drop}}"
+            )),
+            ForkNetworkWire::Policy(p) => Ok(ForkNetwork::Policy(p)),
+        }
+    }
+}
+
+impl From<ForkNetwork> for ForkNetworkWire {
+    fn from(n: ForkNetwork) -> Self {
+        match n {
+            ForkNetwork::None => ForkNetworkWire::Text("none".into()),
+            ForkNetwork::Policy(p) => ForkNetworkWire::Policy(p),
+        }
+    }
 }
 
 /// `POST /vm/commits/{id}/fork` response.
@@ -557,7 +589,7 @@ pub struct ForkResponse {
     /// The commit.
     pub commit_id: String,
     /// Always `forked`.
-    pub status: String,
+    pub status: ForkStatus,
     /// The fork's state.
     pub child_status: VmState,
     /// Whether the fork keeps its disk when it stops.
@@ -585,7 +617,7 @@ pub struct DeleteCommitResponse {
     /// The commit.
     pub commit_id: String,
     /// Always `deleted`.
-    pub status: String,
+    pub status: DeleteStatus,
 }
 
 /// Message types of the shell WebSocket (`GET /vm/{hostname}/shell`): each
@@ -698,7 +730,15 @@ mod tests {
     #[test]
     fn fork_network_accepts_mode_or_policy() {
         let r: ForkRequest = serde_json::from_str(r#"{"network":"none"}"#).expect("mode");
-        assert_eq!(r.network, Some(ForkNetwork::Mode("none".into())));
+        assert_eq!(r.network, Some(ForkNetwork::None));
+        let back = serde_json::to_string(&r).expect("encode");
+        assert_eq!(back, r#"{"network":"none"}"#);
+        let err =
+            serde_json::from_str::<ForkRequest>(r#"{"network":"bridge"}"#).expect_err("bad mode");
+        assert!(
+            err.to_string().contains("network `bridge` is not `none`"),
+            "{err}"
+        );
         let r: ForkRequest = serde_json::from_str(r#"{"network":{"allow":[]}}"#).expect("policy");
         assert_eq!(
             r.network,
@@ -707,5 +747,190 @@ mod tests {
                 drop: None
             }))
         );
+    }
+
+    #[test]
+    fn closed_sets_refuse_other_values_naming_the_allowed_ones() {
+        let err = serde_json::from_str::<ForkRequest>(r#"{"fixups":["hostname","mac"]}"#)
+            .expect_err("bad fix-up");
+        let text = err.to_string();
+        assert!(text.contains("unknown variant `mac`"), "{text}");
+        assert!(
+            text.contains("machine-id") && text.contains("ssh-host-keys"),
+            "{text}"
+        );
+        let err = serde_json::from_str::<ForkRequest>(r#"{"tag_mode":"merge"}"#)
+            .expect_err("bad tag mode");
+        assert!(
+            err.to_string().contains("expected `append` or `replace`"),
+            "{err}"
+        );
+        let err = "later".parse::<Wait>().expect_err("bad wait");
+        assert_eq!(err.to_string(), "wait `later` is not one of none, agent");
+        for f in Fixup::ALL {
+            assert_eq!(f.as_str().parse::<Fixup>(), Ok(*f));
+            let json = serde_json::to_string(f).expect("encode");
+            assert_eq!(json, format!("\"{}\"", f.as_str()));
+        }
+        assert_eq!(Wait::default(), Wait::None);
+        assert_eq!(ShutdownAction::default(), ShutdownAction::Shutdown);
+    }
+}
+
+/// Defines a closed set of lower-case names: serde, `as_str`, `Display`,
+/// `FromStr` (whose error names the allowed values) and `ALL`.
+macro_rules! wire_enum {
+    ($(#[$meta:meta])* $name:ident, $what:literal { $($(#[$vmeta:meta])* $variant:ident = $text:literal),+ $(,)? }) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+        pub enum $name {
+            $($(#[$vmeta])* #[serde(rename = $text)] $variant),+
+        }
+
+        impl $name {
+            /// Every value, in documentation order.
+            pub const ALL: &'static [$name] = &[$($name::$variant),+];
+
+            /// The name used on the wire.
+            pub fn as_str(self) -> &'static str {
+                match self { $($name::$variant => $text),+ }
+            }
+        }
+
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl std::str::FromStr for $name {
+            type Err = UnknownValue;
+            fn from_str(s: &str) -> Result<Self, UnknownValue> {
+                match s {
+                    $($text => Ok($name::$variant),)+
+                    _ => Err(UnknownValue {
+                        what: $what,
+                        value: s.to_owned(),
+                        allowed: &[$($text),+],
+                    }),
+                }
+            }
+        }
+    };
+}
+
+/// A value outside a closed set, with the set.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{what} `{value}` is not one of {}", allowed.join(", "))]
+pub struct UnknownValue {
+    /// What was being parsed (`wait`, `tag_mode`, ...).
+    pub what: &'static str,
+    /// The value given.
+    pub value: String,
+    /// The values allowed.
+    pub allowed: &'static [&'static str],
+}
+
+wire_enum! {
+    /// What a create, fork, relaunch or health check waits for before it
+    /// answers (`wait=` in the query).
+    #[derive(Default)]
+    Wait, "wait" {
+        /// Answer at once.
+        #[default]
+        None = "none",
+        /// Answer once the guest agent answered and the boot's set-up is
+        /// done; 408 after the timeout.
+        Agent = "agent",
+    }
+}
+
+wire_enum! {
+    /// How a fork's `tags` combine with the tags it inherits.
+    #[derive(Default)]
+    TagMode, "tag_mode" {
+        /// Added to the inherited tags.
+        #[default]
+        Append = "append",
+        /// Replace them.
+        Replace = "replace",
+    }
+}
+
+wire_enum! {
+    /// A fix-up the agent applies at a fork's first agent-ready, so forks of
+    /// one commit do not share identities.
+    Fixup, "fix-up" {
+        /// Set the hostname to the fork's.
+        Hostname = "hostname",
+        /// Generate a new `/etc/machine-id`.
+        MachineId = "machine-id",
+        /// Generate new SSH host keys.
+        SshHostKeys = "ssh-host-keys",
+    }
+}
+
+wire_enum! {
+    /// What a commit holds.
+    CommitMode, "mode" {
+        /// The disk of a stopped VM.
+        Disk = "disk",
+    }
+}
+
+wire_enum! {
+    /// A commit's status.
+    CommitStatus, "status" {
+        /// Made and immutable.
+        Committed = "committed",
+    }
+}
+
+wire_enum! {
+    /// A fork answer's status.
+    ForkStatus, "status" {
+        /// The fork exists.
+        Forked = "forked",
+    }
+}
+
+wire_enum! {
+    /// A deletion answer's status.
+    DeleteStatus, "status" {
+        /// It is gone.
+        Deleted = "deleted",
+    }
+}
+
+wire_enum! {
+    /// How a VM with a NIC is attached to the host.
+    NetworkMode, "network mode" {
+        /// On the group's bridge, with the host's LAN.
+        Bridge = "bridge",
+        /// Its own /30 behind the host, with allow/drop rules.
+        Isolated = "isolated",
+    }
+}
+
+wire_enum! {
+    /// Where a VM's effective network policy came from.
+    PolicySource, "policy source" {
+        /// The host group's `allow`/`drop`.
+        HostGroup = "host_group",
+        /// The VM's own override.
+        Override = "override",
+    }
+}
+
+wire_enum! {
+    /// How `POST /vm/{hostname}/shutdown` stops a VM (`action=`).
+    #[derive(Default)]
+    ShutdownAction, "action" {
+        /// Ask the guest to power off (agent, then Ctrl-Alt-Del), kill after
+        /// the timeout.
+        #[default]
+        Shutdown = "shutdown",
+        /// Kill at once.
+        Poweroff = "poweroff",
     }
 }

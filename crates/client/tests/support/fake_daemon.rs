@@ -782,8 +782,8 @@ async fn forward(Path(h): Path<String>, RawQuery(q): RawQuery, ws: WebSocketUpgr
 fn commit_info(id: &str, source: &str, req: &CommitRequest) -> CommitInfo {
     CommitInfo {
         commit_id: id.to_string(),
-        status: "committed".into(),
-        mode: "disk".into(),
+        status: tine_proto::api::CommitStatus::Committed,
+        mode: tine_proto::api::CommitMode::Disk,
         source: source.to_string(),
         host_group: "dev".into(),
         tags: req.tags.clone(),
@@ -866,7 +866,7 @@ async fn fork(
             hostname: "dev-4".into(),
             source_hostname: "dev-2".into(),
             commit_id: id,
-            status: "forked".into(),
+            status: tine_proto::api::ForkStatus::Forked,
             child_status: if wait {
                 VmState::Running
             } else {

@@ -1,6 +1,7 @@
 //! The REST API (docs/api.md, docs/openapi.yaml): routes onto [`Daemon`]
 //! methods, errors as `{error, code}`, the bearer token on TCP.
 
+mod commits;
 mod guest;
 mod vms;
 
@@ -16,7 +17,7 @@ use axum::routing::{on, MethodFilter};
 use axum::{Json, Router};
 use serde::de::DeserializeOwned;
 
-use crate::daemon::{Daemon, Wait};
+use crate::core::Daemon;
 use crate::error::{ApiError, ApiResult};
 
 /// The OpenAPI description kept in the repository and served as is.
@@ -59,7 +60,7 @@ impl Routes {
 /// Every route of the API.
 pub fn routes() -> Routes {
     use Method as M;
-    let r = Routes::new()
+    Routes::new()
         .add(M::GET, "/healthz", healthz)
         .add(M::GET, "/info", vms::info)
         .add(M::GET, "/openapi.yaml", openapi)
@@ -84,19 +85,11 @@ pub fn routes() -> Routes {
         .add(M::GET, "/vm/{hostname}/cp", guest::download)
         .add(M::POST, "/vm/{hostname}/cp", guest::upload)
         .add(M::GET, "/vm/{hostname}/shell", guest::shell)
-        .add(M::GET, "/vm/{hostname}/forward", guest::forward);
-    crate::commits::add_routes(r)
-}
-
-impl Routes {
-    /// Registers a route (for modules outside `api`).
-    pub fn route<H, T>(self, method: Method, path: &str, handler: H) -> Self
-    where
-        H: axum::handler::Handler<T, AppState>,
-        T: 'static,
-    {
-        self.add(method, path, handler)
-    }
+        .add(M::GET, "/vm/{hostname}/forward", guest::forward)
+        .add(M::POST, "/vm/{hostname}/commit", commits::commit)
+        .add(M::GET, "/vm/commits", commits::list)
+        .add(M::DELETE, "/vm/commits/{id}", commits::delete)
+        .add(M::POST, "/vm/commits/{id}/fork", commits::fork)
 }
 
 /// The application: routes, fallbacks, state.
@@ -197,16 +190,18 @@ pub fn parse_timeout(value: Option<&str>, default: Duration) -> ApiResult<Durati
     })
 }
 
-/// Parses `wait=agent|none`.
-pub fn parse_wait(value: Option<&str>, default: Wait) -> ApiResult<Wait> {
-    match value {
-        None => Ok(default),
-        Some("agent") => Ok(Wait::Agent),
-        Some("none") | Some("") => Ok(Wait::None),
-        Some(other) => Err(ApiError::bad_request(format!(
-            "wait `{other}` is not one of agent, none"
-        ))),
-    }
+/// Parses the query value `key` as one of a closed set; a value outside
+/// it is a 400 that names the key and the allowed values.
+pub fn parse_query_enum<T>(pairs: &[(String, String)], key: &str) -> ApiResult<Option<T>>
+where
+    T: std::str::FromStr<Err = tine_proto::api::UnknownValue>,
+{
+    query_get(pairs, key)
+        .map(|v| {
+            v.parse::<T>()
+                .map_err(|e| ApiError::bad_request(e.to_string()))
+        })
+        .transpose()
 }
 
 /// The query string as ordered key/value pairs (repeated keys kept).
@@ -322,6 +317,19 @@ mod tests {
         assert!(
             extra.is_empty(),
             "in docs/openapi.yaml but not served: {extra:?}"
+        );
+    }
+
+    #[test]
+    fn closed_query_values_name_the_allowed_ones() {
+        let uri: axum::http::Uri = "/x?wait=later".parse().expect("uri");
+        let e = parse_query_enum::<tine_proto::api::Wait>(&query_pairs(&uri), "wait")
+            .expect_err("bad wait");
+        assert_eq!(e.message, "wait `later` is not one of none, agent");
+        let uri: axum::http::Uri = "/x?wait=agent".parse().expect("uri");
+        assert_eq!(
+            parse_query_enum(&query_pairs(&uri), "wait").expect("wait"),
+            Some(tine_proto::api::Wait::Agent)
         );
     }
 

@@ -5,40 +5,37 @@ use axum::extract::{Path, State};
 use axum::http::{StatusCode, Uri};
 use axum::Json;
 use tine_proto::api::{
-    self, CreateVmRequest, DaemonInfo, HostGroupInfo, ListQuery, LogsResponse, TagsPatch,
+    self, CreateVmRequest, DaemonInfo, HostGroupInfo, ListQuery, LogsResponse, ShutdownAction,
+    TagsPatch, Wait,
 };
 
 use super::{
-    parse_json, parse_timeout, parse_wait, query_get, query_num, query_only, query_pairs, AppState,
-    DEFAULT_WAIT,
+    parse_json, parse_query_enum, parse_timeout, query_get, query_num, query_only, query_pairs,
+    AppState, DEFAULT_WAIT,
 };
-use crate::daemon::{Wait, DEFAULT_SHUTDOWN_TIMEOUT};
+use crate::core::DEFAULT_SHUTDOWN_TIMEOUT;
 use crate::error::{ApiError, ApiResult};
 
 pub(super) async fn info(State(d): State<AppState>) -> ApiResult<Json<DaemonInfo>> {
     Ok(Json(DaemonInfo {
         version: env!("CARGO_PKG_VERSION").into(),
-        data_dir: d.data_dir.display().to_string(),
+        data_dir: d.data_dir().display().to_string(),
         pid: std::process::id(),
-        started_at: api::rfc3339_millis(d.started_ms),
+        started_at: api::rfc3339_millis(d.started_ms()),
         host_groups: d
-            .config
+            .config()
             .host_groups
             .iter()
             .map(|g| g.name.clone())
             .collect(),
-        vms: d.store.list_vms(None)?.len(),
+        vms: d.vm_count(None)?,
     }))
 }
 
 pub(super) async fn host_groups(State(d): State<AppState>) -> ApiResult<Json<Vec<HostGroupInfo>>> {
     let mut out = Vec::new();
-    for g in &d.config.host_groups {
-        let image_size = d
-            .store
-            .get_image(&g.image)?
-            .map(|i| i.size_bytes)
-            .unwrap_or(0);
+    for g in &d.config().host_groups {
+        let image_size = d.image(&g.image)?.map(|i| i.size_bytes).unwrap_or(0);
         out.push(HostGroupInfo {
             name: g.name.clone(),
             count: g.count,
@@ -52,11 +49,8 @@ pub(super) async fn host_groups(State(d): State<AppState>) -> ApiResult<Json<Vec
                 .map_err(|e| ApiError::internal(e.to_string()))?
                 .unwrap_or(image_size),
             persistent: g.persistent,
-            network: serde_json::to_value(g.network.mode)
-                .ok()
-                .and_then(|v| v.as_str().map(str::to_owned))
-                .unwrap_or_default(),
-            nodes: d.store.list_vms(Some(&g.name))?.len(),
+            network: g.network.mode.to_string(),
+            nodes: d.vm_count(Some(&g.name))?,
         });
     }
     Ok(Json(out))
@@ -94,7 +88,7 @@ pub(super) async fn create(
 ) -> ApiResult<(StatusCode, Json<api::CreateVmResponse>)> {
     let q = query_pairs(&uri);
     query_only(&q, &["wait", "timeout"])?;
-    let wait = parse_wait(query_get(&q, "wait"), Wait::None)?;
+    let wait: Wait = parse_query_enum(&q, "wait")?.unwrap_or_default();
     let timeout = parse_timeout(query_get(&q, "timeout"), DEFAULT_WAIT)?;
     d.group(&group)?;
     let req: CreateVmRequest = parse_json(&body)?;
@@ -178,17 +172,9 @@ pub(super) async fn shutdown(
 ) -> ApiResult<Json<api::LifecycleResponse>> {
     let q = query_pairs(&uri);
     query_only(&q, &["action", "timeout"])?;
-    let poweroff = match query_get(&q, "action") {
-        None | Some("shutdown") => false,
-        Some("poweroff") => true,
-        Some(other) => {
-            return Err(ApiError::bad_request(format!(
-                "action `{other}` is not one of shutdown, poweroff"
-            )))
-        }
-    };
+    let action: ShutdownAction = parse_query_enum(&q, "action")?.unwrap_or_default();
     let timeout = parse_timeout(query_get(&q, "timeout"), DEFAULT_SHUTDOWN_TIMEOUT)?;
-    Ok(Json(d.shutdown(&hostname, poweroff, timeout).await?))
+    Ok(Json(d.shutdown(&hostname, action, timeout).await?))
 }
 
 pub(super) async fn relaunch(
@@ -198,7 +184,7 @@ pub(super) async fn relaunch(
 ) -> ApiResult<Json<api::LifecycleResponse>> {
     let q = query_pairs(&uri);
     query_only(&q, &["wait", "timeout"])?;
-    let wait = parse_wait(query_get(&q, "wait"), Wait::None)?;
+    let wait: Wait = parse_query_enum(&q, "wait")?.unwrap_or_default();
     let timeout = parse_timeout(query_get(&q, "timeout"), DEFAULT_WAIT)?;
     Ok(Json(d.relaunch(&hostname, wait, timeout).await?))
 }

@@ -1,0 +1,67 @@
+//! Commits and forks.
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{StatusCode, Uri};
+use axum::Json;
+use tine_proto::api::{
+    self, CommitInfo, CommitMode, CommitRequest, DeleteCommitResponse, DeleteStatus, ForkRequest,
+    Wait,
+};
+
+use super::{
+    parse_json, parse_query_enum, parse_timeout, query_get, query_only, query_pairs, AppState,
+    DEFAULT_WAIT,
+};
+use crate::core::commit_info;
+use crate::error::ApiResult;
+
+pub(super) async fn commit(
+    State(d): State<AppState>,
+    Path(hostname): Path<String>,
+    body: Bytes,
+) -> ApiResult<(StatusCode, Json<CommitInfo>)> {
+    let req: CommitRequest = parse_json(&body)?;
+    Ok((StatusCode::CREATED, Json(d.commit(&hostname, req).await?)))
+}
+
+pub(super) async fn list(State(d): State<AppState>, uri: Uri) -> ApiResult<Json<Vec<CommitInfo>>> {
+    let q = query_pairs(&uri);
+    query_only(&q, &["tag", "cache_key", "source", "mode"])?;
+    // Every commit holds a disk today; the value is still checked.
+    let _mode: Option<CommitMode> = parse_query_enum(&q, "mode")?;
+    let list = d.commits(
+        query_get(&q, "tag"),
+        query_get(&q, "cache_key"),
+        query_get(&q, "source"),
+    )?;
+    Ok(Json(list.iter().map(commit_info).collect()))
+}
+
+pub(super) async fn delete(
+    State(d): State<AppState>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<DeleteCommitResponse>> {
+    d.delete_commit(&id)?;
+    Ok(Json(DeleteCommitResponse {
+        commit_id: id,
+        status: DeleteStatus::Deleted,
+    }))
+}
+
+pub(super) async fn fork(
+    State(d): State<AppState>,
+    Path(id): Path<String>,
+    uri: Uri,
+    body: Bytes,
+) -> ApiResult<(StatusCode, Json<api::ForkResponse>)> {
+    let q = query_pairs(&uri);
+    query_only(&q, &["wait", "timeout"])?;
+    let wait = parse_query_enum(&q, "wait")?.unwrap_or(Wait::Agent);
+    let timeout = parse_timeout(query_get(&q, "timeout"), DEFAULT_WAIT)?;
+    let req: ForkRequest = parse_json(&body)?;
+    Ok((
+        StatusCode::CREATED,
+        Json(d.fork(&id, req, wait, timeout).await?),
+    ))
+}

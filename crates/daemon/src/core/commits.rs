@@ -1,0 +1,255 @@
+//! Commits and cold forks: a stopped persistent VM's disk becomes an
+//! immutable parent (`cmt-<group>-<16 hex>`), and forks boot from
+//! copy-on-write children of it.
+//!
+//! Order of a commit (crash-safe): link the source's disk to
+//! `<data_dir>/commits/<id>.qcow2` and make it read-only, create the
+//! source's fresh overlay on it, then record both in one transaction, then
+//! remove the source's old name. A crash before the record leaves an
+//! unrecorded commit file that start-up removes; the source keeps its disk.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tine_proto::api::{
+    self, CommitInfo, CommitMode, CommitRequest, CommitStatus, ForkRequest, ForkStatus, VmState,
+    Wait,
+};
+
+use super::daemon::Daemon;
+use super::error::{chain, Error, Result};
+use super::plan;
+use crate::db::{now_ms, CommitRecord};
+use crate::failpoint::{self, Failpoint};
+use crate::storage;
+
+/// Most characters in a cache key.
+pub const MAX_CACHE_KEY: usize = 256;
+
+fn remove_file_logged(path: &Path) {
+    if let Err(e) = std::fs::remove_file(path) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            tracing::warn!("cannot remove {}: {e}", path.display());
+        }
+    }
+}
+
+/// A commit as the API shows it.
+pub fn info(c: &CommitRecord) -> CommitInfo {
+    CommitInfo {
+        commit_id: c.id.clone(),
+        status: CommitStatus::Committed,
+        mode: CommitMode::Disk,
+        source: c.source.clone(),
+        host_group: c.host_group.clone(),
+        tags: c.tags.clone(),
+        labels: c.labels.clone(),
+        cache_key: c.cache_key.clone(),
+        parent_commit_id: c.parent_commit_id.clone(),
+        cpus: c.cpus,
+        ram_bytes: c.ram_bytes,
+        size_bytes: c.size_bytes,
+        created_at: api::rfc3339_millis(c.created_ms),
+        elapsed_ms: c.elapsed_ms,
+    }
+}
+
+fn new_commit_id(group: &str) -> Result<String> {
+    let mut raw = [0u8; 8];
+    getrandom::fill(&mut raw)
+        .map_err(|e| Error::io("random commit id", std::io::Error::other(e.to_string())))?;
+    let hex: String = raw.iter().map(|b| format!("{b:02x}")).collect();
+    Ok(format!("cmt-{group}-{hex}"))
+}
+
+impl Daemon {
+    /// The folder of commit files.
+    pub fn commits_dir(&self) -> PathBuf {
+        self.data_dir.join("commits")
+    }
+
+    /// Commits a stopped, persistent, never committed VM.
+    pub async fn commit(self: &Arc<Self>, key: &str, req: CommitRequest) -> Result<CommitInfo> {
+        let began = Instant::now();
+        for t in &req.tags {
+            plan::validate_tag(t)?;
+        }
+        for (k, v) in &req.labels {
+            if k.is_empty() || k.len() > 128 || v.len() > 1024 {
+                return Err(Error::BadRequest(format!(
+                    "label `{k}` is invalid: keys 1-128 characters, values up to 1024"
+                )));
+            }
+        }
+        if let Some(k) = &req.cache_key {
+            if k.is_empty() || k.len() > MAX_CACHE_KEY || k.chars().any(char::is_control) {
+                return Err(Error::BadRequest(format!(
+                    "cache key is invalid: use 1-{MAX_CACHE_KEY} printable characters"
+                )));
+            }
+        }
+        let vm = self.vm(key)?;
+        let _guard = self.lock_vm(&vm.hostname).await;
+        let vm = self.vm(&vm.hostname)?;
+        if let Some(id) = &vm.commit_id {
+            return Err(Error::Conflict(format!(
+                "{} was already committed as {id}; a committed source cannot be committed again (fork it and commit the fork)",
+                vm.hostname
+            )));
+        }
+        if !vm.persistent {
+            return Err(Error::Conflict(format!(
+                "{} is not persistent: only a persistent VM's disk outlives its stop, so only it can be committed",
+                vm.hostname
+            )));
+        }
+        if vm.state != VmState::Stopped {
+            return Err(Error::Conflict(format!(
+                "{} is {}; shut it down first (tine vm shutdown {}): only a stopped VM can be committed",
+                vm.hostname, vm.state, vm.hostname
+            )));
+        }
+        if let Some(k) = &req.cache_key {
+            if let Some(c) = self.store.list_commits(None, Some(k), None)?.first() {
+                return Err(Error::Conflict(format!(
+                    "the cache key `{k}` is already used by commit {}",
+                    c.id
+                )));
+            }
+        }
+        let id = new_commit_id(&vm.host_group)?;
+        let commit_path = self.commits_dir().join(format!("{id}.qcow2"));
+        let paths = self.paths(&vm.hostname);
+        let new_disk = paths
+            .dir
+            .join(format!("disk-{}.qcow2", &id[id.len() - 8..]));
+        let old_disk = PathBuf::from(&vm.disk);
+        let (c2, n2, o2) = (commit_path.clone(), new_disk.clone(), old_disk.clone());
+        let size = tokio::task::spawn_blocking(move || storage::commit_disk(&o2, &c2, &n2))
+            .await
+            .map_err(|source| Error::Task {
+                what: "commit",
+                source,
+            })?
+            .map_err(|e| {
+                Error::disk(
+                    format!("commit of {} failed, nothing recorded", vm.hostname),
+                    e,
+                )
+            })?;
+        let record = CommitRecord {
+            id: id.clone(),
+            host_group: vm.host_group.clone(),
+            source: vm.hostname.clone(),
+            disk: commit_path.display().to_string(),
+            tags: req.tags,
+            labels: req.labels,
+            source_tags: vm
+                .tags
+                .iter()
+                .filter(|t| !t.starts_with("name="))
+                .cloned()
+                .collect(),
+            cache_key: req.cache_key,
+            parent_commit_id: vm.parent_commit_id.clone(),
+            cpus: vm.cpus,
+            ram_bytes: vm.ram_bytes,
+            size_bytes: size,
+            created_ms: now_ms(),
+            elapsed_ms: began.elapsed().as_millis() as u64,
+        };
+        failpoint::hit(Failpoint::CommitOverlayMade);
+        if let Err(e) = self
+            .store
+            .insert_commit(&record, &new_disk.display().to_string())
+        {
+            remove_file_logged(&commit_path);
+            remove_file_logged(&new_disk);
+            return Err(e.into());
+        }
+        failpoint::hit(Failpoint::CommitRecorded);
+        // The old name of the (now committed) inode.
+        remove_file_logged(&old_disk);
+        tracing::info!(vm = %vm.hostname, commit = %id, ms = record.elapsed_ms, "committed");
+        Ok(info(&record))
+    }
+
+    /// Deletes a commit nobody depends on.
+    pub fn delete_commit(&self, id: &str) -> Result<()> {
+        let c = self
+            .store
+            .delete_commit(id)?
+            .ok_or_else(|| Error::NotFound(format!("no commit `{id}`")))?;
+        remove_file_logged(Path::new(&c.disk));
+        Ok(())
+    }
+
+    /// Forks a commit: a new VM booting from a copy-on-write child of it.
+    pub async fn fork(
+        self: &Arc<Self>,
+        id: &str,
+        req: ForkRequest,
+        wait: Wait,
+        timeout: Duration,
+    ) -> Result<api::ForkResponse> {
+        let began = Instant::now();
+        let c = self
+            .store
+            .get_commit(id)?
+            .ok_or_else(|| Error::NotFound(format!("no commit `{id}`")))?;
+        let group = self.group(&c.host_group)?.clone();
+        let name_taken = match &req.name {
+            Some(n) => self.store.find_vm(n)?.is_some(),
+            None => false,
+        };
+        let new = plan::fork(&group, &c, &req, name_taken)?;
+        let commit_path = PathBuf::from(&c.disk);
+        {
+            let p = commit_path.clone();
+            tokio::task::spawn_blocking(move || storage::verify_commit(&p))
+                .await
+                .map_err(|source| Error::Task {
+                    what: "verify commit",
+                    source,
+                })?
+                .map_err(|e| Error::disk(format!("commit {} cannot be forked", c.id), e))?;
+        }
+        let this = self.clone();
+        // The fork finishes even if the client goes away.
+        let job = tokio::spawn(async move {
+            this.provision(&new, move |disk: &Path| {
+                storage::fork_disk(&commit_path, disk).map_err(|e| Error::disk("fork disk", e))
+            })
+            .await
+        });
+        let hostname = job.await.map_err(|source| Error::Task {
+            what: "fork",
+            source,
+        })??;
+        let vm = match wait {
+            Wait::Agent => match self.wait_running(&hostname, timeout).await {
+                Ok(vm) => vm,
+                Err(e) if e.is_timeout() => return Err(e),
+                Err(e) => {
+                    // A fork that failed to come up leaves nothing behind.
+                    self.discard(&hostname).await;
+                    return Err(Error::Failed(format!(
+                        "fork failed and was removed: {}",
+                        chain(&e)
+                    )));
+                }
+            },
+            Wait::None => self.vm(&hostname)?,
+        };
+        Ok(api::ForkResponse {
+            hostname: vm.hostname,
+            source_hostname: c.source,
+            commit_id: c.id,
+            status: ForkStatus::Forked,
+            child_status: vm.state,
+            persistent: vm.persistent,
+            elapsed_ms: began.elapsed().as_millis() as u64,
+        })
+    }
+}

@@ -1,0 +1,387 @@
+//! The [`Daemon`]: its state (configuration, store, launcher, network
+//! manager, boot slots, per-VM locks) and what every part of the core
+//! shares: lookups, waits, the agent connection, records of a VM's end.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tine_client::AgentClient;
+use tine_proto::agent::AGENT_VSOCK_PORT;
+use tine_proto::api::{StopMode, VmState};
+use tokio::sync::watch;
+
+use super::error::{chain, Error, Result};
+use crate::config::{Config, HostGroup};
+use crate::db::{now_ms, CommitRecord, ImageRecord, Store, VmRecord};
+use crate::failpoint::{self, Failpoint};
+use crate::launcher::Launcher;
+use crate::network::NetworkManager;
+use crate::process::VmPaths;
+
+/// Time limits of a boot's set-up and of agent calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Deadlines {
+    /// From launch until the agent answers (boots in a nested test bed take
+    /// tens of seconds).
+    pub agent_ready: Duration,
+    /// Each set-up call to the agent (fix-ups, network, userdata): a guest
+    /// that misses it is marked failed and frees its boot slot.
+    pub setup_call: Duration,
+    /// The vsock handshake with the agent.
+    pub handshake: Duration,
+    /// How long a graceful shutdown gives the agent to take the request
+    /// before it presses Ctrl-Alt-Del instead.
+    pub shutdown_ask: Duration,
+}
+
+impl Default for Deadlines {
+    fn default() -> Self {
+        Deadlines {
+            agent_ready: Duration::from_secs(600),
+            setup_call: Duration::from_secs(60),
+            handshake: Duration::from_secs(10),
+            shutdown_ask: Duration::from_secs(5),
+        }
+    }
+}
+
+/// What a [`Daemon`] runs on.
+#[derive(Debug)]
+pub struct Parts {
+    /// Configuration.
+    pub config: Config,
+    /// Data directory (locked by the caller).
+    pub data_dir: PathBuf,
+    /// The state.
+    pub store: Store,
+    /// Default guest kernel.
+    pub kernel: PathBuf,
+    /// What runs the VMs.
+    pub launcher: Arc<dyn Launcher>,
+    /// The host's network.
+    pub network: NetworkManager,
+    /// Time limits.
+    pub deadlines: Deadlines,
+}
+
+/// The daemon's core.
+#[derive(Debug)]
+pub struct Daemon {
+    pub(super) config: Config,
+    pub(super) data_dir: PathBuf,
+    pub(super) store: Store,
+    pub(super) kernel: PathBuf,
+    pub(super) launcher: Arc<dyn Launcher>,
+    pub(super) network: NetworkManager,
+    pub(super) deadlines: Deadlines,
+    /// One address allocation at a time: concurrent creates must not pick
+    /// the same free address.
+    pub(super) allocate: Mutex<()>,
+    started_ms: u64,
+    /// Bumped on every VM state change; waiters re-read the store.
+    changes: watch::Sender<u64>,
+    /// Serialises life-cycle operations per VM.
+    locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Serialises image imports (concurrent creates share one copy).
+    pub(super) imports: Mutex<()>,
+    /// Boot slots: at most this many VMs between launch and agent-ready.
+    pub(super) boot_slots: Arc<tokio::sync::Semaphore>,
+    /// Why removed VMs failed (forks that never came up), for waiters.
+    failures: Mutex<HashMap<String, String>>,
+    /// VMs being stopped without the guest's help, with the reason their
+    /// exit is recorded under ([`StopMode::Forced`]).
+    forced: Mutex<HashMap<String, String>>,
+}
+
+/// Most bytes of a stop or failure reason kept (guest text included).
+pub const MAX_REASON: usize = 4096;
+
+/// `reason` cut to [`MAX_REASON`] bytes on a character boundary.
+pub fn capped(reason: &str) -> String {
+    if reason.len() <= MAX_REASON {
+        return reason.to_owned();
+    }
+    let mut end = MAX_REASON;
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}... ({} bytes cut)", &reason[..end], reason.len() - end)
+}
+
+impl Daemon {
+    /// A daemon over `parts`.
+    pub fn from_parts(parts: Parts) -> Arc<Self> {
+        let (changes, _) = watch::channel(0);
+        let boot_concurrency = parts
+            .config
+            .boot_concurrency
+            .map(|n| n as usize)
+            .unwrap_or_else(|| {
+                std::thread::available_parallelism()
+                    .map(usize::from)
+                    .unwrap_or(1)
+            });
+        Arc::new(Daemon {
+            config: parts.config,
+            data_dir: parts.data_dir,
+            store: parts.store,
+            kernel: parts.kernel,
+            launcher: parts.launcher,
+            network: parts.network,
+            deadlines: parts.deadlines,
+            allocate: Mutex::new(()),
+            started_ms: now_ms(),
+            changes,
+            locks: Mutex::new(HashMap::new()),
+            imports: Mutex::new(()),
+            failures: Mutex::new(HashMap::new()),
+            forced: Mutex::new(HashMap::new()),
+            boot_slots: Arc::new(tokio::sync::Semaphore::new(boot_concurrency.max(1))),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The data directory.
+    pub fn data_dir(&self) -> &std::path::Path {
+        &self.data_dir
+    }
+
+    /// When the daemon started (Unix ms).
+    pub fn started_ms(&self) -> u64 {
+        self.started_ms
+    }
+
+    /// The files of a VM.
+    pub fn paths(&self, hostname: &str) -> VmPaths {
+        VmPaths::new(&self.data_dir, hostname)
+    }
+
+    /// How many VMs exist (in `group`, or all).
+    pub fn vm_count(&self, group: Option<&str>) -> Result<usize> {
+        Ok(self.store.list_vms(group)?.len())
+    }
+
+    /// The imported image called `name`, if it was imported.
+    pub fn image(&self, name: &str) -> Result<Option<ImageRecord>> {
+        Ok(self.store.get_image(name)?)
+    }
+
+    /// Commits, filtered by tag, cache key and source VM.
+    pub fn commits(
+        &self,
+        tag: Option<&str>,
+        cache_key: Option<&str>,
+        source: Option<&str>,
+    ) -> Result<Vec<CommitRecord>> {
+        Ok(self.store.list_commits(tag, cache_key, source)?)
+    }
+
+    pub(super) fn notify(&self) {
+        self.changes.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    pub(super) async fn lock_vm(&self, hostname: &str) -> tokio::sync::OwnedMutexGuard<()> {
+        let m = {
+            let mut locks = self.locks.lock().unwrap_or_else(|p| p.into_inner());
+            locks.entry(hostname.to_owned()).or_default().clone()
+        };
+        m.lock_owned().await
+    }
+
+    /// The group called `name`, or not found.
+    pub fn group(&self, name: &str) -> Result<&HostGroup> {
+        self.config.group(name).ok_or_else(|| {
+            let known: Vec<&str> = self
+                .config
+                .host_groups
+                .iter()
+                .map(|g| g.name.as_str())
+                .collect();
+            Error::NotFound(format!(
+                "no host group `{name}` (known: {})",
+                known.join(", ")
+            ))
+        })
+    }
+
+    /// The VM with this hostname or friendly name, or not found.
+    pub fn vm(&self, key: &str) -> Result<VmRecord> {
+        self.store
+            .find_vm(key)?
+            .ok_or_else(|| Error::NotFound(format!("no VM called `{key}`")))
+    }
+
+    /// Waits until `hostname` is running (agent ready), failed, stopped or
+    /// gone, or `timeout` passes.
+    pub async fn wait_running(&self, hostname: &str, timeout: Duration) -> Result<VmRecord> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut rx = self.changes.subscribe();
+        loop {
+            rx.borrow_and_update();
+            let vm = self.store.find_vm(hostname)?.ok_or_else(|| {
+                let why = self
+                    .failures
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .get(hostname)
+                    .cloned()
+                    .unwrap_or_else(|| "no reason recorded".into());
+                Error::Failed(format!("{hostname} failed to start and was removed: {why}"))
+            })?;
+            match vm.state {
+                VmState::Running => return Ok(vm),
+                VmState::Failed | VmState::Stopped => {
+                    return Err(Error::Failed(format!(
+                        "{hostname} {} before its agent answered: {}",
+                        vm.state,
+                        vm.reason.as_deref().unwrap_or("no reason recorded")
+                    )))
+                }
+                _ => {}
+            }
+            match tokio::time::timeout_at(deadline, rx.changed()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => return Err(Error::ShuttingDown),
+                Err(_) => {
+                    return Err(Error::Timeout(format!(
+                        "{hostname} is still {} after {}; it keeps booting",
+                        vm.state,
+                        humantime::format_duration(timeout)
+                    )))
+                }
+            }
+        }
+    }
+
+    /// Waits until `hostname` is no longer live (or gone); false when
+    /// `timeout` passed first.
+    pub(super) async fn wait_not_live(&self, hostname: &str, timeout: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut rx = self.changes.subscribe();
+        loop {
+            rx.borrow_and_update();
+            match self.store.find_vm(hostname) {
+                Ok(Some(vm)) if vm.state.is_live() => {}
+                Ok(_) => return true,
+                Err(e) => {
+                    tracing::warn!(vm = hostname, "cannot read its record: {e}");
+                    return true;
+                }
+            }
+            if tokio::time::timeout_at(deadline, rx.changed())
+                .await
+                .is_err()
+            {
+                return false;
+            }
+        }
+    }
+
+    pub(super) fn remember_failure(&self, hostname: &str, reason: &str) {
+        let mut f = self.failures.lock().unwrap_or_else(|p| p.into_inner());
+        if f.len() > 1024 {
+            f.clear();
+        }
+        f.insert(hostname.to_owned(), capped(reason));
+    }
+
+    /// Marks a VM as being stopped without the guest's help: its exit is
+    /// recorded as [`StopMode::Forced`] with `reason`.
+    pub(super) fn mark_forced(&self, hostname: &str, reason: String) {
+        self.forced
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(hostname.to_owned(), reason);
+    }
+
+    pub(super) fn take_forced(&self, hostname: &str) -> Option<String> {
+        self.forced
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(hostname)
+    }
+
+    /// Records a VM's end (its process is gone), logging a failed write.
+    pub(super) fn record_exit(&self, hostname: &str, state: VmState, reason: &str, mode: StopMode) {
+        let reason = capped(reason);
+        if let Err(e) = self
+            .store
+            .clear_process(hostname, state, Some(&reason), Some(mode))
+        {
+            tracing::error!(
+                vm = hostname,
+                "cannot record that it is {state} ({reason}): {}",
+                chain(&e)
+            );
+        }
+    }
+
+    /// Removes a VM's record, then its folder (disk, sockets, logs). Record
+    /// first: a crash in between leaves an orphan folder, which the next
+    /// start removes, never a record without its disk.
+    pub(super) fn forget(&self, hostname: &str) -> Result<()> {
+        self.store.delete_vm(hostname)?;
+        failpoint::hit(Failpoint::DeleteRecordRemoved);
+        let dir = self.paths(hostname).dir;
+        match std::fs::remove_dir_all(&dir) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                tracing::warn!(vm = hostname, "cannot remove {}: {e}", dir.display())
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// [`Daemon::forget`], logging a failed removal.
+    pub(super) fn forget_logged(&self, hostname: &str) {
+        if let Err(e) = self.forget(hostname) {
+            tracing::error!(vm = hostname, "cannot remove its record: {}", chain(&e));
+        }
+    }
+
+    /// Connects to a VM's agent once (vsock port 52, then the handshake).
+    pub async fn connect_agent(&self, hostname: &str) -> Result<AgentClient> {
+        let io = self
+            .launcher
+            .connect(hostname, AGENT_VSOCK_PORT)
+            .await
+            .map_err(|e| Error::AgentUnavailable(chain(&e)))?;
+        let within = self.deadlines.handshake;
+        match tokio::time::timeout(within, AgentClient::handshake(io)).await {
+            Ok(Ok(client)) => Ok(client),
+            Ok(Err(source)) => Err(Error::Agent {
+                what: format!("agent handshake with {hostname}"),
+                source,
+            }),
+            Err(_) => Err(Error::AgentUnavailable(format!(
+                "the agent of {hostname} did not finish the handshake within {}",
+                humantime::format_duration(within)
+            ))),
+        }
+    }
+
+    /// An agent connection for a request: the VM must be running.
+    pub async fn agent(&self, key: &str) -> Result<(VmRecord, AgentClient)> {
+        let vm = self.vm(key)?;
+        if !matches!(vm.state, VmState::Running | VmState::Starting) {
+            return Err(Error::Conflict(format!(
+                "{} is {}; start it with relaunch first",
+                vm.hostname, vm.state
+            )));
+        }
+        let client = self.connect_agent(&vm.hostname).await.map_err(|e| {
+            Error::AgentUnavailable(format!(
+                "agent of {} does not answer: {}",
+                vm.hostname,
+                chain(&e)
+            ))
+        })?;
+        Ok((vm, client))
+    }
+}

@@ -1,0 +1,544 @@
+//! A VM's life cycle: create (record, disk, boot queued for a slot),
+//! shutdown, relaunch, delete, tags, and describe/list.
+//!
+//! Every change is recorded in the store before files or processes are
+//! touched and after they are done, so start-up reconciliation can finish
+//! or undo whatever a `kill -9` interrupted.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tine_proto::agent::ShutdownAction as AgentShutdown;
+use tine_proto::api::{self, CreateVmRequest, ShutdownAction, StopMode, VmState, Wait};
+use tine_vmm::control::Request as VmmRequest;
+
+use super::daemon::Daemon;
+use super::error::{chain, Error, Result};
+use super::netattach::describe as describe_network;
+use super::plan;
+use crate::artifacts;
+use crate::db::{NewVm, VmRecord};
+use crate::failpoint::{self, Failpoint};
+use crate::launcher::{Instance, LauncherExt};
+use crate::process::VmPaths;
+use crate::storage;
+
+/// How long a graceful shutdown waits before killing.
+pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(20);
+
+impl Daemon {
+    /// Describes a VM for the API.
+    pub fn describe(&self, vm: &VmRecord) -> api::VmInfo {
+        let (size, allocated, format) = storage::describe(Path::new(&vm.disk));
+        let network = vm.network.as_ref().and_then(describe_network);
+        api::VmInfo {
+            hostname: vm.hostname.clone(),
+            host_group: vm.host_group.clone(),
+            state: vm.state,
+            cpus: vm.cpus,
+            ram_bytes: vm.ram_bytes,
+            persistent: vm.persistent,
+            tags: vm.tags.clone(),
+            ip: network
+                .as_ref()
+                .map(|n| n.address.split('/').next().unwrap_or_default().to_owned()),
+            network,
+            pid: if vm.state.is_live() { vm.pid } else { None },
+            reason: vm.reason.clone(),
+            stop_mode: if vm.state.is_live() {
+                None
+            } else {
+                vm.stop_mode
+            },
+            created_at: api::rfc3339_millis(vm.created_ms),
+            started_at: vm.started_ms.map(api::rfc3339_millis),
+            boot_ms: vm.boot_ms,
+            commit_id: vm.commit_id.clone(),
+            parent_commit_id: vm.parent_commit_id.clone(),
+            storage: api::StorageInfo {
+                path: vm.disk.clone(),
+                format,
+                size_bytes: size,
+                allocated_bytes: allocated,
+            },
+        }
+    }
+
+    /// Creates a VM in `group` and starts it; the work finishes even if the
+    /// caller goes away. With [`Wait::Agent`] it answers once the agent is
+    /// ready.
+    pub async fn create_vm(
+        self: &Arc<Self>,
+        group: &str,
+        req: CreateVmRequest,
+        wait: Wait,
+        timeout: Duration,
+        managed: bool,
+    ) -> Result<api::CreateVmResponse> {
+        let started = Instant::now();
+        let group = self.group(group)?.clone();
+        let name_taken = match &req.name {
+            Some(n) => self.store.find_vm(n)?.is_some(),
+            None => false,
+        };
+        let new = plan::create(&group, &req, name_taken, managed, || {
+            group.userdata().map_err(Error::from)
+        })?;
+        let this = self.clone();
+        let image = group.image.clone();
+        let size = group.storage_bytes().map_err(|e| {
+            Error::BadRequest(format!("storage of host group `{}`: {e}", group.name))
+        })?;
+        let job = tokio::spawn(async move {
+            let this2 = this.clone();
+            let base = tokio::task::spawn_blocking(move || {
+                let _one = this2.imports.lock().unwrap_or_else(|p| p.into_inner());
+                artifacts::image_base(&this2.store, &image, &this2.data_dir)
+            })
+            .await
+            .map_err(|source| Error::Task {
+                what: "import image",
+                source,
+            })??;
+            let base = PathBuf::from(&base.path);
+            this.provision(&new, move |disk: &Path| {
+                storage::create_disk(&base, disk, size).map_err(|e| Error::disk("create disk", e))
+            })
+            .await
+        });
+        let hostname = job.await.map_err(|source| Error::Task {
+            what: "create",
+            source,
+        })??;
+        let vm = match wait {
+            Wait::Agent => self.wait_running(&hostname, timeout).await?,
+            Wait::None => self.vm(&hostname)?,
+        };
+        let info = self.describe(&vm);
+        Ok(api::CreateVmResponse {
+            hostname,
+            state: vm.state,
+            ip: info.ip,
+            elapsed_ms: started.elapsed().as_millis() as u64,
+        })
+    }
+
+    /// Records a new VM, makes its disk with `make_disk` and starts it; on
+    /// any failure it leaves nothing behind (no record, files or network).
+    pub(super) async fn provision(
+        self: &Arc<Self>,
+        new: &NewVm,
+        make_disk: impl FnOnce(&Path) -> Result<()>,
+    ) -> Result<String> {
+        let data_dir = self.data_dir.clone();
+        let vm = self.store.insert_vm(new, |h| {
+            VmPaths::new(&data_dir, h)
+                .dir
+                .join("disk.qcow2")
+                .display()
+                .to_string()
+        })?;
+        self.notify();
+        failpoint::hit(Failpoint::ProvisionRecorded);
+        let hostname = vm.hostname.clone();
+        let result = async {
+            std::fs::create_dir_all(self.paths(&hostname).dir)
+                .map_err(|e| Error::io("create VM folder", e))?;
+            make_disk(Path::new(&vm.disk))?;
+            failpoint::hit(Failpoint::ProvisionDiskMade);
+            self.queue_boot(&hostname)
+        }
+        .await;
+        if let Err(e) = result {
+            self.discard(&hostname).await;
+            return Err(e);
+        }
+        Ok(hostname)
+    }
+
+    /// Removes every trace of a VM (record, files, network).
+    pub(super) async fn discard(&self, hostname: &str) {
+        match self.store.find_vm(hostname) {
+            Ok(Some(vm)) => {
+                self.release_network(&vm);
+                if let (Some(pid), Some(pid_start)) = (vm.pid, vm.pid_start) {
+                    self.launcher.kill(hostname, Instance { pid, pid_start });
+                }
+            }
+            Ok(None) => {}
+            Err(e) => tracing::error!(vm = hostname, "cannot read its record: {}", chain(&e)),
+        }
+        self.forget_logged(hostname);
+        self.notify();
+    }
+
+    /// Queues the VM's boot: it is `starting` (without a process) at once,
+    /// and its tine-vmm is launched when a boot slot is free
+    /// (`boot_concurrency`): a storm of creates boots a few at a time
+    /// instead of starving every guest.
+    pub(super) fn queue_boot(self: &Arc<Self>, hostname: &str) -> Result<()> {
+        self.store.queue_start(hostname)?;
+        self.notify();
+        failpoint::hit(Failpoint::BootQueued);
+        let this = self.clone();
+        let h = hostname.to_owned();
+        tokio::spawn(async move {
+            let permit = this.boot_slots.clone().acquire_owned().await.ok();
+            let _guard = this.lock_vm(&h).await;
+            match this.store.find_vm(&h) {
+                Ok(Some(vm)) if vm.state == VmState::Starting && vm.pid.is_none() => {}
+                // Deleted or stopped while it waited.
+                _ => return,
+            }
+            if let Err(e) = this.launch(&h, permit) {
+                let reason = chain(&e);
+                tracing::warn!(vm = %h, "launch: {reason}");
+                this.launch_failed(&h, &reason);
+            }
+        });
+        Ok(())
+    }
+
+    /// A queued VM could not be launched: a fork is removed (its waiter
+    /// learns why), any other VM is recorded as failed with the reason.
+    fn launch_failed(&self, hostname: &str, reason: &str) {
+        let vm = match self.store.find_vm(hostname) {
+            Ok(Some(vm)) => vm,
+            Ok(None) => return,
+            Err(e) => {
+                tracing::error!(vm = hostname, "cannot read its record: {}", chain(&e));
+                return;
+            }
+        };
+        self.release_network(&vm);
+        if vm.is_unborn_fork() {
+            self.remember_failure(hostname, reason);
+            self.forget_logged(hostname);
+        } else {
+            self.record_exit(hostname, VmState::Failed, reason, StopMode::Crashed);
+        }
+        self.notify();
+    }
+
+    /// Stops a VM. Graceful: the agent is asked to power the guest off (it
+    /// stops every process, syncs, remounts `/` read-only), or, when it does
+    /// not take the request, Ctrl-Alt-Del is pressed (the min image's init
+    /// takes it as the same request); a guest still running after `timeout`
+    /// is killed. `poweroff` kills at once. A kill is recorded as
+    /// [`StopMode::Forced`]: writes the guest had not synced may be lost.
+    pub async fn shutdown(
+        self: &Arc<Self>,
+        key: &str,
+        action: ShutdownAction,
+        timeout: Duration,
+    ) -> Result<api::LifecycleResponse> {
+        let began = Instant::now();
+        let poweroff = action == ShutdownAction::Poweroff;
+        let hostname = self.vm(key)?.hostname;
+        let vm = {
+            let _guard = self.lock_vm(&hostname).await;
+            let vm = self.vm(&hostname)?;
+            if !vm.state.is_live() {
+                return Err(Error::Conflict(format!(
+                    "{hostname} is already {}",
+                    vm.state
+                )));
+            }
+            if vm.pid.is_none() {
+                // Still waiting for a boot slot: it never ran.
+                if vm.persistent {
+                    self.store.clear_process(
+                        &hostname,
+                        VmState::Stopped,
+                        Some("stopped before it was launched"),
+                        Some(StopMode::Graceful),
+                    )?;
+                } else {
+                    self.forget(&hostname)?;
+                }
+                self.notify();
+                return Ok(api::LifecycleResponse {
+                    hostname,
+                    state: VmState::Stopped,
+                    stop_mode: Some(StopMode::Graceful),
+                    elapsed_ms: began.elapsed().as_millis() as u64,
+                });
+            }
+            self.store.transition(
+                &hostname,
+                &[VmState::Starting, VmState::Running, VmState::Stopping],
+                VmState::Stopping,
+                None,
+            )?;
+            self.notify();
+            vm
+        };
+        let mode = self.stop_process(&vm, poweroff, timeout).await;
+        // As recorded (a guest can crash on its way down); an ephemeral VM
+        // is gone with its record.
+        let (state, mode) = match self.store.find_vm(&hostname)? {
+            Some(v) => (v.state, v.stop_mode.unwrap_or(mode)),
+            None => (VmState::Stopped, mode),
+        };
+        Ok(api::LifecycleResponse {
+            hostname,
+            state,
+            stop_mode: Some(mode),
+            elapsed_ms: began.elapsed().as_millis() as u64,
+        })
+    }
+
+    /// Asks the process to stop (see [`Daemon::shutdown`]) and waits for the
+    /// exit handler to run; returns whether the stop was graceful or forced.
+    async fn stop_process(
+        self: &Arc<Self>,
+        vm: &VmRecord,
+        poweroff: bool,
+        timeout: Duration,
+    ) -> StopMode {
+        let (Some(pid), Some(pid_start)) = (vm.pid, vm.pid_start) else {
+            return StopMode::Graceful;
+        };
+        let hostname = vm.hostname.as_str();
+        let deadline = tokio::time::Instant::now() + timeout;
+        if poweroff {
+            self.mark_forced(
+                hostname,
+                "forced stop (action=poweroff): killed; writes the guest had not synced may be lost"
+                    .into(),
+            );
+            self.vmm_request(hostname, VmmRequest::Kill).await;
+        } else {
+            match self
+                .ask_agent_to_power_off(hostname, timeout.min(self.deadlines.shutdown_ask))
+                .await
+            {
+                Ok(()) => tracing::info!(vm = hostname, "the agent is powering the guest off"),
+                Err(e) => {
+                    tracing::info!(
+                        vm = hostname,
+                        "agent shutdown: {}; pressing Ctrl-Alt-Del",
+                        chain(&e)
+                    );
+                    self.vmm_request(hostname, VmmRequest::Shutdown).await;
+                }
+            }
+        }
+        if self.wait_not_live_until(hostname, deadline).await {
+            return if poweroff {
+                StopMode::Forced
+            } else {
+                StopMode::Graceful
+            };
+        }
+        tracing::warn!(vm = hostname, "did not stop within {timeout:?}; killing it");
+        self.mark_forced(
+            hostname,
+            format!(
+                "forced stop: the guest did not power off within {}; killed, writes it had not \
+                 synced may be lost",
+                humantime::format_duration(timeout)
+            ),
+        );
+        self.vmm_request(hostname, VmmRequest::Kill).await;
+        if !self.wait_not_live(hostname, Duration::from_secs(5)).await {
+            self.launcher.kill(hostname, Instance { pid, pid_start });
+            self.wait_not_live(hostname, Duration::from_secs(5)).await;
+        }
+        StopMode::Forced
+    }
+
+    /// Asks the VM's agent to shut the guest down cleanly, within `within`.
+    async fn ask_agent_to_power_off(&self, hostname: &str, within: Duration) -> Result<()> {
+        let ask = async {
+            let client = self.connect_agent(hostname).await?;
+            client
+                .shutdown(AgentShutdown::Poweroff)
+                .await
+                .map_err(|source| Error::Agent {
+                    what: "the agent refused to power off".into(),
+                    source,
+                })
+        };
+        tokio::time::timeout(within, ask).await.map_err(|_| {
+            Error::AgentUnavailable(format!(
+                "the agent did not answer within {}",
+                humantime::format_duration(within)
+            ))
+        })?
+    }
+
+    /// Sends one request to the VM's VMM, logging a failure or a refusal
+    /// (the caller's deadline handles a VMM that does not act on it).
+    async fn vmm_request(&self, hostname: &str, request: VmmRequest) {
+        if let Err(e) = self.launcher.request(hostname, request).await {
+            tracing::warn!(vm = hostname, "{}", chain(&e));
+        }
+    }
+
+    /// Boots a stopped (or failed) persistent VM from its disk.
+    pub async fn relaunch(
+        self: &Arc<Self>,
+        key: &str,
+        wait: Wait,
+        timeout: Duration,
+    ) -> Result<api::LifecycleResponse> {
+        let began = Instant::now();
+        let vm = self.vm(key)?;
+        {
+            let _guard = self.lock_vm(&vm.hostname).await;
+            let vm = self.vm(&vm.hostname)?;
+            if vm.state.is_live() || vm.state == VmState::Creating {
+                return Err(Error::Conflict(format!("{} is {}", vm.hostname, vm.state)));
+            }
+            if !Path::new(&vm.disk).is_file() {
+                return Err(Error::Conflict(format!(
+                    "{} has no disk left ({} is missing); delete it",
+                    vm.hostname, vm.disk
+                )));
+            }
+            self.queue_boot(&vm.hostname)?;
+        }
+        let vm = match wait {
+            Wait::Agent => self.wait_running(&vm.hostname, timeout).await?,
+            Wait::None => self.vm(&vm.hostname)?,
+        };
+        Ok(api::LifecycleResponse {
+            hostname: vm.hostname,
+            state: vm.state,
+            stop_mode: None,
+            elapsed_ms: began.elapsed().as_millis() as u64,
+        })
+    }
+
+    /// Stops a VM if it runs and removes it with its disk.
+    pub async fn delete(self: &Arc<Self>, key: &str) -> Result<api::LifecycleResponse> {
+        let began = Instant::now();
+        let vm = self.vm(key)?;
+        let running = {
+            let _guard = self.lock_vm(&vm.hostname).await;
+            let current = self.vm(&vm.hostname)?;
+            // Stopping also keeps a queued VM from being launched.
+            if let Err(e) = self.store.transition(
+                &vm.hostname,
+                &[VmState::Starting, VmState::Running, VmState::Stopping],
+                VmState::Stopping,
+                Some("deleting"),
+            ) {
+                tracing::error!(vm = %vm.hostname, "cannot record that it is being deleted: {}", chain(&e));
+            }
+            current
+        };
+        if running.pid.is_some() && running.state.is_live() {
+            self.stop_process(&running, true, Duration::from_secs(5))
+                .await;
+        }
+        failpoint::hit(Failpoint::DeleteStopped);
+        let _guard = self.lock_vm(&vm.hostname).await;
+        let Some(vm) = self.store.find_vm(&vm.hostname)? else {
+            // An ephemeral VM removes itself when it stops.
+            let dir = self.paths(&vm.hostname).dir;
+            if let Err(e) = std::fs::remove_dir_all(&dir) {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    tracing::warn!(vm = %vm.hostname, "cannot remove {}: {e}", dir.display());
+                }
+            }
+            return Ok(api::LifecycleResponse {
+                hostname: vm.hostname,
+                state: VmState::Stopped,
+                stop_mode: None,
+                elapsed_ms: began.elapsed().as_millis() as u64,
+            });
+        };
+        if vm.state.is_live() && vm.pid.is_some() {
+            return Err(Error::Failed(format!(
+                "{} did not stop; not deleted",
+                vm.hostname
+            )));
+        }
+        if let Some(id) = &vm.commit_id {
+            // The source's own disk is an overlay on the commit; the commit
+            // stays and keeps its record.
+            tracing::info!(vm = %vm.hostname, commit = %id, "deleting a committed source");
+        }
+        self.release_network(&vm);
+        self.forget(&vm.hostname)?;
+        self.notify();
+        Ok(api::LifecycleResponse {
+            hostname: vm.hostname,
+            state: VmState::Stopped,
+            stop_mode: None,
+            elapsed_ms: began.elapsed().as_millis() as u64,
+        })
+    }
+
+    /// Applies a tag change.
+    pub async fn patch_tags(&self, key: &str, patch: api::TagsPatch) -> Result<api::TagsResponse> {
+        let vm = self.vm(key)?;
+        let _guard = self.lock_vm(&vm.hostname).await;
+        let vm = self.vm(&vm.hostname)?;
+        for t in patch.add.iter().chain(patch.replace.iter().flatten()) {
+            plan::validate_tag(t)?;
+        }
+        if patch.replace.is_some() && (!patch.add.is_empty() || !patch.remove.is_empty()) {
+            return Err(Error::BadRequest(
+                "use either replace, or add and remove".into(),
+            ));
+        }
+        let name_tag = vm.name.as_ref().map(|n| format!("name={n}"));
+        let mut tags = match patch.replace {
+            Some(r) => r,
+            None => {
+                let mut t = vm.tags.clone();
+                t.retain(|x| {
+                    !patch.remove.iter().any(|r| {
+                        x == r || (!r.contains('=') && x.split('=').next() == Some(r.as_str()))
+                    })
+                });
+                for a in patch.add {
+                    if !t.contains(&a) {
+                        t.push(a);
+                    }
+                }
+                t
+            }
+        };
+        // The friendly name is identity: it stays.
+        if let Some(n) = name_tag {
+            tags.retain(|t| !t.starts_with("name="));
+            tags.push(n);
+        }
+        self.store.set_tags(&vm.hostname, &tags)?;
+        Ok(api::TagsResponse {
+            hostname: vm.hostname,
+            tags,
+        })
+    }
+
+    /// Lists VMs, filtered by group and tags.
+    pub fn list(&self, group: Option<&str>, q: &api::ListQuery) -> Result<Vec<api::VmInfo>> {
+        if let Some(g) = group {
+            self.group(g)?;
+        }
+        Ok(self
+            .store
+            .list_vms(group)?
+            .iter()
+            .filter(|vm| q.tag.as_ref().is_none_or(|t| vm.tags.contains(t)))
+            .filter(|vm| {
+                q.tag_prefix
+                    .as_ref()
+                    .is_none_or(|p| vm.tags.iter().any(|t| t.starts_with(p.as_str())))
+            })
+            .map(|vm| self.describe(vm))
+            .collect())
+    }
+}
+
+impl Daemon {
+    async fn wait_not_live_until(&self, hostname: &str, deadline: tokio::time::Instant) -> bool {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        self.wait_not_live(hostname, left).await
+    }
+}

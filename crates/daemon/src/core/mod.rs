@@ -1,0 +1,29 @@
+//! The daemon's core, independent of HTTP: host groups, VM life cycles,
+//! their supervision, commits and forks, start-up reconciliation, each VM's
+//! network. It runs VMs through a [`crate::launcher::Launcher`], so every
+//! part of it runs in plain unit tests on the fake launcher.
+//!
+//! Modules, each on top of the ones before it: `error`, `plan` (requests
+//! checked against their group), `daemon` (the state and what every part
+//! shares), `netattach`, `supervise` (launch, boot set-up, exit policy),
+//! `lifecycle`, `commits`, `reconcile`.
+
+mod commits;
+mod daemon;
+mod error;
+mod lifecycle;
+mod netattach;
+mod plan;
+mod reconcile;
+mod supervise;
+
+#[cfg(test)]
+mod tests;
+
+pub use commits::{info as commit_info, MAX_CACHE_KEY};
+pub use daemon::{capped, Daemon, Deadlines, Parts, MAX_REASON};
+pub use error::{chain, Error, Result};
+pub use lifecycle::DEFAULT_SHUTDOWN_TIMEOUT;
+pub use plan::{validate_name, validate_tag, MAX_USERDATA};
+pub use reconcile::ReconcileReport;
+pub use supervise::{after_exit, stop_mode, AfterExit, BASE_CMDLINE};

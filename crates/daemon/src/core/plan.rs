@@ -1,0 +1,367 @@
+//! Checking requests against their host group: what a new VM or fork will
+//! be, before anything is recorded. Pure functions of the request, the
+//! group and the commit.
+
+use tine_proto::agent::MAX_FRAME_LEN;
+use tine_proto::api::{self, CreateVmRequest, Fixup, ForkNetwork, ForkRequest, TagMode};
+
+use super::error::{Error, Result};
+use crate::config::{HostGroup, MIN_RAM_MB};
+use crate::db::{CommitRecord, NewVm};
+use crate::network::PolicyEntry;
+
+/// Most bytes of userdata: it travels to the agent in one frame, with its
+/// request around it.
+pub const MAX_USERDATA: usize = MAX_FRAME_LEN as usize - 4096;
+
+/// Checks a tag: 1..=128 printable characters without spaces or commas.
+pub fn validate_tag(tag: &str) -> Result<()> {
+    if tag.is_empty()
+        || tag.len() > 128
+        || tag
+            .chars()
+            .any(|c| c.is_whitespace() || c.is_control() || c == ',')
+    {
+        return Err(Error::BadRequest(format!(
+            "tag `{tag}` is invalid: use 1-128 characters without spaces or commas, like key=value"
+        )));
+    }
+    Ok(())
+}
+
+/// Checks a friendly name: like a hostname label.
+pub fn validate_name(name: &str) -> Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 63
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.')
+        && !name.starts_with('-');
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::BadRequest(format!(
+            "name `{name}` is invalid: use 1-63 letters, digits, '-', '_' or '.'"
+        )))
+    }
+}
+
+/// Checks a per-VM policy override: every entry must be a CIDR, an IP, or
+/// either with `:port`.
+pub fn validate_policy(policy: &api::NetworkPolicy) -> Result<()> {
+    for entry in policy
+        .allow
+        .iter()
+        .flatten()
+        .chain(policy.drop.iter().flatten())
+    {
+        entry
+            .parse::<PolicyEntry>()
+            .map_err(|e| Error::BadRequest(format!("network policy entry `{entry}`: {e}")))?;
+    }
+    Ok(())
+}
+
+/// Checks userdata against what the agent protocol can carry.
+pub fn validate_userdata(userdata: &str) -> Result<()> {
+    if userdata.len() > MAX_USERDATA {
+        return Err(Error::BadRequest(format!(
+            "userdata is {} bytes; at most {MAX_USERDATA} fit in one agent message",
+            userdata.len()
+        )));
+    }
+    Ok(())
+}
+
+/// The shape of a new VM: cpus, RAM, tags and name checked against the
+/// group. `name_taken` says whether the friendly name is already used.
+pub struct Shape<'a> {
+    /// vCPUs asked for (default: the group's).
+    pub cpus: Option<u32>,
+    /// RAM asked for (default: the group's).
+    pub ram_bytes: Option<u64>,
+    /// Tags.
+    pub tags: Vec<String>,
+    /// Friendly name.
+    pub name: Option<&'a str>,
+    /// Whether that name is used already.
+    pub name_taken: bool,
+}
+
+/// Checks a [`Shape`] against `group`; returns (cpus, ram, tags).
+fn shape(group: &HostGroup, s: Shape<'_>) -> Result<(u32, u64, Vec<String>)> {
+    let cpus = s.cpus.unwrap_or(group.cpus);
+    if cpus == 0 || cpus > group.max_cpus() {
+        return Err(Error::BadRequest(format!(
+            "cpus {cpus} is outside 1..={} allowed by host group `{}`",
+            group.max_cpus(),
+            group.name
+        )));
+    }
+    let ram_bytes = s.ram_bytes.unwrap_or(group.ram_mb << 20);
+    let max = group.max_ram_mb() << 20;
+    if ram_bytes > max || ram_bytes < (MIN_RAM_MB << 20) || !ram_bytes.is_multiple_of(1 << 20) {
+        return Err(Error::BadRequest(format!(
+            "ram_bytes {ram_bytes} is outside {}..={max} (whole MiB) allowed by host group `{}`",
+            MIN_RAM_MB << 20,
+            group.name
+        )));
+    }
+    for t in &s.tags {
+        validate_tag(t)?;
+    }
+    let mut tags = s.tags;
+    if let Some(name) = s.name {
+        validate_name(name)?;
+        if s.name_taken {
+            return Err(Error::Conflict(format!(
+                "the name `{name}` is already used"
+            )));
+        }
+        tags.retain(|t| !t.starts_with("name="));
+        tags.push(format!("name={name}"));
+    }
+    Ok((cpus, ram_bytes, tags))
+}
+
+/// A new VM from a create request; `group_userdata` is the group's script
+/// (read only when the request has none).
+pub fn create(
+    group: &HostGroup,
+    req: &CreateVmRequest,
+    name_taken: bool,
+    managed: bool,
+    group_userdata: impl FnOnce() -> Result<Option<String>>,
+) -> Result<NewVm> {
+    let (cpus, ram_bytes, tags) = shape(
+        group,
+        Shape {
+            cpus: req.cpus,
+            ram_bytes: req.ram_bytes,
+            tags: req.tags.clone(),
+            name: req.name.as_deref(),
+            name_taken,
+        },
+    )?;
+    let userdata = match &req.userdata {
+        Some(u) => Some(u.clone()),
+        None => group_userdata()?,
+    };
+    if let Some(u) = &userdata {
+        validate_userdata(u)?;
+    }
+    if let Some(p) = &req.network {
+        validate_policy(p)?;
+    }
+    Ok(NewVm {
+        host_group: group.name.clone(),
+        cpus,
+        ram_bytes,
+        persistent: managed || req.persistent.unwrap_or(group.persistent),
+        managed,
+        tags,
+        name: req.name.clone(),
+        userdata,
+        policy: req.network.clone().map(ForkNetwork::Policy),
+        parent_commit_id: None,
+        fixups: None,
+        booted_once: false,
+    })
+}
+
+/// A new VM forked from `commit`. It never runs userdata (the commit's
+/// source did), so the group's script is not read.
+pub fn fork(
+    group: &HostGroup,
+    commit: &CommitRecord,
+    req: &ForkRequest,
+    name_taken: bool,
+) -> Result<NewVm> {
+    if req.no_secrets {
+        return Err(Error::BadRequest(
+            "no_secrets: tine has no secrets yet, so there are none to delete; leave it out".into(),
+        ));
+    }
+    let fixups = req.fixups.clone().unwrap_or_else(|| Fixup::ALL.to_vec());
+    if let Some(ForkNetwork::Policy(p)) = &req.network {
+        validate_policy(p)?;
+    }
+    let mut tags = match req.tag_mode.unwrap_or_default() {
+        TagMode::Append => commit.source_tags.clone(),
+        TagMode::Replace => Vec::new(),
+    };
+    match &req.tags {
+        // An empty list clears.
+        Some(list) if list.is_empty() => tags.clear(),
+        Some(list) => {
+            for t in list {
+                if !tags.contains(t) {
+                    tags.push(t.clone());
+                }
+            }
+        }
+        None => {}
+    }
+    let (cpus, ram_bytes, tags) = shape(
+        group,
+        Shape {
+            cpus: Some(req.cpus.unwrap_or(commit.cpus)),
+            ram_bytes: Some(req.ram_bytes.unwrap_or(commit.ram_bytes)),
+            tags,
+            name: req.name.as_deref(),
+            name_taken,
+        },
+    )?;
+    Ok(NewVm {
+        host_group: group.name.clone(),
+        cpus,
+        ram_bytes,
+        persistent: req.persistent.unwrap_or(true),
+        managed: false,
+        tags,
+        name: req.name.clone(),
+        userdata: None,
+        policy: req.network.clone(),
+        parent_commit_id: Some(commit.id.clone()),
+        fixups: Some(fixups),
+        booted_once: true,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn group() -> HostGroup {
+        serde_yaml::from_str("name: dev\ncpus: 1\nram_mb: 256\n").expect("group")
+    }
+
+    fn commit() -> CommitRecord {
+        CommitRecord {
+            id: "cmt-dev-1".into(),
+            host_group: "dev".into(),
+            source: "dev-1".into(),
+            disk: "/d".into(),
+            tags: vec![],
+            labels: Default::default(),
+            source_tags: vec!["role=builder".into()],
+            cache_key: None,
+            parent_commit_id: None,
+            cpus: 1,
+            ram_bytes: 256 << 20,
+            size_bytes: 0,
+            created_ms: 0,
+            elapsed_ms: 0,
+        }
+    }
+
+    #[test]
+    fn a_fork_never_reads_the_groups_userdata_and_gets_every_fixup_by_default() {
+        let vm = fork(&group(), &commit(), &ForkRequest::default(), false).expect("fork");
+        assert_eq!(vm.userdata, None);
+        assert_eq!(vm.fixups, Some(Fixup::ALL.to_vec()));
+        assert_eq!(vm.tags, vec!["role=builder".to_string()]);
+        let none = ForkRequest {
+            fixups: Some(vec![]),
+            ..ForkRequest::default()
+        };
+        assert_eq!(
+            fork(&group(), &commit(), &none, false)
+                .expect("fork")
+                .fixups,
+            Some(vec![])
+        );
+    }
+
+    #[test]
+    fn no_secrets_is_refused_until_there_are_secrets() {
+        let req = ForkRequest {
+            no_secrets: true,
+            ..ForkRequest::default()
+        };
+        let err = fork(&group(), &commit(), &req, false).expect_err("refused");
+        assert!(
+            matches!(err, Error::BadRequest(ref m) if m.contains("no_secrets")),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn tag_modes_append_replace_and_clear() {
+        let replace = ForkRequest {
+            tags: Some(vec!["role=runner".into()]),
+            tag_mode: Some(TagMode::Replace),
+            ..ForkRequest::default()
+        };
+        let vm = fork(&group(), &commit(), &replace, false).expect("fork");
+        assert_eq!(vm.tags, vec!["role=runner".to_string()]);
+        let append = ForkRequest {
+            tags: Some(vec!["role=runner".into()]),
+            ..ForkRequest::default()
+        };
+        let vm = fork(&group(), &commit(), &append, false).expect("fork");
+        assert_eq!(
+            vm.tags,
+            vec!["role=builder".to_string(), "role=runner".into()]
+        );
+        let clear = ForkRequest {
+            tags: Some(vec![]),
+            ..ForkRequest::default()
+        };
+        assert!(fork(&group(), &commit(), &clear, false)
+            .expect("fork")
+            .tags
+            .is_empty());
+    }
+
+    #[test]
+    fn userdata_larger_than_one_agent_frame_is_refused_at_create() {
+        let req = CreateVmRequest {
+            userdata: Some("x".repeat(1_500_000)),
+            ..CreateVmRequest::default()
+        };
+        let err = create(&group(), &req, false, false, || Ok(None)).expect_err("too big");
+        assert!(
+            matches!(err, Error::BadRequest(ref m) if m.contains("userdata")),
+            "{err}"
+        );
+        let ok = CreateVmRequest {
+            userdata: Some("echo hi".into()),
+            ..CreateVmRequest::default()
+        };
+        assert!(create(&group(), &ok, false, false, || Ok(None)).is_ok());
+    }
+
+    #[test]
+    fn the_groups_userdata_is_read_only_when_the_request_has_none() {
+        let req = CreateVmRequest {
+            userdata: Some("mine".into()),
+            ..CreateVmRequest::default()
+        };
+        let vm = create(&group(), &req, false, false, || {
+            Err(Error::Failed("must not be read".into()))
+        })
+        .expect("create");
+        assert_eq!(vm.userdata.as_deref(), Some("mine"));
+    }
+
+    #[test]
+    fn names_and_limits_are_checked() {
+        let req = CreateVmRequest {
+            name: Some("web".into()),
+            ..CreateVmRequest::default()
+        };
+        assert!(matches!(
+            create(&group(), &req, true, false, || Ok(None)),
+            Err(Error::Conflict(_))
+        ));
+        let req = CreateVmRequest {
+            cpus: Some(99),
+            ..CreateVmRequest::default()
+        };
+        assert!(matches!(
+            create(&group(), &req, false, false, || Ok(None)),
+            Err(Error::BadRequest(_))
+        ));
+    }
+}

@@ -1,0 +1,226 @@
+//! Start-up reconciliation: after a restart (or a `kill -9`) the daemon
+//! adopts the runs that survived, finishes or undoes interrupted changes,
+//! removes what no record names, relaunches persistent VMs (per
+//! `reconcile:`) and keeps each group's `count`.
+
+use std::collections::HashSet;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tine_proto::api::{CreateVmRequest, StopMode, VmState, Wait};
+
+use super::daemon::Daemon;
+use super::error::{chain, Result};
+use crate::config::Reconcile;
+use crate::launcher::Instance;
+
+/// What start-up reconciliation did.
+#[derive(Debug, Default, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ReconcileReport {
+    /// Live VMs taken over.
+    pub adopted: Vec<String>,
+    /// Persistent VMs booted again.
+    pub relaunched: Vec<String>,
+    /// Persistent VMs recorded as stopped (`reconcile: report`).
+    pub stopped: Vec<String>,
+    /// Records or files removed.
+    pub removed: Vec<String>,
+    /// Unrecorded runs killed.
+    pub killed: Vec<String>,
+    /// VMs that could not be relaunched.
+    pub failed: Vec<String>,
+    /// VMs created to keep `count`.
+    pub created: Vec<String>,
+}
+
+fn remove_logged(path: &Path, dir: bool, report: &mut ReconcileReport) {
+    let done = if dir {
+        std::fs::remove_dir_all(path)
+    } else {
+        std::fs::remove_file(path)
+    };
+    match done {
+        Ok(()) => report.removed.push(path.display().to_string()),
+        Err(e) => tracing::warn!("cannot remove {}: {e}", path.display()),
+    }
+}
+
+impl Daemon {
+    /// Start-up: see the module documentation.
+    pub async fn reconcile(self: &Arc<Self>) -> Result<ReconcileReport> {
+        let mut report = ReconcileReport::default();
+        let vms = self.store.list_vms(None)?;
+        // Runs nobody recorded (a crash between launch and record) go first:
+        // such a VMM holds the disk and sockets of a VM that is about to be
+        // launched again, and two VMMs must never share a disk.
+        let strays: Vec<_> = self
+            .launcher
+            .strays()
+            .into_iter()
+            .filter(|s| {
+                !vms.iter()
+                    .any(|v| v.hostname == s.hostname && v.pid == Some(s.pid) && v.state.is_live())
+            })
+            .collect();
+        self.launcher.kill_strays(&strays).await;
+        report.killed.extend(
+            strays
+                .iter()
+                .map(|s| format!("{} (pid {})", s.hostname, s.pid)),
+        );
+        for vm in &vms {
+            match vm.state {
+                VmState::Creating => {
+                    self.discard(&vm.hostname).await;
+                    report.removed.push(vm.hostname.clone());
+                }
+                VmState::Starting if vm.pid.is_none() => {
+                    // Queued for a boot slot when the daemon went down.
+                    match self.queue_boot(&vm.hostname) {
+                        Ok(()) => report.relaunched.push(vm.hostname.clone()),
+                        Err(e) => {
+                            tracing::error!(vm = %vm.hostname, "cannot queue its boot: {}", chain(&e));
+                            report.failed.push(vm.hostname.clone())
+                        }
+                    }
+                }
+                s if s.is_live() => {
+                    let running = match (vm.pid, vm.pid_start) {
+                        (Some(pid), Some(pid_start)) => self
+                            .launcher
+                            .adopt(&vm.hostname, Instance { pid, pid_start }),
+                        _ => None,
+                    };
+                    if let Some(running) = running {
+                        if s == VmState::Stopping {
+                            // The stop request died with the old daemon.
+                            self.store.transition(
+                                &vm.hostname,
+                                &[VmState::Stopping],
+                                VmState::Running,
+                                None,
+                            )?;
+                        }
+                        self.supervise(vm.hostname.clone(), running, None);
+                        report.adopted.push(vm.hostname.clone());
+                    } else if !vm.persistent {
+                        self.discard(&vm.hostname).await;
+                        report.removed.push(vm.hostname.clone());
+                    } else {
+                        let reason = "its process ended while the daemon was down";
+                        self.store.clear_process(
+                            &vm.hostname,
+                            VmState::Stopped,
+                            Some(reason),
+                            Some(StopMode::Crashed),
+                        )?;
+                        self.release_network(vm);
+                        if self.config.reconcile == Reconcile::Relaunch {
+                            self.relaunch_at_start(&vm.hostname, &mut report)?;
+                        } else {
+                            report.stopped.push(vm.hostname.clone());
+                        }
+                    }
+                }
+                _ => {
+                    if vm.managed
+                        && self.config.reconcile == Reconcile::Relaunch
+                        && Path::new(&vm.disk).is_file()
+                    {
+                        self.relaunch_at_start(&vm.hostname, &mut report)?;
+                    }
+                }
+            }
+        }
+        self.remove_orphan_files(&mut report)?;
+        self.cleanup_network_orphans(&self.store.list_vms(None)?);
+        // Keep `count` VMs per group.
+        for g in self.config.host_groups.clone() {
+            let have = self
+                .store
+                .list_vms(Some(&g.name))?
+                .iter()
+                .filter(|v| v.managed)
+                .count() as u32;
+            for _ in have..g.count {
+                match self
+                    .create_vm(
+                        &g.name,
+                        CreateVmRequest::default(),
+                        Wait::None,
+                        Duration::ZERO,
+                        true,
+                    )
+                    .await
+                {
+                    Ok(r) => report.created.push(r.hostname),
+                    Err(e) => {
+                        tracing::error!(group = %g.name, "cannot keep count: {}", chain(&e));
+                        break;
+                    }
+                }
+            }
+        }
+        self.notify();
+        Ok(report)
+    }
+
+    /// Removes VM folders, disk files and commit files no record names.
+    fn remove_orphan_files(&self, report: &mut ReconcileReport) -> Result<()> {
+        let vms = self.store.list_vms(None)?;
+        let known: HashSet<&str> = vms.iter().map(|v| v.hostname.as_str()).collect();
+        if let Ok(entries) = std::fs::read_dir(self.data_dir.join("vms")) {
+            for e in entries.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                if !known.contains(name.as_str()) {
+                    remove_logged(&e.path(), true, report);
+                }
+            }
+        }
+        let commits: HashSet<String> = self.store.commit_paths()?.into_iter().collect();
+        if let Ok(entries) = std::fs::read_dir(self.commits_dir()) {
+            for e in entries.flatten() {
+                if !commits.contains(&e.path().display().to_string()) {
+                    remove_logged(&e.path(), false, report);
+                }
+            }
+        }
+        // Disk files in VM folders that no record names (a crash between a
+        // commit's record and the removal of the source's old disk name).
+        for vm in &vms {
+            let dir = self.paths(&vm.hostname).dir;
+            if let Ok(entries) = std::fs::read_dir(&dir) {
+                for e in entries.flatten() {
+                    let name = e.file_name().to_string_lossy().into_owned();
+                    if name.starts_with("disk")
+                        && name.ends_with(".qcow2")
+                        && e.path().display().to_string() != vm.disk
+                    {
+                        remove_logged(&e.path(), false, report);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Queues a persistent VM's boot during reconciliation, recording the
+    /// outcome.
+    fn relaunch_at_start(
+        self: &Arc<Self>,
+        hostname: &str,
+        report: &mut ReconcileReport,
+    ) -> Result<()> {
+        match self.queue_boot(hostname) {
+            Ok(()) => report.relaunched.push(hostname.to_owned()),
+            Err(e) => {
+                let reason = chain(&e);
+                self.store
+                    .set_state(hostname, VmState::Failed, Some(&reason))?;
+                report.failed.push(hostname.to_owned());
+            }
+        }
+        Ok(())
+    }
+}

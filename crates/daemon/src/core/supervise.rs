@@ -1,0 +1,336 @@
+//! Running a VM and watching it: the launch (a boot slot, the network, the
+//! launcher), the boot's set-up once the agent answers (fix-ups, network,
+//! first-boot userdata, each with a deadline), and what happens when the
+//! run ends (the exit policy).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tine_proto::agent::FixupRequest;
+use tine_proto::api::{Fixup, StopMode, VmState};
+
+use super::daemon::Daemon;
+use super::error::{chain, Error, Result};
+use crate::db::now_ms;
+use crate::failpoint::{self, Failpoint};
+use crate::launcher::{BootSpec, Instance, Running, Stop};
+
+/// Kernel command line for every VM (the image's init is the agent).
+pub const BASE_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 pci=off nomodule nokaslr \
+     i8042.noaux i8042.nomux i8042.dumbkbd i8042.nopnp swiotlb=noforce cryptomgr.notests \
+     quiet root=/dev/vda rw init=/sbin/init";
+
+/// How a run ended: `forced` when the daemon killed it, `clean` when the
+/// VMM reported a power-off, reboot or requested kill, `requested` when the
+/// daemon had asked it to stop.
+pub fn stop_mode(forced: bool, clean: bool, requested: bool) -> StopMode {
+    match (forced, clean, requested) {
+        (true, _, _) => StopMode::Forced,
+        (false, false, _) => StopMode::Crashed,
+        (false, true, true) => StopMode::Graceful,
+        (false, true, false) => StopMode::Guest,
+    }
+}
+
+/// What becomes of a VM whose run ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AfterExit {
+    /// Kept (with its disk) in this state.
+    Keep(VmState),
+    /// Removed with its disk: an ephemeral VM that stopped, or a fork that
+    /// never came up (its waiter learns why).
+    Remove,
+    /// An ephemeral VM that failed: the record stays to say why, the disk
+    /// goes.
+    KeepFailedDropDisk,
+}
+
+/// The exit policy. `state` is the VM's state when the run ended,
+/// `clean` whether the stop was a power-off, reboot or requested kill.
+pub fn after_exit(state: VmState, persistent: bool, unborn_fork: bool, clean: bool) -> AfterExit {
+    let requested = state == VmState::Stopping;
+    // A guest that stops before its agent ever answered failed to boot (a
+    // kernel panic reboots with panic=-1), whatever the exit said.
+    let never_ready = state == VmState::Starting;
+    let end = if requested || (clean && !never_ready) {
+        VmState::Stopped
+    } else {
+        VmState::Failed
+    };
+    if never_ready && !requested && unborn_fork {
+        AfterExit::Remove
+    } else if persistent {
+        AfterExit::Keep(end)
+    } else if end == VmState::Stopped {
+        AfterExit::Remove
+    } else {
+        AfterExit::KeepFailedDropDisk
+    }
+}
+
+impl Daemon {
+    /// Launches a queued VM and supervises it (the set-up at agent-ready,
+    /// then its exit); `permit` is the boot slot, held until the set-up
+    /// ends.
+    pub(super) fn launch(
+        self: &Arc<Self>,
+        hostname: &str,
+        permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    ) -> Result<()> {
+        let vm = self.vm(hostname)?;
+        let group = self.group(&vm.host_group)?.clone();
+        let network = self.attach_network(&group, &vm)?;
+        let mut cmdline = BASE_CMDLINE.to_owned();
+        if let Some(extra) = &self.config.cmdline {
+            cmdline.push(' ');
+            cmdline.push_str(extra);
+        }
+        let spec = BootSpec {
+            hostname: hostname.to_owned(),
+            kernel: group.kernel.clone().unwrap_or_else(|| self.kernel.clone()),
+            cmdline,
+            cpus: vm.cpus,
+            ram_mib: vm.ram_bytes >> 20,
+            disk: PathBuf::from(&vm.disk),
+            net: network.map(|n| (n.tap, n.mac)),
+        };
+        // A forced stop of an earlier run that was never reaped here.
+        self.take_forced(hostname);
+        let running = self.launcher.boot(&spec).map_err(|source| Error::Launch {
+            what: format!("boot {hostname}"),
+            source,
+        })?;
+        let Instance { pid, pid_start } = running.instance;
+        failpoint::hit(Failpoint::BootSpawned);
+        if let Err(e) = self.store.set_process(hostname, pid, pid_start) {
+            self.launcher.kill(hostname, running.instance);
+            return Err(e.into());
+        }
+        self.notify();
+        failpoint::hit(Failpoint::BootRecorded);
+        tracing::info!(vm = hostname, pid, "started");
+        self.supervise(hostname.to_owned(), running, permit);
+        Ok(())
+    }
+
+    /// Watches a run: finishes its boot and handles its exit.
+    pub(super) fn supervise(
+        self: &Arc<Self>,
+        hostname: String,
+        running: Running,
+        permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    ) {
+        let this = self.clone();
+        let h = hostname.clone();
+        let instance = running.instance;
+        let boot = tokio::spawn(async move {
+            // The boot slot is free again when the set-up ends (or the run
+            // ends and this task is aborted).
+            let _permit = permit;
+            if let Err(e) = this.finish_boot(&h).await {
+                let reason = chain(&e);
+                tracing::warn!(vm = %h, "boot set-up: {reason}");
+                match this.store.transition(
+                    &h,
+                    &[VmState::Starting],
+                    VmState::Failed,
+                    Some(&super::daemon::capped(&reason)),
+                ) {
+                    Ok(true) => {
+                        this.notify();
+                        // The guest is of no use without its set-up.
+                        this.launcher.kill(&h, instance);
+                    }
+                    Ok(false) => {}
+                    Err(e) => tracing::error!(vm = %h, "cannot record its failure: {}", chain(&e)),
+                }
+            }
+        });
+        let this = self.clone();
+        tokio::spawn(async move {
+            let stop = running.exit.await;
+            boot.abort();
+            this.on_exit(&hostname, stop).await;
+        });
+    }
+
+    /// Waits for the agent, applies fix-ups, network and first-boot
+    /// userdata, then marks the VM running.
+    async fn finish_boot(&self, hostname: &str) -> Result<()> {
+        let began = Instant::now();
+        let vm = self.vm(hostname)?;
+        let started_ms = vm.started_ms.unwrap_or_else(now_ms);
+        let deadline = Instant::now() + self.deadlines.agent_ready;
+        let client = loop {
+            match self.connect_agent(hostname).await {
+                Ok(c) => break c,
+                Err(e) if Instant::now() > deadline => {
+                    return Err(Error::AgentUnavailable(format!(
+                        "agent never answered within {}: {}",
+                        humantime::format_duration(self.deadlines.agent_ready),
+                        chain(&e)
+                    )))
+                }
+                Err(_) => tokio::time::sleep(std::time::Duration::from_millis(10)).await,
+            }
+        };
+        let first = !vm.booted_once;
+        let (set_hostname, machine_id, ssh_host_keys) = match &vm.fixups {
+            // A fork's first boot: exactly the fix-ups it asked for.
+            Some(list) => (
+                list.contains(&Fixup::Hostname),
+                list.contains(&Fixup::MachineId),
+                list.contains(&Fixup::SshHostKeys),
+            ),
+            None => (true, first, first),
+        };
+        let mut entropy = vec![0u8; 64];
+        getrandom::fill(&mut entropy).map_err(|e| {
+            Error::io(
+                "host entropy for the guest",
+                std::io::Error::other(e.to_string()),
+            )
+        })?;
+        let clock = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .ok();
+        let req = FixupRequest {
+            hostname: set_hostname.then(|| hostname.to_owned()),
+            machine_id,
+            ssh_host_keys,
+            entropy: Some(entropy),
+            clock_unix_nanos: clock,
+        };
+        let step = self.deadlines.setup_call;
+        let within = |what: &'static str| {
+            move |_| {
+                Error::Timeout(format!(
+                    "{what}: the agent did not answer within {}",
+                    humantime::format_duration(step)
+                ))
+            }
+        };
+        tokio::time::timeout(step, client.fixups(req))
+            .await
+            .map_err(within("fix-ups"))?
+            .map_err(|source| Error::Agent {
+                what: "fix-ups".into(),
+                source,
+            })?;
+        if let Some(n) = vm.network.as_ref().map(|n| n.agent_request()) {
+            tokio::time::timeout(step, client.network(n))
+                .await
+                .map_err(within("network set-up"))?
+                .map_err(|source| Error::Agent {
+                    what: "network set-up".into(),
+                    source,
+                })?;
+        }
+        if first {
+            if let Some(script) = &vm.userdata {
+                tokio::time::timeout(step, client.userdata_run(script))
+                    .await
+                    .map_err(within("userdata"))?
+                    .map_err(|source| Error::Agent {
+                        what: "userdata".into(),
+                        source,
+                    })?;
+            }
+        }
+        let boot_ms = now_ms().saturating_sub(started_ms);
+        failpoint::hit(Failpoint::BootSetUp);
+        self.store.set_running(hostname, boot_ms)?;
+        self.notify();
+        tracing::info!(
+            vm = hostname,
+            boot_ms,
+            setup_ms = began.elapsed().as_millis() as u64,
+            "agent ready"
+        );
+        Ok(())
+    }
+
+    /// A run ended: record why, release what it held, apply the exit
+    /// policy.
+    async fn on_exit(self: &Arc<Self>, hostname: &str, stop: Stop) {
+        let _guard = self.lock_vm(hostname).await;
+        let vm = match self.store.find_vm(hostname) {
+            Ok(Some(vm)) if vm.state.is_live() => vm,
+            Ok(_) => return,
+            Err(e) => {
+                tracing::error!(
+                    vm = hostname,
+                    "its run ended, but its record cannot be read: {}",
+                    chain(&e)
+                );
+                return;
+            }
+        };
+        let requested = vm.state == VmState::Stopping;
+        let forced = self.take_forced(hostname);
+        let mode = stop_mode(forced.is_some(), stop.is_clean(), requested);
+        let reason = forced.unwrap_or_else(|| stop.describe());
+        let policy = after_exit(
+            vm.state,
+            vm.persistent,
+            vm.is_unborn_fork(),
+            stop.is_clean(),
+        );
+        tracing::info!(vm = hostname, %reason, stop = %mode, ?policy, "run ended");
+        self.release_network(&vm);
+        match policy {
+            AfterExit::Keep(state) => self.record_exit(hostname, state, &reason, mode),
+            AfterExit::Remove => {
+                if vm.is_unborn_fork() {
+                    self.remember_failure(hostname, &reason);
+                }
+                self.forget_logged(hostname);
+            }
+            AfterExit::KeepFailedDropDisk => {
+                self.record_exit(hostname, VmState::Failed, &reason, mode);
+                if let Err(e) = std::fs::remove_file(&vm.disk) {
+                    tracing::warn!(vm = hostname, "cannot remove the disk {}: {e}", vm.disk);
+                }
+            }
+        }
+        self.notify();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_kill_by_the_daemon_is_forced() {
+        assert_eq!(stop_mode(true, true, true), StopMode::Forced);
+        assert_eq!(stop_mode(true, false, true), StopMode::Forced);
+        assert_eq!(stop_mode(false, true, true), StopMode::Graceful);
+        assert_eq!(stop_mode(false, true, false), StopMode::Guest);
+        assert_eq!(stop_mode(false, false, false), StopMode::Crashed);
+        assert_eq!(stop_mode(false, false, true), StopMode::Crashed);
+    }
+
+    #[test]
+    fn the_exit_policy_keeps_persistent_vms_and_removes_what_never_came_up() {
+        use AfterExit::*;
+        use VmState::*;
+        // Persistent: kept; stopped when clean or asked, failed otherwise.
+        assert_eq!(after_exit(Running, true, false, true), Keep(Stopped));
+        assert_eq!(after_exit(Running, true, false, false), Keep(Failed));
+        assert_eq!(after_exit(Stopping, true, false, false), Keep(Stopped));
+        // A clean stop before the agent answered is a failed boot.
+        assert_eq!(after_exit(Starting, true, false, true), Keep(Failed));
+        // An unborn fork leaves nothing, persistent or not.
+        assert_eq!(after_exit(Starting, true, true, false), Remove);
+        assert_eq!(after_exit(Starting, false, true, true), Remove);
+        // ... unless it was being stopped on request.
+        assert_eq!(after_exit(Stopping, true, true, true), Keep(Stopped));
+        // Ephemeral: gone when stopped, record kept when failed.
+        assert_eq!(after_exit(Running, false, false, true), Remove);
+        assert_eq!(after_exit(Stopping, false, false, false), Remove);
+        assert_eq!(after_exit(Running, false, false, false), KeepFailedDropDisk);
+    }
+}

@@ -1,0 +1,435 @@
+//! An in-process stand-in for `tine-vmm` and the guest: each "VM" is a few
+//! tasks, and its agent speaks the real agent protocol over an in-memory
+//! pipe. Tests and benchmarks run the daemon's whole core on it without KVM,
+//! and tell each VM's guest how to behave ([`Guest`]): healthy, crashing,
+//! silent, hanging, deaf to shutdown requests.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use futures_util::future::BoxFuture;
+use futures_util::FutureExt;
+use tine_proto::agent::mux::{Inbound, Mux, MuxConfig, Stream};
+use tine_proto::agent::{
+    server_handshake, ErrorCode, FixupReport, Health, Request, Response, UserdataStatus, Welcome,
+    MAX_FRAME_LEN, PROTOCOL_VERSION,
+};
+use tine_vmm::control::{Request as VmmRequest, Response as VmmResponse};
+use tine_vmm::vstate::vcpu::StopReason;
+use tokio::sync::watch;
+
+use super::{
+    BootSpec, GuestStream, Instance, LaunchError, Launcher, RestoreSpec, Running, Stop, Stray,
+};
+
+/// How a fake VM's guest behaves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Guest {
+    /// Boots, answers its agent's requests, powers off when asked.
+    #[default]
+    Healthy,
+    /// Triple-faults right after it starts, before its agent listens.
+    Crashes,
+    /// Its agent never listens: every vsock connection is refused.
+    Silent,
+    /// Its agent handshakes, then never answers a request.
+    Hangs,
+    /// Its agent answers every fix-up request with an error.
+    FailsFixups,
+    /// Runs, but ignores every request to stop (agent and Ctrl-Alt-Del).
+    Deaf,
+}
+
+/// Something a fake VM was asked, in order.
+#[derive(Debug, Clone)]
+pub enum Seen {
+    /// A boot.
+    Boot(BootSpec),
+    /// A restore.
+    Restore(RestoreSpec),
+    /// A control request.
+    Control(VmmRequest),
+    /// An agent request.
+    Agent(Request),
+    /// A kill by signal.
+    Kill,
+}
+
+#[derive(Debug)]
+struct Run {
+    instance: Instance,
+    guest: Guest,
+    stop: watch::Sender<Option<Stop>>,
+    stray: bool,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    next_pid: u32,
+    runs: HashMap<String, Run>,
+    guests: HashMap<String, Guest>,
+    refuse_boot: Option<String>,
+    seen: Vec<(String, Seen)>,
+}
+
+/// The stand-in launcher; clones share their VMs (a "restarted daemon" gets
+/// a clone and finds the VMs that kept running).
+#[derive(Debug, Clone, Default)]
+pub struct FakeLauncher {
+    state: Arc<Mutex<State>>,
+}
+
+impl FakeLauncher {
+    /// A launcher with no VMs; every guest is [`Guest::Healthy`].
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// How the guest of `hostname` behaves from its next boot on.
+    pub fn set_guest(&self, hostname: &str, guest: Guest) {
+        self.lock().guests.insert(hostname.to_owned(), guest);
+    }
+
+    /// Makes every boot fail to start, with `why` (a missing binary, say).
+    pub fn refuse_boots(&self, why: Option<&str>) {
+        self.lock().refuse_boot = why.map(str::to_owned);
+    }
+
+    /// Whether `hostname` has a run that has not stopped.
+    pub fn is_running(&self, hostname: &str) -> bool {
+        self.lock()
+            .runs
+            .get(hostname)
+            .is_some_and(|r| r.stop.borrow().is_none())
+    }
+
+    /// What `hostname` was asked, in order.
+    pub fn seen(&self, hostname: &str) -> Vec<Seen> {
+        self.lock()
+            .seen
+            .iter()
+            .filter(|(h, _)| h == hostname)
+            .map(|(_, s)| s.clone())
+            .collect()
+    }
+
+    /// Boots `hostname` behind the daemon's back: a run nobody recorded.
+    pub fn start_stray(&self, hostname: &str) -> Instance {
+        self.start_run(hostname, Guest::Healthy, true)
+    }
+
+    /// Ends `hostname`'s run as if its guest or VMM did (`stop`).
+    pub fn stop(&self, hostname: &str, stop: Stop) {
+        if let Some(run) = self.lock().runs.get(hostname) {
+            end(&run.stop, stop);
+        }
+    }
+
+    fn record(&self, hostname: &str, seen: Seen) {
+        self.lock().seen.push((hostname.to_owned(), seen));
+    }
+
+    fn start_run(&self, hostname: &str, guest: Guest, stray: bool) -> Instance {
+        let mut state = self.lock();
+        state.next_pid += 1;
+        let instance = Instance {
+            pid: 1_000_000 + state.next_pid,
+            pid_start: u64::from(state.next_pid),
+        };
+        let (stop, _) = watch::channel(None);
+        if guest == Guest::Crashes {
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                end(&stop, Stop::Reported(StopReason::TripleFault));
+            });
+        }
+        state.runs.insert(
+            hostname.to_owned(),
+            Run {
+                instance,
+                guest,
+                stop,
+                stray,
+            },
+        );
+        instance
+    }
+
+    fn running(&self, hostname: &str, instance: Instance) -> Option<Running> {
+        let mut rx = {
+            let state = self.lock();
+            let run = state.runs.get(hostname)?;
+            if run.instance != instance || run.stop.borrow().is_some() {
+                return None;
+            }
+            run.stop.subscribe()
+        };
+        let exit = async move {
+            match rx.wait_for(Option::is_some).await {
+                Ok(stop) => stop.clone().unwrap_or(Stop::Vanished),
+                Err(_) => Stop::Vanished,
+            }
+        };
+        Some(Running {
+            instance,
+            exit: exit.boxed(),
+        })
+    }
+
+    fn boot_as(&self, hostname: &str) -> Result<Running, LaunchError> {
+        if let Some(why) = self.lock().refuse_boot.clone() {
+            return Err(LaunchError::Spawn {
+                program: "fake-vmm".into(),
+                hostname: hostname.to_owned(),
+                source: std::io::Error::new(std::io::ErrorKind::NotFound, why),
+            });
+        }
+        let guest = self
+            .lock()
+            .guests
+            .get(hostname)
+            .copied()
+            .unwrap_or_default();
+        let instance = self.start_run(hostname, guest, false);
+        self.running(hostname, instance)
+            .ok_or_else(|| LaunchError::Vsock {
+                hostname: hostname.to_owned(),
+                port: 0,
+                detail: "stopped at once".into(),
+            })
+    }
+
+    fn guest_of(&self, hostname: &str) -> Option<(Guest, watch::Sender<Option<Stop>>)> {
+        let state = self.lock();
+        let run = state.runs.get(hostname)?;
+        if run.stop.borrow().is_some() {
+            return None;
+        }
+        Some((run.guest, run.stop.clone()))
+    }
+}
+
+fn end(stop: &watch::Sender<Option<Stop>>, why: Stop) {
+    stop.send_if_modified(|s| {
+        if s.is_none() {
+            *s = Some(why);
+            true
+        } else {
+            false
+        }
+    });
+}
+
+impl Launcher for FakeLauncher {
+    fn boot(&self, spec: &BootSpec) -> Result<Running, LaunchError> {
+        self.record(&spec.hostname, Seen::Boot(spec.clone()));
+        self.boot_as(&spec.hostname)
+    }
+
+    fn restore<'a>(&'a self, spec: &'a RestoreSpec) -> BoxFuture<'a, Result<Running, LaunchError>> {
+        async move {
+            self.record(&spec.hostname, Seen::Restore(spec.clone()));
+            self.boot_as(&spec.hostname)
+        }
+        .boxed()
+    }
+
+    fn adopt(&self, hostname: &str, instance: Instance) -> Option<Running> {
+        self.running(hostname, instance)
+    }
+
+    fn strays(&self) -> Vec<Stray> {
+        self.lock()
+            .runs
+            .iter()
+            .filter(|(_, r)| r.stray && r.stop.borrow().is_none())
+            .map(|(h, r)| Stray {
+                pid: r.instance.pid,
+                hostname: h.clone(),
+            })
+            .collect()
+    }
+
+    fn kill_strays<'a>(&'a self, strays: &'a [Stray]) -> BoxFuture<'a, ()> {
+        async move {
+            for s in strays {
+                self.record(&s.hostname, Seen::Kill);
+                self.stop(
+                    &s.hostname,
+                    Stop::Signalled {
+                        signal: 9,
+                        output: String::new(),
+                    },
+                );
+            }
+        }
+        .boxed()
+    }
+
+    fn kill(&self, hostname: &str, instance: Instance) {
+        let state = self.lock();
+        if let Some(run) = state.runs.get(hostname).filter(|r| r.instance == instance) {
+            end(
+                &run.stop,
+                Stop::Signalled {
+                    signal: 9,
+                    output: String::new(),
+                },
+            );
+        }
+        drop(state);
+        self.record(hostname, Seen::Kill);
+    }
+
+    fn control<'a>(
+        &'a self,
+        hostname: &'a str,
+        request: &'a VmmRequest,
+    ) -> BoxFuture<'a, Result<VmmResponse, LaunchError>> {
+        async move {
+            self.record(hostname, Seen::Control(request.clone()));
+            let Some((guest, stop)) = self.guest_of(hostname) else {
+                return Err(LaunchError::Control {
+                    hostname: hostname.to_owned(),
+                    source: std::io::Error::new(std::io::ErrorKind::NotFound, "not running"),
+                });
+            };
+            match request {
+                VmmRequest::Kill => end(&stop, Stop::Reported(StopReason::Killed)),
+                VmmRequest::Shutdown if guest != Guest::Deaf => {
+                    end(&stop, Stop::Reported(StopReason::GuestPoweroff(0)))
+                }
+                _ => {}
+            }
+            Ok(VmmResponse::Ok {
+                state: None,
+                snapshot: None,
+                stop_reason: None,
+                duration_us: 1,
+            })
+        }
+        .boxed()
+    }
+
+    fn connect<'a>(
+        &'a self,
+        hostname: &'a str,
+        port: u32,
+    ) -> BoxFuture<'a, Result<Box<dyn GuestStream>, LaunchError>> {
+        async move {
+            let refused = |detail: &str| LaunchError::Vsock {
+                hostname: hostname.to_owned(),
+                port,
+                detail: detail.to_owned(),
+            };
+            let Some((guest, stop)) = self.guest_of(hostname) else {
+                return Err(refused("the VM does not run"));
+            };
+            if matches!(guest, Guest::Silent | Guest::Crashes)
+                || port != tine_proto::agent::AGENT_VSOCK_PORT
+            {
+                return Err(refused("the port is not open"));
+            }
+            let (ours, theirs) = tokio::io::duplex(1 << 20);
+            let agent = FakeAgent {
+                launcher: self.clone(),
+                hostname: hostname.to_owned(),
+                guest,
+                stop,
+            };
+            tokio::spawn(agent.serve(theirs));
+            Ok(Box::new(ours) as Box<dyn GuestStream>)
+        }
+        .boxed()
+    }
+}
+
+/// The guest side of one agent connection.
+struct FakeAgent {
+    launcher: FakeLauncher,
+    hostname: String,
+    guest: Guest,
+    stop: watch::Sender<Option<Stop>>,
+}
+
+impl FakeAgent {
+    async fn serve(self, mut io: tokio::io::DuplexStream) {
+        let welcome = Welcome {
+            version: PROTOCOL_VERSION,
+            agent_version: "fake".into(),
+            max_frame_len: MAX_FRAME_LEN,
+            stream_window: tine_proto::agent::mux::STREAM_WINDOW,
+        };
+        if server_handshake(&mut io, &welcome).await.is_err() {
+            return;
+        }
+        let config = MuxConfig {
+            max_frame_len: MAX_FRAME_LEN,
+            max_streams: 16,
+        };
+        let (_mux, mut incoming) = Mux::server(io, config);
+        let this = Arc::new(self);
+        while let Some(stream) = incoming.accept().await {
+            tokio::spawn(this.clone().answer(stream));
+        }
+    }
+
+    async fn answer(self: Arc<Self>, mut stream: Stream) {
+        let Some(Inbound::Msg(bytes)) = stream.recv().await else {
+            return;
+        };
+        let Ok(request) = serde_json::from_slice::<Request>(&bytes) else {
+            let reply = Response::error(ErrorCode::BadRequest, "not a request");
+            if let Err(e) = stream.send_msg(&reply).await {
+                tracing::debug!("fake agent: {e}");
+            }
+            return;
+        };
+        self.launcher
+            .record(&self.hostname, Seen::Agent(request.clone()));
+        if self.guest == Guest::Hangs {
+            std::future::pending::<()>().await;
+        }
+        let reply = match request {
+            Request::Health => Response::Health(Health {
+                agent_version: "fake".into(),
+                protocol: PROTOCOL_VERSION,
+                agent_uptime_ms: 1,
+                system_uptime_ms: 1,
+                userdata: UserdataStatus::default(),
+            }),
+            Request::Fixups(_) if self.guest == Guest::FailsFixups => {
+                Response::error(ErrorCode::Other, "fix-ups failed in the guest")
+            }
+            Request::Fixups(req) => Response::Fixups(FixupReport {
+                hostname: req.hostname,
+                ..FixupReport::default()
+            }),
+            Request::Network(_) | Request::UserdataRun(_) => Response::Ok,
+            Request::UserdataStatus => Response::Userdata(UserdataStatus::default()),
+            Request::Shutdown(_) => {
+                if self.guest != Guest::Deaf {
+                    let stop = self.stop.clone();
+                    tokio::spawn(async move {
+                        tokio::time::sleep(Duration::from_millis(1)).await;
+                        end(&stop, Stop::Reported(StopReason::GuestPoweroff(0)));
+                    });
+                }
+                Response::Ok
+            }
+            other => Response::error(
+                ErrorCode::UnknownOperation,
+                format!("the fake agent does not do {other:?}"),
+            ),
+        };
+        if let Err(e) = stream.send_msg(&reply).await {
+            tracing::debug!("fake agent: {e}");
+        }
+    }
+}

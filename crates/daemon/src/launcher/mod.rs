@@ -1,0 +1,321 @@
+//! Running VMs: the [`Launcher`] trait the daemon's core drives, its real
+//! implementation over `tine-vmm` processes ([`vmm::VmmLauncher`]) and an
+//! in-process stand-in for tests and benchmarks ([`fake::FakeLauncher`]).
+//!
+//! The core never spawns, signals or connects to a process itself: it asks
+//! the launcher to boot or restore a VM, to pause, resume, snapshot, shut
+//! down or kill it, and to open a vsock connection to its agent; it learns
+//! that a VM stopped from the [`Running::exit`] future, as a typed
+//! [`Stop`].
+
+pub mod fake;
+pub mod vmm;
+
+use std::path::PathBuf;
+
+use futures_util::future::BoxFuture;
+use tine_vmm::control::{Request as VmmRequest, Response as VmmResponse};
+use tine_vmm::vmm::SnapshotInfo;
+use tine_vmm::vstate::vcpu::StopReason;
+use tokio::io::{AsyncRead, AsyncWrite};
+
+/// What to boot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BootSpec {
+    /// The VM (its folder and sockets are named after it).
+    pub hostname: String,
+    /// Guest kernel.
+    pub kernel: PathBuf,
+    /// Kernel command line.
+    pub cmdline: String,
+    /// vCPUs.
+    pub cpus: u32,
+    /// RAM in MiB.
+    pub ram_mib: u64,
+    /// Root disk.
+    pub disk: PathBuf,
+    /// TAP and MAC, when the VM has a NIC.
+    pub net: Option<(String, String)>,
+}
+
+/// What to restore: a snapshot resumed in a process started ahead of time.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RestoreSpec {
+    /// The VM.
+    pub hostname: String,
+    /// vCPUs of the snapshot.
+    pub cpus: u32,
+    /// RAM of the snapshot in MiB.
+    pub ram_mib: u64,
+    /// The snapshot's state file.
+    pub state: PathBuf,
+    /// The snapshot's memory file (mapped copy-on-write).
+    pub memory: PathBuf,
+    /// Leave the vCPUs parked after the restore.
+    pub paused: bool,
+}
+
+/// One run of a VM: the process (or stand-in) that runs it. A pid plus
+/// its start time names a process uniquely, also across daemon restarts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Instance {
+    /// Process id.
+    pub pid: u32,
+    /// Process start time (clock ticks since boot).
+    pub pid_start: u64,
+}
+
+/// Why a run ended, as the launcher saw it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Stop {
+    /// The VMM reported the stop.
+    Reported(StopReason),
+    /// The process ended without a report, with this exit code.
+    Exited {
+        /// Exit status.
+        code: i32,
+        /// The last lines it wrote (start-up errors).
+        output: String,
+    },
+    /// The process was killed by a signal without a report.
+    Signalled {
+        /// The signal.
+        signal: i32,
+        /// The last lines it wrote.
+        output: String,
+    },
+    /// The process went away and nothing says why (an adopted process,
+    /// which the daemon cannot reap).
+    Vanished,
+}
+
+impl Stop {
+    /// A guest power-off or reboot, or a kill the VMM was asked for: not a
+    /// failure of the guest or the VMM.
+    pub fn is_clean(&self) -> bool {
+        matches!(
+            self,
+            Stop::Reported(
+                StopReason::GuestPoweroff(_) | StopReason::GuestReboot | StopReason::Killed
+            )
+        )
+    }
+
+    /// For people: `guest_poweroff: 0`, `triple_fault`, `tine-vmm was
+    /// killed by signal 9: ...`.
+    pub fn describe(&self) -> String {
+        fn with_output(how: String, output: &str) -> String {
+            if output.is_empty() {
+                how
+            } else {
+                format!("{how}: {output}")
+            }
+        }
+        match self {
+            Stop::Reported(reason) => match reason {
+                StopReason::GuestPoweroff(v) => format!("guest_poweroff: {v}"),
+                StopReason::GuestReboot => "guest_reboot".into(),
+                StopReason::TripleFault => "triple_fault".into(),
+                StopReason::GuestCrash => "guest_crash".into(),
+                StopReason::Killed => "killed".into(),
+                StopReason::VmmError(e) => format!("vmm_error: {e}"),
+            },
+            Stop::Exited { code, output } => {
+                with_output(format!("tine-vmm exited with status {code}"), output)
+            }
+            Stop::Signalled { signal, output } => {
+                with_output(format!("tine-vmm was killed by signal {signal}"), output)
+            }
+            Stop::Vanished => "tine-vmm exited without a stop report".into(),
+        }
+    }
+}
+
+/// A VM that runs: its instance, and a future that ends with the run.
+pub struct Running {
+    /// The process.
+    pub instance: Instance,
+    /// Resolves once the run has ended, with why.
+    pub exit: BoxFuture<'static, Stop>,
+}
+
+impl std::fmt::Debug for Running {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Running")
+            .field("instance", &self.instance)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A connection to a port of a guest's vsock.
+pub trait GuestStream: AsyncRead + AsyncWrite + Send + Unpin {}
+impl<T: AsyncRead + AsyncWrite + Send + Unpin> GuestStream for T {}
+
+/// A process that runs a VM nobody recorded (a crash between launch and
+/// record).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stray {
+    /// Process id.
+    pub pid: u32,
+    /// The VM folder it runs in.
+    pub hostname: String,
+}
+
+/// Why a launcher call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    /// Starting the process failed.
+    #[error("cannot start {program} for {hostname}")]
+    Spawn {
+        /// The VMM binary.
+        program: PathBuf,
+        /// The VM.
+        hostname: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Preparing the VM's folder failed.
+    #[error("cannot prepare {path}")]
+    Prepare {
+        /// What.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The VMM's control socket failed or did not answer in time.
+    #[error("control socket of {hostname}")]
+    Control {
+        /// The VM.
+        hostname: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The VMM refused a request.
+    #[error("tine-vmm of {hostname} refused {request}: {error}")]
+    Refused {
+        /// The VM.
+        hostname: String,
+        /// The request, for people.
+        request: String,
+        /// The VMM's answer.
+        error: String,
+    },
+    /// The guest's vsock port could not be reached.
+    #[error("vsock port {port} of {hostname}: {detail}")]
+    Vsock {
+        /// The VM.
+        hostname: String,
+        /// The port.
+        port: u32,
+        /// What happened.
+        detail: String,
+    },
+}
+
+/// Runs VMs for the daemon. Every method names the VM by hostname; the
+/// launcher knows where its files are.
+pub trait Launcher: Send + Sync + std::fmt::Debug + 'static {
+    /// Boots a VM from its disk.
+    fn boot(&self, spec: &BootSpec) -> Result<Running, LaunchError>;
+
+    /// Starts a process ahead of time and restores a snapshot into it.
+    fn restore<'a>(&'a self, spec: &'a RestoreSpec) -> BoxFuture<'a, Result<Running, LaunchError>>;
+
+    /// Takes over a run a previous daemon started, if it is still that
+    /// process; `None` when it is gone.
+    fn adopt(&self, hostname: &str, instance: Instance) -> Option<Running>;
+
+    /// Runs nobody recorded, under this daemon's data directory.
+    fn strays(&self) -> Vec<Stray>;
+
+    /// Kills a stray run and waits (bounded) until it is gone.
+    fn kill_strays<'a>(&'a self, strays: &'a [Stray]) -> BoxFuture<'a, ()>;
+
+    /// Kills a run at once, if it is still that process (the last resort
+    /// when its VMM does not answer).
+    fn kill(&self, hostname: &str, instance: Instance);
+
+    /// Sends one request to the VM's VMM and returns its answer (bounded
+    /// in time).
+    fn control<'a>(
+        &'a self,
+        hostname: &'a str,
+        request: &'a VmmRequest,
+    ) -> BoxFuture<'a, Result<VmmResponse, LaunchError>>;
+
+    /// Opens a connection to a vsock port of the guest (the agent's, 52).
+    fn connect<'a>(
+        &'a self,
+        hostname: &'a str,
+        port: u32,
+    ) -> BoxFuture<'a, Result<Box<dyn GuestStream>, LaunchError>>;
+}
+
+/// The requests every VMM answers, as calls: what the core uses.
+pub trait LauncherExt: Launcher {
+    /// Sends `request`; a refusal is an error.
+    fn request<'a>(
+        &'a self,
+        hostname: &'a str,
+        request: VmmRequest,
+    ) -> BoxFuture<'a, Result<VmmResponse, LaunchError>> {
+        Box::pin(async move {
+            match self.control(hostname, &request).await? {
+                VmmResponse::Error { error } => Err(LaunchError::Refused {
+                    hostname: hostname.to_owned(),
+                    request: format!("{request:?}"),
+                    error,
+                }),
+                ok => Ok(ok),
+            }
+        })
+    }
+
+    /// Parks the vCPUs.
+    fn pause<'a>(&'a self, hostname: &'a str) -> BoxFuture<'a, Result<(), LaunchError>> {
+        Box::pin(async move { self.request(hostname, VmmRequest::Pause).await.map(drop) })
+    }
+
+    /// Runs them again.
+    fn resume<'a>(&'a self, hostname: &'a str) -> BoxFuture<'a, Result<(), LaunchError>> {
+        Box::pin(async move { self.request(hostname, VmmRequest::Resume).await.map(drop) })
+    }
+
+    /// Snapshots a paused VM into `state` and `memory`.
+    fn snapshot<'a>(
+        &'a self,
+        hostname: &'a str,
+        state: PathBuf,
+        memory: PathBuf,
+    ) -> BoxFuture<'a, Result<Option<SnapshotInfo>, LaunchError>> {
+        Box::pin(async move {
+            let request = VmmRequest::Snapshot {
+                state_path: state,
+                mem_path: memory,
+            };
+            Ok(match self.request(hostname, request).await? {
+                VmmResponse::Ok { snapshot, .. } => snapshot,
+                // `request` turns refusals into errors.
+                VmmResponse::Error { .. } => None,
+            })
+        })
+    }
+
+    /// Presses Ctrl-Alt-Del.
+    fn press_ctrl_alt_del<'a>(
+        &'a self,
+        hostname: &'a str,
+    ) -> BoxFuture<'a, Result<(), LaunchError>> {
+        Box::pin(async move { self.request(hostname, VmmRequest::Shutdown).await.map(drop) })
+    }
+
+    /// Stops the VM now (its VMM reports `killed` and exits).
+    fn stop_now<'a>(&'a self, hostname: &'a str) -> BoxFuture<'a, Result<(), LaunchError>> {
+        Box::pin(async move { self.request(hostname, VmmRequest::Kill).await.map(drop) })
+    }
+}
+
+impl<L: Launcher + ?Sized> LauncherExt for L {}

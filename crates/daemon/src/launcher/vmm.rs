@@ -1,0 +1,230 @@
+//! The real launcher: one `tine-vmm` process per VM (see
+//! [`crate::process`] for how it is started and recognised), driven through
+//! its control socket with the VMM's own request types.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use futures_util::future::BoxFuture;
+use futures_util::FutureExt;
+use tine_vmm::control::{Request as VmmRequest, Response as VmmResponse};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use super::{BootSpec, GuestStream, Instance, LaunchError, Launcher, RestoreSpec, Running, Stray};
+use crate::process::{self, VmPaths};
+
+/// How long a request on a VMM's control socket may take to be answered.
+pub const CONTROL_ANSWER: Duration = Duration::from_secs(5);
+
+/// How long the VMM's vsock socket may take to answer `CONNECT`.
+const VSOCK_CONNECT_ANSWER: Duration = Duration::from_secs(5);
+
+/// How long a killed stray may take to go away.
+const STRAY_GONE: Duration = Duration::from_secs(5);
+
+/// Runs VMs as `tine-vmm` processes with their files in
+/// `<data_dir>/vms/<hostname>/`.
+#[derive(Debug, Clone)]
+pub struct VmmLauncher {
+    vmm: PathBuf,
+    data_dir: PathBuf,
+}
+
+impl VmmLauncher {
+    /// A launcher running `vmm` for VMs under `data_dir`.
+    pub fn new(vmm: PathBuf, data_dir: PathBuf) -> Self {
+        VmmLauncher { vmm, data_dir }
+    }
+
+    fn paths(&self, hostname: &str) -> VmPaths {
+        VmPaths::new(&self.data_dir, hostname)
+    }
+
+    fn spawned(&self, child: std::process::Child, paths: VmPaths) -> Running {
+        let pid = child.id();
+        let instance = Instance {
+            pid,
+            pid_start: process::start_time(pid).unwrap_or(0),
+        };
+        let exit = async move {
+            let mut child = child;
+            let status = tokio::task::spawn_blocking(move || child.wait())
+                .await
+                .ok()
+                .and_then(|r| {
+                    r.map_err(|e| tracing::warn!(pid, "cannot reap tine-vmm: {e}"))
+                        .ok()
+                });
+            process::read_stop(&paths, status)
+        };
+        Running {
+            instance,
+            exit: exit.boxed(),
+        }
+    }
+}
+
+impl Launcher for VmmLauncher {
+    fn boot(&self, spec: &BootSpec) -> Result<Running, LaunchError> {
+        let paths = self.paths(&spec.hostname);
+        let child =
+            process::launch(&self.vmm, spec, &paths).map_err(|source| LaunchError::Spawn {
+                program: self.vmm.clone(),
+                hostname: spec.hostname.clone(),
+                source,
+            })?;
+        Ok(self.spawned(child, paths))
+    }
+
+    fn restore<'a>(&'a self, spec: &'a RestoreSpec) -> BoxFuture<'a, Result<Running, LaunchError>> {
+        async move {
+            let paths = self.paths(&spec.hostname);
+            let child = process::prestart(&self.vmm, spec, &paths).map_err(|source| {
+                LaunchError::Spawn {
+                    program: self.vmm.clone(),
+                    hostname: spec.hostname.clone(),
+                    source,
+                }
+            })?;
+            let running = self.spawned(child, paths.clone());
+            // The pre-started process listens once it is ready.
+            let deadline = tokio::time::Instant::now() + CONTROL_ANSWER;
+            while !paths.control.exists() && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            let request = VmmRequest::Restore {
+                state_path: spec.state.clone(),
+                mem_path: spec.memory.clone(),
+                paused: spec.paused,
+                vsock_uds: Some(paths.vsock.clone()),
+            };
+            match self.control(&spec.hostname, &request).await {
+                Ok(VmmResponse::Ok { .. }) => Ok(running),
+                Ok(VmmResponse::Error { error }) => {
+                    self.kill(&spec.hostname, running.instance);
+                    Err(LaunchError::Refused {
+                        hostname: spec.hostname.clone(),
+                        request: "restore".into(),
+                        error,
+                    })
+                }
+                Err(e) => {
+                    self.kill(&spec.hostname, running.instance);
+                    Err(e)
+                }
+            }
+        }
+        .boxed()
+    }
+
+    fn adopt(&self, hostname: &str, instance: Instance) -> Option<Running> {
+        let paths = self.paths(hostname);
+        if !process::is_ours(instance.pid, instance.pid_start, &paths) {
+            return None;
+        }
+        let exit = async move {
+            process::wait_adopted(instance.pid, instance.pid_start).await;
+            // Not our child: no exit status, but the log has its report.
+            process::read_stop(&paths, None)
+        };
+        Some(Running {
+            instance,
+            exit: exit.boxed(),
+        })
+    }
+
+    fn strays(&self) -> Vec<Stray> {
+        process::find_vmm_processes(&self.data_dir.join("vms"))
+            .into_iter()
+            .map(|(pid, hostname)| Stray { pid, hostname })
+            .collect()
+    }
+
+    fn kill_strays<'a>(&'a self, strays: &'a [Stray]) -> BoxFuture<'a, ()> {
+        async move {
+            for s in strays {
+                if let Err(e) = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(s.pid as i32),
+                    nix::sys::signal::Signal::SIGKILL,
+                ) {
+                    tracing::warn!(vm = %s.hostname, pid = s.pid, "cannot kill a stray tine-vmm: {e}");
+                }
+            }
+            let pids: Vec<u32> = strays.iter().map(|s| s.pid).collect();
+            process::wait_gone(&pids, STRAY_GONE).await;
+        }
+        .boxed()
+    }
+
+    fn kill(&self, hostname: &str, instance: Instance) {
+        process::kill_if_ours(instance.pid, instance.pid_start, &self.paths(hostname));
+    }
+
+    fn control<'a>(
+        &'a self,
+        hostname: &'a str,
+        request: &'a VmmRequest,
+    ) -> BoxFuture<'a, Result<VmmResponse, LaunchError>> {
+        async move {
+            process::control(&self.paths(hostname), request, CONTROL_ANSWER)
+                .await
+                .map_err(|source| LaunchError::Control {
+                    hostname: hostname.to_owned(),
+                    source,
+                })
+        }
+        .boxed()
+    }
+
+    fn connect<'a>(
+        &'a self,
+        hostname: &'a str,
+        port: u32,
+    ) -> BoxFuture<'a, Result<Box<dyn GuestStream>, LaunchError>> {
+        async move {
+            let fail = |detail: String| LaunchError::Vsock {
+                hostname: hostname.to_owned(),
+                port,
+                detail,
+            };
+            let path = self.paths(hostname).vsock;
+            let io = vsock_connect(&path, port).await.map_err(fail)?;
+            Ok(Box::new(io) as Box<dyn GuestStream>)
+        }
+        .boxed()
+    }
+}
+
+/// Opens a guest port through the VMM's vsock socket (`CONNECT <port>`,
+/// answered `OK <host port>`).
+async fn vsock_connect(path: &Path, port: u32) -> Result<tokio::net::UnixStream, String> {
+    let mut io = tokio::net::UnixStream::connect(path)
+        .await
+        .map_err(|e| format!("socket {}: {e}", path.display()))?;
+    io.write_all(format!("CONNECT {port}\n").as_bytes())
+        .await
+        .map_err(|e| format!("CONNECT: {e}"))?;
+    // Read the answer byte by byte: nothing after its newline may be
+    // consumed, it belongs to the guest's protocol.
+    let mut line = String::new();
+    let read = tokio::time::timeout(VSOCK_CONNECT_ANSWER, async {
+        let mut byte = [0u8; 1];
+        while line.len() < 128 {
+            if io.read(&mut byte).await? == 0 || byte[0] == b'\n' {
+                break;
+            }
+            line.push(byte[0] as char);
+        }
+        Ok::<(), std::io::Error>(())
+    })
+    .await;
+    match read {
+        Ok(Ok(())) if line.starts_with("OK ") => Ok(io),
+        Ok(Ok(())) => Err(format!("the port is not open (answer {line:?})")),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err(format!(
+            "CONNECT got no answer in {}",
+            humantime::format_duration(VSOCK_CONNECT_ANSWER)
+        )),
+    }
+}
