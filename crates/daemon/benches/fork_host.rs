@@ -1,0 +1,126 @@
+//! The daemon's host-side work for one fork, on the fake launcher (no KVM):
+//! request in -> checked, recorded, disk made, boot queued (`wait=none`),
+//! and the same to a fake agent-ready (`wait=agent`: boot slot, launch,
+//! vsock handshake, fix-ups, record). p50/p99 side by side with a create
+//! from the image. Target: fork p50 <= 1 ms.
+//!
+//! cargo bench -p tine-daemon --bench fork_host   (TINE_BENCH_RUNS, default 300)
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tine_daemon::config::{Config, HostGroup};
+use tine_daemon::core::{Daemon, Deadlines, Parts};
+use tine_daemon::db::Store;
+use tine_daemon::launcher::fake::FakeLauncher;
+use tine_daemon::network::NetworkManager;
+use tine_proto::api::{CommitRequest, CreateVmRequest, ForkRequest, ShutdownAction, Wait};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+fn stats(mut v: Vec<f64>) -> (f64, f64) {
+    v.sort_by(f64::total_cmp);
+    let at = |p: f64| v[((v.len() - 1) as f64 * p).round() as usize];
+    (at(0.5), at(0.99))
+}
+
+fn daemon(dir: &std::path::Path) -> anyhow::Result<Arc<Daemon>> {
+    let image = dir.join("base.img");
+    std::fs::write(&image, vec![0u8; 1 << 20])?;
+    let mut config = Config::embedded_default();
+    config.boot_concurrency = Some(64);
+    config.host_groups = vec![HostGroup {
+        name: "b".into(),
+        image: image.display().to_string(),
+        persistent: true,
+        ram_mb: 256,
+        ..config.host_groups[0].clone()
+    }];
+    let data_dir = dir.join("data");
+    std::fs::create_dir_all(data_dir.join("vms"))?;
+    Ok(Daemon::from_parts(Parts {
+        config,
+        store: Store::open(&data_dir.join("tine.db"))?,
+        data_dir,
+        kernel: PathBuf::from("/fake/vmlinux"),
+        launcher: Arc::new(FakeLauncher::new()),
+        network: NetworkManager::default(),
+        deadlines: Deadlines::default(),
+    }))
+}
+
+fn main() -> anyhow::Result<()> {
+    let runs: usize = std::env::var("TINE_BENCH_RUNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(300);
+    let dir = tempfile::tempdir()?;
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(async {
+        let d = daemon(dir.path())?;
+        let builder = d
+            .create_vm("b", CreateVmRequest::default(), Wait::Agent, WAIT, false)
+            .await?
+            .hostname;
+        d.shutdown(&builder, ShutdownAction::Shutdown, WAIT).await?;
+        let commit = d
+            .commit(&builder, CommitRequest::default())
+            .await?
+            .commit_id;
+        let mut figures = Vec::new();
+        for (what, wait) in [
+            ("fork, wait=none", Wait::None),
+            ("fork, wait=agent", Wait::Agent),
+        ] {
+            let mut ms = Vec::new();
+            for _ in 0..runs {
+                let t = Instant::now();
+                let f = d.fork(&commit, ForkRequest::default(), wait, WAIT).await?;
+                ms.push(t.elapsed().as_secs_f64() * 1e3);
+                d.delete(&f.hostname).await?;
+            }
+            figures.push((what, stats(ms)));
+        }
+        let mut ms = Vec::new();
+        for _ in 0..runs {
+            let t = Instant::now();
+            let vm = d
+                .create_vm("b", CreateVmRequest::default(), Wait::None, WAIT, false)
+                .await?;
+            ms.push(t.elapsed().as_secs_f64() * 1e3);
+            d.delete(&vm.hostname).await?;
+        }
+        figures.push(("create, wait=none", stats(ms)));
+        // Its parts, alone.
+        let commit_disk = PathBuf::from(&d.commits(None, None, None)?[0].disk);
+        let mut verify = Vec::new();
+        let mut disk = Vec::new();
+        for i in 0..runs {
+            let t = Instant::now();
+            tine_daemon::storage::verify_commit(&commit_disk)?;
+            verify.push(t.elapsed().as_secs_f64() * 1e3);
+            let dest = dir.path().join(format!("part-{i}.qcow2"));
+            let t = Instant::now();
+            tine_daemon::storage::fork_disk(&commit_disk, &dest)?;
+            disk.push(t.elapsed().as_secs_f64() * 1e3);
+            std::fs::remove_file(&dest)?;
+        }
+        figures.push(("  verify commit", stats(verify)));
+        figures.push(("  make fork disk", stats(disk)));
+        let base = figures[0].1 .0;
+        println!("host-side work on the fake launcher, {runs} runs each");
+        println!(
+            "{:<20} {:>9} {:>9} {:>9}",
+            "", "p50 ms", "p99 ms", "p50/fork"
+        );
+        for (what, (p50, p99)) in &figures {
+            println!("{what:<20} {p50:>9.3} {p99:>9.3} {:>9.2}", p50 / base);
+        }
+        println!(
+            "target: fork (wait=none) p50 <= 1 ms: {}",
+            if base <= 1.0 { "met" } else { "NOT met" }
+        );
+        Ok::<(), anyhow::Error>(())
+    })
+}
