@@ -23,7 +23,7 @@ use crate::error::{ApiError, ApiResult};
 use crate::failpoint::{self, Failpoint};
 use crate::process::{self, LaunchSpec, VmPaths};
 use crate::storage;
-use tine_vmm::control::{Request as VmmRequest, Response as VmmResponse};
+use tine_proto::vmm::{Request as VmmRequest, Response as VmmResponse};
 
 /// Kernel command line for every VM (the image's init is the agent).
 pub const BASE_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 pci=off nomodule nokaslr \

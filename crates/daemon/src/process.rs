@@ -279,9 +279,9 @@ pub fn last_lines(path: &Path, n: usize) -> Vec<String> {
 /// A VMM that does not answer within `within` is an error (`TimedOut`).
 pub async fn control(
     paths: &VmPaths,
-    request: &tine_vmm::control::Request,
+    request: &tine_proto::vmm::Request,
     within: Duration,
-) -> std::io::Result<tine_vmm::control::Response> {
+) -> std::io::Result<tine_proto::vmm::Response> {
     let exchange = async {
         let io = tokio::net::UnixStream::connect(&paths.control).await?;
         let (r, mut w) = io.into_split();
@@ -369,14 +369,14 @@ mod tests {
         let vmm = fake_vmm(&paths, Some("{\"status\":\"ok\",\"duration_us\":7}\n"));
         let answer = control(
             &paths,
-            &tine_vmm::control::Request::Shutdown,
+            &tine_proto::vmm::Request::Shutdown,
             Duration::from_secs(5),
         )
         .await
         .expect("answer");
         assert!(matches!(
             answer,
-            tine_vmm::control::Response::Ok { duration_us: 7, .. }
+            tine_proto::vmm::Response::Ok { duration_us: 7, .. }
         ));
         assert_eq!(vmm.await.expect("vmm"), "{\"op\":\"shutdown\"}\n");
     }
@@ -389,7 +389,7 @@ mod tests {
         let _vmm = fake_vmm(&paths, None);
         let err = control(
             &paths,
-            &tine_vmm::control::Request::Kill,
+            &tine_proto::vmm::Request::Kill,
             Duration::from_millis(200),
         )
         .await

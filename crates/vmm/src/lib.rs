@@ -12,7 +12,6 @@
 //! virtio-blk serves them through its `BlockBackend` trait.
 
 pub mod arch;
-pub mod control;
 pub mod device_manager;
 pub mod devices;
 pub mod probe;
