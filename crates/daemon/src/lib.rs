@@ -6,7 +6,11 @@
 //! reconciliation), `process` (launching and recognising tine-vmm
 //! processes), `api` (the REST routes, docs/api.md), `server` (listeners,
 //! the data-directory lock, the token), `failpoint` (crash points for the
-//! fault-injection tests).
+//! fault-injection tests), `storage` (VM disk chains).
+//!
+//! The daemon does not link the VMM: it runs `tine-vmm` as a process,
+//! speaks to it with the types of `tine_proto::vmm` and handles disks
+//! with `tine-disk`.
 
 pub mod api;
 pub mod artifacts;
