@@ -16,7 +16,7 @@
 //!
 //! 1. a new cluster's refcount is made durable before anything refers to
 //!    it (clusters come from a pool whose refcounts were synced, see
-//!    [`refcount`]);
+//!    `refcount.rs`);
 //! 2. a new data cluster is written (with, around a partial write, the
 //!    backing chain's data unless that is known to be zeros) before the L2
 //!    entry naming it;
