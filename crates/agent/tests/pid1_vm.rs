@@ -9,10 +9,10 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use tine_proto::vmm::StopReason;
 use tine_testbed::cpio::{busybox_initramfs, Entry};
 use tine_testbed::{guest_kernel, placement, repo_root, run_tests, Failed, Trial};
 use tine_vmm::vmm::{BootConfig, ConsoleConfig, Vmm, DEFAULT_CMDLINE};
-use tine_vmm::vstate::vcpu::StopReason;
 
 const SMOKE_ENV: &str = "TINE_PID1_SMOKE";
 const TARGET: &str = "x86_64-unknown-linux-gnu";

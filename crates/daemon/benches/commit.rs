@@ -29,7 +29,7 @@ fn vm_disk(dir: &Path, size: u64) -> std::path::PathBuf {
         .expect("base");
     let disk = dir.join("vm.qcow2");
     storage::create_disk(&base, &disk, None).expect("vm disk");
-    let mut q = tine_vmm::storage::open_disk(&disk, false).expect("open");
+    let mut q = tine_disk::open_disk(&disk, false).expect("open");
     let chunk = vec![0xa5u8; 1 << 20];
     for i in 0..64u64 {
         q.write_at(&chunk, i * (size / 64)).expect("write");

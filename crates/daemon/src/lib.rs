@@ -10,6 +10,10 @@
 //! docs/api.md) and `error` (core errors as HTTP), `server` (listeners, the
 //! data-directory lock, the token), `failpoint` (crash points for the
 //! fault-injection tests).
+//!
+//! The daemon does not link the VMM: it runs `tine-vmm` as a process,
+//! speaks to it with the types of `tine_proto::vmm` and handles disks
+//! with `tine-disk`.
 
 pub mod api;
 pub mod artifacts;

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use tine_vmm::vstate::vcpu::StopReason;
+use tine_proto::vmm::Event;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 
 use crate::launcher::{BootSpec, RestoreSpec, Stop};
@@ -191,25 +191,20 @@ pub async fn wait_adopted(pid: u32, pid_start: u64) {
     }
 }
 
-/// One line tine-vmm prints on stdout when its VM stops.
-#[derive(Debug, serde::Deserialize)]
-struct StoppedEvent {
-    event: String,
-    stop: StopReason,
-}
-
 /// Why a VM's process ended: its last `stopped` event, or how the process
 /// ended with the last lines it wrote when it printed none (a crash, a
 /// start-up error).
 pub fn read_stop(paths: &VmPaths, status: Option<std::process::ExitStatus>) -> Stop {
     let tail = read_tail(&paths.log, 16 * 1024);
-    let reported = tail.lines().rev().find_map(|line| {
-        serde_json::from_str::<StoppedEvent>(line)
-            .ok()
-            .filter(|e| e.event == "stopped")
-    });
-    if let Some(e) = reported {
-        return Stop::Reported(e.stop);
+    let reported = tail
+        .lines()
+        .rev()
+        .find_map(|line| match Event::from_line(line) {
+            Ok(Event::Stopped { stop }) => Some(stop),
+            _ => None,
+        });
+    if let Some(stop) = reported {
+        return Stop::Reported(stop);
     }
     let last: Vec<&str> = tail
         .lines()
@@ -251,9 +246,9 @@ pub fn last_lines(path: &Path, n: usize) -> Vec<String> {
 /// A VMM that does not answer within `within` is an error (`TimedOut`).
 pub async fn control(
     paths: &VmPaths,
-    request: &tine_vmm::control::Request,
+    request: &tine_proto::vmm::Request,
     within: Duration,
-) -> std::io::Result<tine_vmm::control::Response> {
+) -> std::io::Result<tine_proto::vmm::Response> {
     let exchange = async {
         let io = tokio::net::UnixStream::connect(&paths.control).await?;
         let (r, mut w) = io.into_split();
@@ -341,14 +336,14 @@ mod tests {
         let vmm = fake_vmm(&paths, Some("{\"status\":\"ok\",\"duration_us\":7}\n"));
         let answer = control(
             &paths,
-            &tine_vmm::control::Request::Shutdown,
+            &tine_proto::vmm::Request::Shutdown,
             Duration::from_secs(5),
         )
         .await
         .expect("answer");
         assert!(matches!(
             answer,
-            tine_vmm::control::Response::Ok { duration_us: 7, .. }
+            tine_proto::vmm::Response::Ok { duration_us: 7, .. }
         ));
         assert_eq!(vmm.await.expect("vmm"), "{\"op\":\"shutdown\"}\n");
     }
@@ -361,7 +356,7 @@ mod tests {
         let _vmm = fake_vmm(&paths, None);
         let err = control(
             &paths,
-            &tine_vmm::control::Request::Kill,
+            &tine_proto::vmm::Request::Kill,
             Duration::from_millis(200),
         )
         .await
@@ -399,14 +394,20 @@ mod tests {
         let paths = VmPaths::new(dir.path(), "dev-1");
         std::fs::create_dir_all(&paths.dir).expect("dir");
         // The line exactly as tine-vmm prints it.
-        let printed = serde_json::json!({"event": "stopped", "stop": StopReason::GuestPoweroff(0)});
+        let printed = serde_json::to_string(&Event::Stopped {
+            stop: tine_proto::vmm::StopReason::GuestPoweroff(0),
+        })
+        .expect("encode");
         std::fs::write(
             &paths.log,
             format!("{{\"event\":\"ready\",\"pid\":1}}\n{printed}\n"),
         )
         .expect("write");
         let stop = read_stop(&paths, None);
-        assert_eq!(stop, Stop::Reported(StopReason::GuestPoweroff(0)));
+        assert_eq!(
+            stop,
+            Stop::Reported(tine_proto::vmm::StopReason::GuestPoweroff(0))
+        );
         assert!(stop.is_clean());
         assert_eq!(stop.describe(), "guest_poweroff: 0");
         std::fs::write(&paths.log, "error: cannot open kernel /x: No such file\n").expect("write");

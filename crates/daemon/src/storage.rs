@@ -1,4 +1,4 @@
-//! VM disks as qcow2 copy-on-write chains (tine_vmm::storage):
+//! VM disks as qcow2 copy-on-write chains (tine_disk):
 //! image base -> VM disk -> commit -> fork disks.
 //!
 //! Every disk the daemon creates is a qcow2 overlay written in a few KiB
@@ -9,7 +9,7 @@
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 
-use tine_vmm::storage::{self as vstore, Format};
+use tine_disk::{self as vstore, Format};
 
 /// Errors from disk operations, with the whole cause chain in the message.
 #[derive(Debug, thiserror::Error)]

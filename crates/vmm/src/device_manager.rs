@@ -349,7 +349,7 @@ impl DeviceManager {
                 ),
                 VirtioDeviceState::Block(s) => {
                     let path = overrides.drives.get(id).unwrap_or(&s.disk.path);
-                    let backend = crate::storage::open_disk(path, s.disk.read_only)
+                    let backend = tine_disk::open_disk(path, s.disk.read_only)
                         .map_err(|e| dev_err(id, error_chain(&e)))?;
                     Box::new(
                         Block::restore(

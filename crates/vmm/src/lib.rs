@@ -5,16 +5,16 @@
 //! - [`vstate`]: guest memory, the KVM VM and its vCPUs.
 //! - [`devices`]: buses, legacy devices and virtio devices.
 //! - [`snapshot`]: the [`snapshot::Persist`] trait and the state-file format.
-//! - [`storage`]: disk images: raw files and qcow2 copy-on-write chains.
 //! - [`probe`]: a functional check of whether this host's KVM runs guest
 //!   kernel code at hardware speed (used by the test bed).
+//!
+//! Disk images (raw files, qcow2 chains) are the `tine-disk` crate's;
+//! virtio-blk serves them through its `BlockBackend` trait.
 
 pub mod arch;
-pub mod control;
 pub mod device_manager;
 pub mod devices;
 pub mod probe;
 pub mod snapshot;
-pub mod storage;
 pub mod vmm;
 pub mod vstate;

@@ -9,6 +9,7 @@
 //! With `--control-socket`, requests arrive as JSON lines (docs/vmm-control.md).
 //! When the VM stops, one JSON line `{"event":"stopped",...}` is printed on
 //! stdout and the process exits 0 (guest poweroff/reboot) or 1 (anything else).
+//! Requests, responses and events are the types of `tine_proto::vmm`.
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::fd::AsRawFd;
@@ -20,12 +21,11 @@ use anyhow::{bail, Context};
 use clap::Parser;
 use std::collections::HashMap;
 
-use tine_vmm::control::{Request, Response};
+use tine_proto::vmm::{Event, Request, Response, StopReason};
 use tine_vmm::device_manager::{
     DeviceConfigs, DriveConfig, NetConfig, RestoreOverrides, VsockConfig,
 };
 use tine_vmm::vmm::{validate, BootConfig, ConsoleConfig, PreparedVm, Vmm, DEFAULT_CMDLINE};
-use tine_vmm::vstate::vcpu::StopReason;
 
 #[derive(Parser, Debug)]
 #[command(name = "tine-vmm", version, about = "Run one tine microVM")]
@@ -287,8 +287,13 @@ fn handle(
     }
 }
 
-fn stop_line(reason: &StopReason) -> String {
-    serde_json::json!({ "event": "stopped", "stop": reason }).to_string()
+/// Prints `event` as one line on stdout, now.
+fn print_event(event: &Event) {
+    match serde_json::to_string(event) {
+        Ok(line) => println!("{line}"),
+        Err(e) => eprintln!("cannot encode {event:?}: {e}"),
+    }
+    let _ = std::io::stdout().flush();
 }
 
 fn main() -> anyhow::Result<()> {
@@ -343,11 +348,9 @@ fn main() -> anyhow::Result<()> {
         None => None,
     };
     // Ready line: supervisors wait for it before sending requests.
-    println!(
-        "{}",
-        serde_json::json!({ "event": "ready", "pid": std::process::id() })
-    );
-    let _ = std::io::stdout().flush();
+    print_event(&Event::Ready {
+        pid: std::process::id(),
+    });
 
     let mut clients: Vec<BufReader<UnixStream>> = Vec::new();
     let reason = loop {
@@ -431,11 +434,7 @@ fn main() -> anyhow::Result<()> {
     if let Some(path) = &args.control_socket {
         let _ = std::fs::remove_file(path);
     }
-    println!("{}", stop_line(&reason));
-    let _ = std::io::stdout().flush();
-    let clean = matches!(
-        reason,
-        StopReason::GuestPoweroff(_) | StopReason::GuestReboot | StopReason::Killed
-    );
+    let clean = reason.is_clean();
+    print_event(&Event::Stopped { stop: reason });
     std::process::exit(if clean { 0 } else { 1 });
 }

@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
+use tine_proto::vmm::{RunState, SnapshotInfo, StopReason};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::arch::x86_64::boot::{self, BootError};
@@ -27,9 +28,7 @@ use crate::devices::legacy::serial::{
 };
 use crate::snapshot::format::{self, FormatError};
 use crate::vstate::memory::{GuestRam, MemoryError, Reservation};
-use crate::vstate::vcpu::{
-    StopReason, StopSignal, Vcpu, VcpuContext, VcpuError, VcpuHandle, VcpuState,
-};
+use crate::vstate::vcpu::{StopSignal, Vcpu, VcpuContext, VcpuError, VcpuHandle, VcpuState};
 use crate::vstate::vm::{Vm, VmError, VmState};
 
 /// Smallest guest RAM accepted, in MiB.
@@ -255,41 +254,6 @@ pub struct MicrovmState {
     pub devices: Vec<MmioDeviceState>,
     /// The boot configuration the VM came from (informational).
     pub boot: BootConfig,
-}
-
-/// What a snapshot wrote.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct SnapshotInfo {
-    /// State file.
-    pub state_path: PathBuf,
-    /// Memory file.
-    pub mem_path: PathBuf,
-    /// Bytes of guest RAM written (the rest are holes).
-    pub mem_bytes_written: u64,
-    /// Wall time in microseconds.
-    pub duration_us: u64,
-}
-
-/// Run state of the VM.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum RunState {
-    /// vCPUs are running.
-    Running,
-    /// vCPUs are parked.
-    Paused,
-    /// The VM has stopped for good.
-    Stopped,
-}
-
-impl RunState {
-    fn name(self) -> &'static str {
-        match self {
-            RunState::Running => "running",
-            RunState::Paused => "paused",
-            RunState::Stopped => "stopped",
-        }
-    }
 }
 
 /// A VM created but not yet given memory and state: what a pre-started
@@ -672,8 +636,8 @@ impl Vmm {
         if actual != needed {
             return Err(VmmError::State {
                 op,
-                needed: needed.name(),
-                actual: actual.name(),
+                needed: needed.as_str(),
+                actual: actual.as_str(),
             });
         }
         Ok(())

@@ -6,11 +6,11 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use tine_proto::vmm::{RunState, StopReason};
 use tine_testbed::cpio::{busybox_initramfs, host_binary_entries};
 use tine_testbed::{guest_kernel, guest_util, run_tests, Failed, Trial};
 use tine_vmm::device_manager::{DeviceConfigs, DriveConfig, RestoreOverrides, VsockConfig};
-use tine_vmm::vmm::{BootConfig, ConsoleConfig, RunState, Vmm, DEFAULT_CMDLINE};
-use tine_vmm::vstate::vcpu::StopReason;
+use tine_vmm::vmm::{BootConfig, ConsoleConfig, Vmm, DEFAULT_CMDLINE};
 
 const TICKER_INIT: &str = r#"#!/bin/sh
 /bin/busybox mount -t proc proc /proc

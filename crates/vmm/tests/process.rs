@@ -5,6 +5,7 @@ use std::os::unix::net::UnixStream;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use tine_proto::vmm::{Event, StopReason};
 use tine_vmm::device_manager::RestoreOverrides;
 use tine_vmm::vmm::{BootConfig, ConsoleConfig, Vmm};
 
@@ -59,7 +60,8 @@ fn test_process_control_socket_lifecycle() {
         .stdout(Stdio::piped())
         .spawn()
         .expect("spawn");
-    assert!(first_line(&mut child).contains("\"ready\""));
+    let ready = Event::from_line(&first_line(&mut child)).expect("a ready event");
+    assert_eq!(ready, Event::Ready { pid: child.id() });
     let mut stream = BufReader::new(UnixStream::connect(&socket).expect("connect"));
 
     let status = request(&mut stream, r#"{"op":"status"}"#);
@@ -94,7 +96,14 @@ fn test_process_control_socket_lifecycle() {
     let output = child.wait_with_output().expect("wait");
     assert!(output.status.success());
     let text = String::from_utf8_lossy(&output.stdout);
-    assert!(text.contains(r#""reason":"killed""#), "stdout: {text}");
+    let last = text.lines().last().unwrap_or_default();
+    assert_eq!(
+        Event::from_line(last).expect("a stopped event"),
+        Event::Stopped {
+            stop: StopReason::Killed
+        },
+        "stdout: {text}"
+    );
     assert!(!socket.exists(), "control socket left behind");
 }
 

@@ -5,9 +5,9 @@
 
 use std::time::{Duration, Instant};
 
+use tine_proto::vmm::{RunState, StopReason};
 use tine_vmm::device_manager::RestoreOverrides;
-use tine_vmm::vmm::{BootConfig, ConsoleConfig, RunState, Vmm};
-use tine_vmm::vstate::vcpu::StopReason;
+use tine_vmm::vmm::{BootConfig, ConsoleConfig, Vmm};
 use vm_memory::{Bytes, GuestAddress};
 
 const CODE_ADDR: u64 = 0x10_0000;

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use tine_proto::agent::ShutdownAction as AgentShutdown;
 use tine_proto::api::{self, CreateVmRequest, ShutdownAction, StopMode, VmState, Wait};
-use tine_vmm::control::Request as VmmRequest;
+use tine_proto::vmm::Request as VmmRequest;
 
 use super::daemon::Daemon;
 use super::error::{chain, Error, Result};

@@ -11,7 +11,7 @@ use tine_proto::api::{
     CommitRequest, CreateVmRequest, ErrorCode, Fixup, ForkRequest, ShutdownAction, StopMode,
     VmState, Wait,
 };
-use tine_vmm::vstate::vcpu::StopReason;
+use tine_proto::vmm::StopReason;
 
 use super::{Daemon, Deadlines, Parts};
 use crate::config::{Config, HostGroup};

@@ -15,8 +15,8 @@ use tine_proto::agent::{
     server_handshake, ErrorCode, FixupReport, Health, Request, Response, UserdataStatus, Welcome,
     MAX_FRAME_LEN, PROTOCOL_VERSION,
 };
-use tine_vmm::control::{Request as VmmRequest, Response as VmmResponse};
-use tine_vmm::vstate::vcpu::StopReason;
+use tine_proto::vmm::StopReason;
+use tine_proto::vmm::{Request as VmmRequest, Response as VmmResponse};
 use tokio::sync::watch;
 
 use super::{

@@ -14,9 +14,9 @@ pub mod vmm;
 use std::path::PathBuf;
 
 use futures_util::future::BoxFuture;
-use tine_vmm::control::{Request as VmmRequest, Response as VmmResponse};
-use tine_vmm::vmm::SnapshotInfo;
-use tine_vmm::vstate::vcpu::StopReason;
+use tine_proto::vmm::SnapshotInfo;
+use tine_proto::vmm::StopReason;
+use tine_proto::vmm::{Request as VmmRequest, Response as VmmResponse};
 use tokio::io::{AsyncRead, AsyncWrite};
 
 /// What to boot.
@@ -93,12 +93,7 @@ impl Stop {
     /// A guest power-off or reboot, or a kill the VMM was asked for: not a
     /// failure of the guest or the VMM.
     pub fn is_clean(&self) -> bool {
-        matches!(
-            self,
-            Stop::Reported(
-                StopReason::GuestPoweroff(_) | StopReason::GuestReboot | StopReason::Killed
-            )
-        )
+        matches!(self, Stop::Reported(reason) if reason.is_clean())
     }
 
     /// For people: `guest_poweroff: 0`, `triple_fault`, `tine-vmm was
@@ -112,14 +107,7 @@ impl Stop {
             }
         }
         match self {
-            Stop::Reported(reason) => match reason {
-                StopReason::GuestPoweroff(v) => format!("guest_poweroff: {v}"),
-                StopReason::GuestReboot => "guest_reboot".into(),
-                StopReason::TripleFault => "triple_fault".into(),
-                StopReason::GuestCrash => "guest_crash".into(),
-                StopReason::Killed => "killed".into(),
-                StopReason::VmmError(e) => format!("vmm_error: {e}"),
-            },
+            Stop::Reported(reason) => reason.to_string(),
             Stop::Exited { code, output } => {
                 with_output(format!("tine-vmm exited with status {code}"), output)
             }

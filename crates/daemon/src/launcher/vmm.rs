@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
-use tine_vmm::control::{Request as VmmRequest, Response as VmmResponse};
+use tine_proto::vmm::{Request as VmmRequest, Response as VmmResponse};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::{BootSpec, GuestStream, Instance, LaunchError, Launcher, RestoreSpec, Running, Stray};

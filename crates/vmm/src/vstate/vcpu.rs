@@ -18,6 +18,7 @@ use kvm_bindings::{
 };
 use kvm_ioctls::{VcpuExit, VcpuFd};
 use serde::{Deserialize, Serialize};
+use tine_proto::vmm::StopReason;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::arch::x86_64::msr::{self, MsrError, MSR_IA32_TSC_DEADLINE};
@@ -93,25 +94,6 @@ pub struct VcpuState {
     pub vcpu_events: kvm_vcpu_events,
     /// TSC frequency in kHz, when KVM reports it.
     pub tsc_khz: Option<u32>,
-}
-
-/// Why the VM stopped.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "reason", content = "detail", rename_all = "snake_case")]
-pub enum StopReason {
-    /// The guest powered off (debug-exit port or KVM shutdown event), with
-    /// the value it wrote.
-    GuestPoweroff(u8),
-    /// The guest rebooted (i8042 reset or KVM reset event).
-    GuestReboot,
-    /// The guest triple-faulted.
-    TripleFault,
-    /// The guest kernel reported a crash.
-    GuestCrash,
-    /// The VMM stopped it on request.
-    Killed,
-    /// The VMM failed.
-    VmmError(String),
 }
 
 /// Where the first stop reason is recorded and announced.

@@ -4,7 +4,9 @@
 //! and test guests use it, and `reboot=k` remains the reboot path.
 
 use crate::devices::bus::BusDevice;
-use crate::vstate::vcpu::{StopReason, StopSignal};
+use tine_proto::vmm::StopReason;
+
+use crate::vstate::vcpu::StopSignal;
 
 /// The port.
 pub const DEBUG_EXIT_PORT: u64 = 0x501;

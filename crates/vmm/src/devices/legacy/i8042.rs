@@ -11,7 +11,9 @@ use std::sync::Arc;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::devices::bus::BusDevice;
-use crate::vstate::vcpu::{StopReason, StopSignal};
+use tine_proto::vmm::StopReason;
+
+use crate::vstate::vcpu::StopSignal;
 
 /// First port.
 pub const I8042_PORT: u64 = 0x60;

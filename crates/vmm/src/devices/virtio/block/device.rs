@@ -24,7 +24,6 @@ use std::sync::Arc;
 use virtio_queue::{DescriptorChain, QueueT};
 use vm_memory::{Address, Bytes, GuestAddress, GuestMemory, Permissions};
 
-use super::backend::{BlockBackend, RawFile};
 use super::features::{VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX};
 use super::persist::DiskIdentity;
 use super::request_type::{
@@ -39,6 +38,7 @@ use crate::devices::virtio::{
 };
 use crate::snapshot::Persist;
 use crate::vstate::memory::GuestMemoryMmap;
+use tine_disk::{BlockBackend, RawFile};
 
 /// Bytes moved between guest memory and the disk per backend call.
 const IO_CHUNK: usize = 128 * 1024;
@@ -81,7 +81,7 @@ pub enum BlockError {
         path: PathBuf,
         /// The cause.
         #[source]
-        source: crate::storage::StorageError,
+        source: tine_disk::Error,
     },
 }
 
@@ -497,21 +497,22 @@ impl Block {
     }
 
     /// Opens `config.path` in the format its first bytes say (raw or a
-    /// qcow2 with its backing chain, see [`crate::storage::open_disk`]) and
+    /// qcow2 with its backing chain, see [`tine_disk::open_disk`]) and
     /// serves it.
     pub fn open(config: BlockConfig) -> Result<Self, BlockError> {
-        let backend = crate::storage::open_disk(&config.path, config.read_only).map_err(
-            |source| match source {
-                crate::storage::StorageError::Io { source, .. } => BlockError::Open {
-                    path: config.path.clone(),
-                    source,
+        let backend =
+            tine_disk::open_disk(&config.path, config.read_only).map_err(
+                |source| match source {
+                    tine_disk::Error::Io { source, .. } => BlockError::Open {
+                        path: config.path.clone(),
+                        source,
+                    },
+                    source => BlockError::Image {
+                        path: config.path.clone(),
+                        source,
+                    },
                 },
-                source => BlockError::Image {
-                    path: config.path.clone(),
-                    source,
-                },
-            },
-        )?;
+            )?;
         Ok(Self::new(config, backend))
     }
 
@@ -1593,7 +1594,7 @@ mod tests {
     fn test_block_open_serves_qcow2_and_rejects_broken_one() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("disk.qcow2");
-        crate::storage::create_empty(&path, 8192).expect("create");
+        tine_disk::create_empty(&path, 8192).expect("create");
         let mut block = Block::open(BlockConfig {
             path: path.clone(),
             read_only: false,

@@ -1,16 +1,15 @@
 //! virtio-blk, the block device (virtio spec 5.2).
 //!
-//! - [`backend`]: the [`BlockBackend`] trait disk formats implement, and
-//!   [`RawFile`], a plain file or host block device.
+//! Disks themselves (the [`tine_disk::BlockBackend`] trait, raw and qcow2
+//! images) live in the `tine-disk` crate.
+//!
 //! - [`device`]: [`Block`], the virtio device that parses requests from its
 //!   queue and serves them from a backend.
 //! - [`persist`]: [`BlockState`] and restore.
 
-pub mod backend;
 pub mod device;
 pub mod persist;
 
-pub use backend::{BlockBackend, RawFile};
 pub use device::{Block, BlockConfig, BlockError};
 pub use persist::{BlockConstructorArgs, BlockPersistError, BlockState, DiskIdentity};
 
@@ -60,7 +59,7 @@ pub(crate) mod test_utils {
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     use std::sync::{Arc, Mutex};
 
-    use super::backend::{check_range, BlockBackend};
+    use tine_disk::{check_range, BlockBackend};
 
     /// The byte a pattern-filled disk holds at `offset`.
     pub fn pattern(offset: usize) -> u8 {

@@ -9,13 +9,13 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use super::backend::BlockBackend;
 use super::device::Block;
 use super::SERIAL_LEN;
 use crate::devices::virtio::persist::{QueueRestoreError, VirtioCommonState};
 use crate::devices::virtio::{ActivateError, IrqTrigger, VirtioDevice};
 use crate::snapshot::Persist;
 use crate::vstate::memory::GuestMemoryMmap;
+use tine_disk::BlockBackend;
 
 /// Which disk a block device serves, as the guest saw it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -125,6 +125,7 @@ impl Persist for Block {
 mod tests {
     use std::io::Write;
 
+    use tine_disk::RawFile;
     use virtio_bindings::bindings::virtio_ring::VRING_DESC_F_WRITE;
     use virtio_queue::mock::MockSplitQueue;
     use vm_memory::{Bytes, GuestAddress};
@@ -132,7 +133,7 @@ mod tests {
     use super::super::device::BlockConfig;
     use super::super::request_type::{VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT};
     use super::super::test_utils::MemDisk;
-    use super::super::{RawFile, BLOCK_QUEUE_SIZE};
+    use super::super::BLOCK_QUEUE_SIZE;
     use super::*;
     use crate::devices::virtio::persist::VirtioDeviceState;
     use crate::devices::virtio::test_utils::{configure_queue, push_chain, test_memory};
@@ -243,8 +244,7 @@ mod tests {
         let base = dir.path().join("base.raw");
         std::fs::write(&base, [0x11u8; 64 * 1024]).expect("base");
         let disk = dir.path().join("disk.qcow2");
-        crate::storage::create_overlay(&disk, &base, crate::storage::Format::Raw, None)
-            .expect("overlay");
+        tine_disk::create_overlay(&disk, &base, tine_disk::Format::Raw, None).expect("overlay");
         let mem = test_memory();
         let mock = MockSplitQueue::create(&mem, QUEUE_ADDR, BLOCK_QUEUE_SIZE);
         let mut block = Block::open(config(&disk, false)).expect("open");
@@ -256,11 +256,10 @@ mod tests {
         let state = <Block as Persist>::save(&block);
         // Snapshot taken: the overlay is consistent without leaks while the
         // VM still runs.
-        assert!(crate::storage::check(&disk).expect("check").is_clean());
+        assert!(tine_disk::check(&disk).expect("check").is_clean());
         drop(block);
 
-        let backend =
-            crate::storage::open_disk(&state.disk.path, state.disk.read_only).expect("reopen");
+        let backend = tine_disk::open_disk(&state.disk.path, state.disk.read_only).expect("reopen");
         let mut restored = Block::restore(args(&mem, backend), &state).expect("restore");
 
         mem.write_slice(&[0; 512], GuestAddress(DATA))

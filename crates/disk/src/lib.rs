@@ -1,12 +1,13 @@
-//! Disk images: raw files and qcow2 copy-on-write chains.
+//! tine-disk: disk images, raw files and qcow2 copy-on-write chains.
 //!
 //! tine's disks form chains: an image (a raw ext4 file or a qcow2) is the
 //! backing file of a VM's disk, a qcow2 overlay; committing makes that
-//! overlay immutable, and forks are new overlays on it. This module reads
-//! and writes such chains itself (no C library) and gives the daemon what
-//! it needs to manage them:
+//! overlay immutable, and forks are new overlays on it. This crate reads
+//! and writes such chains itself (no C library, no KVM): the VMM's
+//! virtio-blk serves guests from it and the daemon manages chains with it.
 //!
-//! - [`open_disk`]: any disk as a [`BlockBackend`] for virtio-blk;
+//! - [`BlockBackend`]: a disk as a block device sees it; [`open_disk`]
+//!   opens any disk as one, [`RawFile`] and [`Qcow2`] implement it;
 //! - [`create_overlay`], [`create_empty`], [`create`]: new qcow2 files, in
 //!   time independent of the size of the backing file;
 //! - [`info`], [`backing_chain`], [`detect_format`]: what a file is;
@@ -17,7 +18,9 @@
 //! [`qcow2`] for the on-disk format, what is supported and how crashes are
 //! survived.
 
+pub mod backend;
 pub mod qcow2;
+pub mod raw;
 
 use std::ffi::OsStr;
 use std::fs::{File, OpenOptions};
@@ -26,11 +29,13 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
+pub use backend::{check_range, BlockBackend};
 pub use qcow2::{
     check, create, create_empty, create_overlay, flatten, CheckReport, CreateOptions, Qcow2,
 };
+pub use raw::RawFile;
 
-use crate::devices::virtio::block::{BlockBackend, RawFile};
+use raw::ProbedRaw;
 
 /// The deepest backing chain that is opened (the top image included).
 pub const MAX_CHAIN_DEPTH: usize = 256;
@@ -71,7 +76,7 @@ impl std::fmt::Display for Format {
 
 /// Why a disk image could not be opened, created or inspected.
 #[derive(Debug, thiserror::Error)]
-pub enum StorageError {
+pub enum Error {
     /// A system call on a file failed.
     #[error("cannot {op} {path}")]
     Io {
@@ -120,26 +125,26 @@ pub enum StorageError {
     InvalidArgument(String),
 }
 
-impl From<StorageError> for io::Error {
+impl From<Error> for io::Error {
     /// I/O errors keep their kind; format errors become `InvalidData`.
-    fn from(e: StorageError) -> Self {
+    fn from(e: Error) -> Self {
         let kind = match &e {
-            StorageError::Io { source, .. } => source.kind(),
-            StorageError::InvalidArgument(_) => io::ErrorKind::InvalidInput,
-            StorageError::Unsupported { .. } => io::ErrorKind::Unsupported,
+            Error::Io { source, .. } => source.kind(),
+            Error::InvalidArgument(_) => io::ErrorKind::InvalidInput,
+            Error::Unsupported { .. } => io::ErrorKind::Unsupported,
             _ => io::ErrorKind::InvalidData,
         };
         io::Error::new(kind, e)
     }
 }
 
-/// Shorthand for results of this module.
-pub type Result<T, E = StorageError> = std::result::Result<T, E>;
+/// Shorthand for results of this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// Maps an `io::Error` from `op` on `path` to [`StorageError::Io`].
-pub(crate) fn io_err(op: &'static str, path: &Path) -> impl FnOnce(io::Error) -> StorageError {
+/// Maps an `io::Error` from `op` on `path` to [`Error::Io`].
+pub(crate) fn io_err(op: &'static str, path: &Path) -> impl FnOnce(io::Error) -> Error {
     let path = path.to_path_buf();
-    move |source| StorageError::Io { op, path, source }
+    move |source| Error::Io { op, path, source }
 }
 
 /// What [`info`] found about one image.
@@ -270,12 +275,12 @@ pub fn backing_chain(path: &Path) -> Result<Vec<ImageInfo>> {
     let mut next = Some(path.to_path_buf());
     while let Some(current) = next.take() {
         if chain.len() >= MAX_CHAIN_DEPTH {
-            return Err(StorageError::ChainTooDeep(path.to_path_buf()));
+            return Err(Error::ChainTooDeep(path.to_path_buf()));
         }
         let meta = std::fs::metadata(&current).map_err(io_err("stat", &current))?;
         let id = (meta.dev(), meta.ino());
         if seen.contains(&id) {
-            return Err(StorageError::BackingLoop { path: current });
+            return Err(Error::BackingLoop { path: current });
         }
         seen.push(id);
         let mut image = info(&current)?;
@@ -343,51 +348,5 @@ pub fn open_disk_as(path: &Path, format: Format, read_only: bool) -> Result<Box<
             RawFile::open(path, read_only).map_err(io_err("open", path))?,
         )),
         Format::Qcow2 => Ok(Box::new(Qcow2::open(path, read_only)?)),
-    }
-}
-
-/// A raw disk whose format was probed: refuses writes that would put the
-/// qcow2 magic at its start.
-#[derive(Debug)]
-struct ProbedRaw(RawFile);
-
-impl BlockBackend for ProbedRaw {
-    fn size(&self) -> u64 {
-        self.0.size()
-    }
-
-    fn is_read_only(&self) -> bool {
-        self.0.is_read_only()
-    }
-
-    fn read_at(&mut self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        self.0.read_at(buf, offset)
-    }
-
-    fn write_at(&mut self, buf: &[u8], offset: u64) -> io::Result<()> {
-        let magic_len = qcow2::MAGIC.len() as u64;
-        if offset < magic_len && !buf.is_empty() && self.0.size() >= magic_len {
-            let mut start = [0u8; 4];
-            self.0.read_at(&mut start, 0)?;
-            for (i, byte) in start.iter_mut().enumerate() {
-                let at = i as u64;
-                if at >= offset {
-                    if let Some(b) = buf.get((at - offset) as usize) {
-                        *byte = *b;
-                    }
-                }
-            }
-            if start == qcow2::MAGIC {
-                return Err(io::Error::new(
-                    io::ErrorKind::PermissionDenied,
-                    "refusing to write a qcow2 header into a raw disk whose format was probed",
-                ));
-            }
-        }
-        self.0.write_at(buf, offset)
-    }
-
-    fn flush(&mut self) -> io::Result<()> {
-        self.0.flush()
     }
 }

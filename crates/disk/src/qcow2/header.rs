@@ -8,8 +8,8 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use super::super::{io_err, path_from_bytes, Format, Result, StorageError};
 use super::{unaligned, MAGIC};
+use crate::{io_err, path_from_bytes, Error, Format, Result};
 
 /// Smallest cluster: 512 bytes.
 pub const MIN_CLUSTER_BITS: u32 = 9;
@@ -162,7 +162,7 @@ impl Header {
 
     /// Reads and checks the header of `file` (`file_len` bytes long).
     pub fn read(file: &File, file_len: u64, path: &Path) -> Result<Self> {
-        let invalid = |reason: String| StorageError::Invalid {
+        let invalid = |reason: String| Error::Invalid {
             path: path.to_path_buf(),
             reason,
         };
@@ -180,7 +180,7 @@ impl Header {
         }
         let version = be32(&fixed, 4);
         if version != 2 && version != 3 {
-            return Err(StorageError::Unsupported {
+            return Err(Error::Unsupported {
                 path: path.to_path_buf(),
                 feature: format!("version {version}"),
             });
@@ -215,7 +215,7 @@ impl Header {
         };
         let crypt_method = be32(&fixed, 32);
         if crypt_method != 0 {
-            return Err(StorageError::Unsupported {
+            return Err(Error::Unsupported {
                 path: path.to_path_buf(),
                 feature: format!("encryption (method {crypt_method})"),
             });
@@ -326,7 +326,7 @@ impl Header {
     }
 
     fn parse_extensions(&mut self, area: &[u8], ext_end: u64, path: &Path) -> Result<()> {
-        let invalid = |reason: String| StorageError::Invalid {
+        let invalid = |reason: String| Error::Invalid {
             path: path.to_path_buf(),
             reason,
         };
@@ -346,21 +346,20 @@ impl Header {
             match kind {
                 EXT_BACKING_FORMAT => {
                     let name = String::from_utf8_lossy(data);
-                    let format =
-                        Format::from_name(&name).ok_or_else(|| StorageError::Unsupported {
-                            path: path.to_path_buf(),
-                            feature: format!("backing format {name:?}"),
-                        })?;
+                    let format = Format::from_name(&name).ok_or_else(|| Error::Unsupported {
+                        path: path.to_path_buf(),
+                        feature: format!("backing format {name:?}"),
+                    })?;
                     self.backing_format = Some(format);
                 }
                 EXT_DATA_FILE => {
-                    return Err(StorageError::Unsupported {
+                    return Err(Error::Unsupported {
                         path: path.to_path_buf(),
                         feature: "external data file".into(),
                     })
                 }
                 EXT_CRYPTO => {
-                    return Err(StorageError::Unsupported {
+                    return Err(Error::Unsupported {
                         path: path.to_path_buf(),
                         feature: "encryption".into(),
                     })

@@ -9,13 +9,13 @@
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
-use super::super::{file_length, open_read, Result, StorageError};
 use super::header::{unsupported_incompatible, Header};
 use super::refcount::get_entry;
 use super::{
     unaligned, ImageFile, L1E_OFFSET_MASK, L1E_RESERVED, L2E_OFFSET_MASK, L2E_RESERVED,
     OFLAG_COMPRESSED, OFLAG_COPIED, OFLAG_ZERO,
 };
+use crate::{file_length, open_read, Error, Result};
 
 /// Corruption messages kept in a report; the rest are only counted.
 const MAX_MESSAGES: usize = 100;
@@ -124,7 +124,7 @@ pub fn check(path: &Path) -> Result<CheckReport> {
     let mut report = CheckReport::default();
     let header = match Header::read(&file, len, path) {
         Ok(header) => header,
-        Err(e @ StorageError::Invalid { .. }) => {
+        Err(e @ Error::Invalid { .. }) => {
             report.corrupt(e.to_string());
             return Ok(report);
         }
@@ -132,7 +132,7 @@ pub fn check(path: &Path) -> Result<CheckReport> {
     };
     let unsupported = unsupported_incompatible(header.incompatible_features);
     if !unsupported.is_empty() {
-        return Err(StorageError::Unsupported {
+        return Err(Error::Unsupported {
             path: path.to_path_buf(),
             feature: unsupported.join(", "),
         });

@@ -13,10 +13,10 @@
 
 use std::collections::VecDeque;
 
-use super::super::{Result, StorageError};
 use super::cache::TableCache;
 use super::header::{Header, MAX_REFTABLE_BYTES, REFTABLE_FIELDS_OFFSET};
 use super::{unaligned, ImageFile};
+use crate::{Error, Result};
 
 /// Bits 0-8 of a refcount table entry are reserved.
 const REFT_RESERVED: u64 = 0x1ff;
@@ -278,7 +278,7 @@ impl Refcounts {
             clusters *= 2;
         }
         if clusters * cs > MAX_REFTABLE_BYTES {
-            return Err(StorageError::Unsupported {
+            return Err(Error::Unsupported {
                 path: f.path.clone(),
                 feature:
                     "a refcount table larger than 8 MiB (image too large for its cluster size)"

@@ -10,12 +10,12 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::super::{file_length, io_err, open_read, resolve_backing, Format, Result, StorageError};
 use super::header::{
     Header, NewHeader, DEFAULT_CLUSTER_BITS, MAX_CLUSTER_BITS, MAX_L1_BYTES, MAX_VIRTUAL_SIZE,
     MIN_CLUSTER_BITS,
 };
 use super::{Backing, Qcow2};
+use crate::{file_length, io_err, open_read, resolve_backing, Error, Format, Result};
 
 /// What a new image looks like.
 #[derive(Debug, Clone)]
@@ -129,9 +129,9 @@ static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 /// Runs `write` on a new temporary file next to `path`, syncs it and gives
 /// it the name `path` (failing if that exists), removing it on failure.
 fn atomically(path: &Path, write: impl FnOnce(&Path, &mut File) -> Result<()>) -> Result<()> {
-    let name = path.file_name().ok_or_else(|| {
-        StorageError::InvalidArgument(format!("{} names no file", path.display()))
-    })?;
+    let name = path
+        .file_name()
+        .ok_or_else(|| Error::InvalidArgument(format!("{} names no file", path.display())))?;
     if path.symlink_metadata().is_ok() {
         return Err(io_err("create", path)(
             std::io::ErrorKind::AlreadyExists.into(),
@@ -185,7 +185,7 @@ impl Layout {
         if !cs.is_power_of_two()
             || !(1u64 << MIN_CLUSTER_BITS..=1u64 << MAX_CLUSTER_BITS).contains(&cs)
         {
-            return Err(StorageError::InvalidArgument(format!(
+            return Err(Error::InvalidArgument(format!(
                 "cluster size {cs} is not a power of two from 512 to 2 MiB"
             )));
         }
@@ -196,27 +196,27 @@ impl Layout {
         };
         let size = match (options.virtual_size, backing_size) {
             (Some(size), Some(backing)) if size < backing => {
-                return Err(StorageError::InvalidArgument(format!(
+                return Err(Error::InvalidArgument(format!(
                     "virtual size {size} is smaller than the backing file's {backing}"
                 )))
             }
             (Some(size), _) => size,
             (None, Some(backing)) => backing,
             (None, None) => {
-                return Err(StorageError::InvalidArgument(
+                return Err(Error::InvalidArgument(
                     "an image without backing file needs a virtual size".into(),
                 ))
             }
         };
         let size = size.next_multiple_of(512);
         if size == 0 || size > MAX_VIRTUAL_SIZE {
-            return Err(StorageError::InvalidArgument(format!(
+            return Err(Error::InvalidArgument(format!(
                 "virtual size {size} is not within 1..={MAX_VIRTUAL_SIZE}"
             )));
         }
         let l1_entries = Header::l1_entries_for(size, cluster_bits);
         if l1_entries * 8 > MAX_L1_BYTES {
-            return Err(StorageError::InvalidArgument(format!(
+            return Err(Error::InvalidArgument(format!(
                 "virtual size {size} needs an L1 table over 32 MiB with {cs}-byte clusters"
             )));
         }
@@ -247,7 +247,7 @@ impl Layout {
             backing: backing_name,
         }
         .encode()
-        .map_err(StorageError::InvalidArgument)?;
+        .map_err(Error::InvalidArgument)?;
         Ok(Self {
             cluster_bits,
             header,

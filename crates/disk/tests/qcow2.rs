@@ -1,15 +1,15 @@
 //! qcow2 interoperability with qemu: files tine writes pass `qemu-img
 //! check` and read back identically through qemu; files qemu writes read
 //! back correctly through tine. Needs `qemu-img` (and `qemu-io` for some
-//! tests); tests skip with a message when they are missing. No KVM.
+//! tests); a test fails, naming the tool, when one is missing. No KVM.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use tine_vmm::devices::virtio::block::BlockBackend;
-use tine_vmm::storage::qcow2::{create, CreateOptions};
-use tine_vmm::storage::{
-    backing_chain, check, create_empty, create_overlay, flatten, info, open_disk, Format, Qcow2,
+use tine_disk::qcow2::{create, CreateOptions};
+use tine_disk::{
+    backing_chain, check, create_empty, create_overlay, flatten, info, open_disk, BlockBackend,
+    Format, Qcow2,
 };
 
 /// splitmix64, seeded.

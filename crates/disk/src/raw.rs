@@ -1,72 +1,12 @@
-//! Disk backends: where a block device's sectors live.
-//!
-//! [`BlockBackend`] is byte-addressed and synchronous. A format with its
-//! own metadata (qcow2) implements it over its file the same way [`RawFile`]
-//! does over a plain one; the device never sees the format.
+//! Raw disks: sector `n` at byte `512 * n` of a file or host block device.
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Seek, SeekFrom};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 
-/// A disk image as the block device sees it: `size()` bytes, read and
-/// written at byte offsets.
-///
-/// Implementations reject any range that does not lie within `size()`
-/// (the device checks too, but a backend must not trust its caller with
-/// guest-derived offsets).
-pub trait BlockBackend: Send + std::fmt::Debug {
-    /// The disk's virtual size in bytes, fixed while the device exists.
-    fn size(&self) -> u64;
-
-    /// True when the disk must not be written.
-    fn is_read_only(&self) -> bool;
-
-    /// Fills `buf` from the disk at `offset`.
-    fn read_at(&mut self, buf: &mut [u8], offset: u64) -> io::Result<()>;
-
-    /// Writes `buf` to the disk at `offset`.
-    fn write_at(&mut self, buf: &[u8], offset: u64) -> io::Result<()>;
-
-    /// Makes every completed write durable.
-    fn flush(&mut self) -> io::Result<()>;
-
-    /// Whether [`BlockBackend::discard`] does anything.
-    fn supports_discard(&self) -> bool {
-        false
-    }
-
-    /// Tells the disk `len` bytes at `offset` are no longer needed (their
-    /// contents become unspecified).
-    fn discard(&mut self, _offset: u64, _len: u64) -> io::Result<()> {
-        Err(io::ErrorKind::Unsupported.into())
-    }
-
-    /// Whether [`BlockBackend::write_zeroes`] does anything.
-    fn supports_write_zeroes(&self) -> bool {
-        false
-    }
-
-    /// Sets `len` bytes at `offset` to zero, deallocating them if `unmap`
-    /// and the format can.
-    fn write_zeroes(&mut self, _offset: u64, _len: u64, _unmap: bool) -> io::Result<()> {
-        Err(io::ErrorKind::Unsupported.into())
-    }
-}
-
-/// Checks that `len` bytes at `offset` lie within a disk of `size` bytes.
-pub fn check_range(offset: u64, len: usize, size: u64) -> io::Result<()> {
-    let end = u64::try_from(len)
-        .ok()
-        .and_then(|len| offset.checked_add(len));
-    match end {
-        Some(end) if end <= size => Ok(()),
-        _ => Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            "access beyond the end of the disk",
-        )),
-    }
-}
+use crate::backend::{check_range, BlockBackend};
+use crate::qcow2;
 
 /// A raw disk image: a regular file or a host block device, sector `n` at
 /// byte `512 * n`.
@@ -129,6 +69,52 @@ impl BlockBackend for RawFile {
             return Ok(());
         }
         self.file.sync_data()
+    }
+}
+
+/// A raw disk whose format was probed: refuses writes that would put the
+/// qcow2 magic at its start.
+#[derive(Debug)]
+pub(crate) struct ProbedRaw(pub(crate) RawFile);
+
+impl BlockBackend for ProbedRaw {
+    fn size(&self) -> u64 {
+        self.0.size()
+    }
+
+    fn is_read_only(&self) -> bool {
+        self.0.is_read_only()
+    }
+
+    fn read_at(&mut self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        self.0.read_at(buf, offset)
+    }
+
+    fn write_at(&mut self, buf: &[u8], offset: u64) -> io::Result<()> {
+        let magic_len = qcow2::MAGIC.len() as u64;
+        if offset < magic_len && !buf.is_empty() && self.0.size() >= magic_len {
+            let mut start = [0u8; 4];
+            self.0.read_at(&mut start, 0)?;
+            for (i, byte) in start.iter_mut().enumerate() {
+                let at = i as u64;
+                if at >= offset {
+                    if let Some(b) = buf.get((at - offset) as usize) {
+                        *byte = *b;
+                    }
+                }
+            }
+            if start == qcow2::MAGIC {
+                return Err(io::Error::new(
+                    io::ErrorKind::PermissionDenied,
+                    "refusing to write a qcow2 header into a raw disk whose format was probed",
+                ));
+            }
+        }
+        self.0.write_at(buf, offset)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.0.flush()
     }
 }
 
@@ -226,13 +212,5 @@ mod tests {
         assert!(!raw.supports_discard() && !raw.supports_write_zeroes());
         assert!(raw.discard(0, 512).is_err());
         assert!(raw.write_zeroes(0, 512, false).is_err());
-    }
-
-    #[test]
-    fn test_check_range_bounds() {
-        assert!(check_range(0, 512, 512).is_ok());
-        assert!(check_range(512, 0, 512).is_ok());
-        assert!(check_range(1, 512, 512).is_err());
-        assert!(check_range(u64::MAX, 1, u64::MAX).is_err());
     }
 }

@@ -4,14 +4,13 @@
 //! ratios; asserts nothing. Run where the target filesystem is the one
 //! that matters (the temporary directory, or TINE_BENCH_DIR).
 //!
-//!   cargo bench -p tine-vmm --bench disk [-- RUNS]
+//!   cargo bench -p tine-disk --bench disk [-- RUNS]
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use tine_vmm::devices::virtio::block::{BlockBackend, RawFile};
-use tine_vmm::storage::{create_empty, create_overlay, Format, Qcow2};
+use tine_disk::{create_empty, create_overlay, BlockBackend, Format, Qcow2, RawFile};
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {

@@ -2,10 +2,10 @@
 //!
 //! Supported: versions 2 and 3 (read), version 3 with 16-bit refcounts
 //! (written), clusters of 512 B to 2 MiB, backing files (raw or qcow2,
-//! chains up to [`MAX_CHAIN_DEPTH`](super::MAX_CHAIN_DEPTH) deep), zero
-//! clusters. Not supported: encryption, external data files, extended L2
-//! entries, compressed clusters (refused when read), writing images with
-//! internal snapshots, writing images left dirty by lazy refcounts.
+//! chains up to [`MAX_CHAIN_DEPTH`] deep), zero clusters. Not supported:
+//! encryption, external data files, extended L2 entries, compressed
+//! clusters (refused when read), writing images with internal snapshots,
+//! writing images left dirty by lazy refcounts.
 //!
 //! # Crash safety
 //!
@@ -16,7 +16,7 @@
 //!
 //! 1. a new cluster's refcount is made durable before anything refers to
 //!    it (clusters come from a pool whose refcounts were synced, see
-//!    [`refcount`]);
+//!    `refcount.rs`);
 //! 2. a new data cluster is written (with, around a partial write, the
 //!    backing chain's data unless that is known to be zeros) before the L2
 //!    entry naming it;
@@ -39,10 +39,9 @@ mod refcount;
 use std::collections::HashSet;
 use std::fs::{File, OpenOptions};
 use std::io;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-
-use vmm_sys_util::seek_hole::SeekHole;
 
 pub use check::{check, CheckReport};
 pub use create::{create, create_empty, create_overlay, flatten, CreateOptions};
@@ -50,12 +49,11 @@ pub use create::{create, create_empty, create_overlay, flatten, CreateOptions};
 use self::cache::TableCache;
 use self::header::{unsupported_incompatible, Header, AUTOCLEAR_OFFSET};
 use self::refcount::Refcounts;
-use super::{
-    detect_file_format, file_length, io_err, resolve_backing, Format, Result, StorageError,
+use crate::backend::{check_range, BlockBackend};
+use crate::{
+    detect_file_format, file_length, io_err, resolve_backing, Error, Format, Result,
     MAX_CHAIN_DEPTH,
 };
-use crate::devices::virtio::block::backend::check_range;
-use crate::devices::virtio::block::BlockBackend;
 
 /// The first four bytes of every qcow2 file.
 pub const MAGIC: [u8; 4] = *b"QFI\xfb";
@@ -96,8 +94,8 @@ pub(crate) struct ImageFile {
 }
 
 impl ImageFile {
-    fn invalid(&self, reason: String) -> StorageError {
-        StorageError::Invalid {
+    fn invalid(&self, reason: String) -> Error {
+        Error::Invalid {
             path: self.path.clone(),
             reason,
         }
@@ -195,7 +193,7 @@ impl Backing {
         match self {
             Backing::Raw { file, .. } => {
                 // The next data at or after `offset` (None: only a hole).
-                match file.file.seek_data(offset) {
+                match next_data(&file.file, offset) {
                     Ok(None) => Ok(true),
                     Ok(Some(next)) => Ok(next >= offset + len),
                     Err(_) => Ok(false),
@@ -203,6 +201,22 @@ impl Backing {
             }
             Backing::Qcow2(image) => image.known_zero(offset, len),
         }
+    }
+}
+
+/// Where the first data at or after `offset` in `file` starts (`None`:
+/// only a hole follows), by `lseek(SEEK_DATA)`.
+fn next_data(file: &File, offset: u64) -> io::Result<Option<u64>> {
+    let offset = libc::off_t::try_from(offset).map_err(|_| io::ErrorKind::InvalidInput)?;
+    // SAFETY: `lseek` takes only integers; `file` keeps the descriptor open
+    // for the duration of the call.
+    let at = unsafe { libc::lseek(file.as_raw_fd(), offset, libc::SEEK_DATA) };
+    match u64::try_from(at) {
+        Ok(at) => Ok(Some(at)),
+        Err(_) => match io::Error::last_os_error() {
+            e if e.raw_os_error() == Some(libc::ENXIO) => Ok(None),
+            e => Err(e),
+        },
     }
 }
 
@@ -267,7 +281,7 @@ impl Qcow2 {
         let mut below = None;
         while let Some((path, format)) = next.take() {
             if seen.len() >= MAX_CHAIN_DEPTH {
-                return Err(StorageError::ChainTooDeep(path));
+                return Err(Error::ChainTooDeep(path));
             }
             let file = OpenOptions::new()
                 .read(true)
@@ -287,7 +301,7 @@ impl Qcow2 {
                 }
                 Format::Raw => {
                     if seen.contains(&file_id(&file, &path)?) {
-                        return Err(StorageError::BackingLoop { path });
+                        return Err(Error::BackingLoop { path });
                     }
                     let size = file_length(&file, &path)?;
                     below = Some(Backing::Raw {
@@ -312,7 +326,7 @@ impl Qcow2 {
     /// Opens the disk at `path` read-only in the format its first bytes
     /// say, as a [`Backing`].
     fn open_any(path: &Path) -> Result<Backing> {
-        let file = super::open_read(path)?;
+        let file = crate::open_read(path)?;
         match detect_file_format(&file, path)? {
             Format::Qcow2 => Ok(Backing::Qcow2(Box::new(Self::open(path, true)?))),
             Format::Raw => {
@@ -344,7 +358,7 @@ impl Qcow2 {
             .map_err(io_err("open", path))?;
         let id = file_id(&file, path)?;
         if seen.contains(&id) {
-            return Err(StorageError::BackingLoop {
+            return Err(Error::BackingLoop {
                 path: path.to_path_buf(),
             });
         }
@@ -352,21 +366,21 @@ impl Qcow2 {
         let len = file_length(&file, path)?;
         let header = Header::read(&file, len, path)?;
         if header.is_corrupt() {
-            return Err(StorageError::MarkedCorrupt(path.to_path_buf()));
+            return Err(Error::MarkedCorrupt(path.to_path_buf()));
         }
         let unsupported = unsupported_incompatible(header.incompatible_features);
         if !unsupported.is_empty() {
-            return Err(StorageError::Unsupported {
+            return Err(Error::Unsupported {
                 path: path.to_path_buf(),
                 feature: unsupported.join(", "),
             });
         }
         if !read_only {
             if header.is_dirty() {
-                return Err(StorageError::Dirty(path.to_path_buf()));
+                return Err(Error::Dirty(path.to_path_buf()));
             }
             if header.nb_snapshots > 0 {
-                return Err(StorageError::Unsupported {
+                return Err(Error::Unsupported {
                     path: path.to_path_buf(),
                     feature: "writing an image with internal snapshots".into(),
                 });
@@ -551,7 +565,7 @@ impl Qcow2 {
 
     fn decode_l2(&self, entry: u64) -> Result<Mapping> {
         if entry & OFLAG_COMPRESSED != 0 {
-            return Err(StorageError::Unsupported {
+            return Err(Error::Unsupported {
                 path: self.f.path.clone(),
                 feature: "compressed clusters".into(),
             });
@@ -664,7 +678,7 @@ impl Qcow2 {
     fn allocate(&mut self) -> Result<u64> {
         match &mut self.refcounts {
             Some(refcounts) => refcounts.alloc(&mut self.f),
-            None => Err(StorageError::InvalidArgument(format!(
+            None => Err(Error::InvalidArgument(format!(
                 "{} is open read-only",
                 self.f.path.display()
             ))),
@@ -693,7 +707,7 @@ impl Qcow2 {
                     },
                     _,
                 ) => {
-                    return Err(StorageError::Unsupported {
+                    return Err(Error::Unsupported {
                         path: self.f.path.clone(),
                         feature: format!(
                             "writing a shared cluster (at {host:#x}, refcount above 1)"

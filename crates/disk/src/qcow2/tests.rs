@@ -1,11 +1,11 @@
 //! Tests of the qcow2 reader and writer (no qemu needed; interoperability
-//! is tested in crates/vmm/tests/qcow2.rs).
+//! is tested in tests/qcow2.rs).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use super::*;
-use crate::storage::{backing_chain, detect_format, info, open_disk};
+use crate::{backing_chain, detect_format, info, open_disk};
 
 /// splitmix64: a small seeded generator for reproducible tests.
 pub(crate) struct Rng(u64);
@@ -558,14 +558,11 @@ fn test_dirty_and_corrupt_bits() {
     let mut buf = [0u8; 4];
     image.read_at(&mut buf, 100_000).expect("read");
     assert_eq!(buf, [0x42; 4]);
-    assert!(matches!(
-        Qcow2::open(&dirty, false),
-        Err(StorageError::Dirty(_))
-    ));
+    assert!(matches!(Qcow2::open(&dirty, false), Err(Error::Dirty(_))));
     let corrupt = patched(dir.path(), "corrupt", &good, |b| put64(b, 72, 2));
     assert!(matches!(
         Qcow2::open(&corrupt, true),
-        Err(StorageError::MarkedCorrupt(_))
+        Err(Error::MarkedCorrupt(_))
     ));
     assert!(!check(&corrupt).expect("check").is_ok());
     assert!(info(&corrupt).expect("info").corrupt);
@@ -701,7 +698,7 @@ fn test_backing_loop_and_depth_rejected() {
     std::fs::remove_file(&a).expect("rm");
     create_overlay(&a, &b, Format::Qcow2, None).expect("a on b");
     let err = Qcow2::open(&a, true).expect_err("loop");
-    assert!(matches!(err, StorageError::BackingLoop { .. }), "{err}");
+    assert!(matches!(err, Error::BackingLoop { .. }), "{err}");
     assert!(backing_chain(&a).is_err());
     // An image naming itself.
     let own = dir.path().join("own.qcow2");
@@ -734,7 +731,7 @@ fn test_backing_loop_and_depth_rejected() {
     }
     assert!(matches!(
         Qcow2::open(&prev, true),
-        Err(StorageError::ChainTooDeep(_))
+        Err(Error::ChainTooDeep(_))
     ));
     assert!(backing_chain(&prev).is_err());
     // One less is fine.
@@ -912,4 +909,25 @@ fn test_random_corruption_never_panics() {
         let _ = info(&victim);
         let _ = backing_chain(&victim);
     }
+}
+
+#[test]
+fn test_next_data_finds_data_and_the_end_of_the_file() {
+    let dir = tmp();
+    let path = dir.path().join("sparse.raw");
+    let file = std::fs::File::options()
+        .create_new(true)
+        .read(true)
+        .write(true)
+        .open(&path)
+        .expect("create");
+    file.set_len(4 << 20).expect("size");
+    file.write_all_at(&[1; 4096], 2 << 20).expect("write");
+    // A filesystem without holes reports data everywhere, so only what
+    // holds on every filesystem is asserted.
+    let first = next_data(&file, 0).expect("seek").expect("data");
+    assert!(first <= 2 << 20, "{first}");
+    assert_eq!(next_data(&file, 2 << 20).expect("seek"), Some(2 << 20));
+    assert_eq!(next_data(&file, 4 << 20).expect("seek"), None);
+    assert_eq!(next_data(&file, 8 << 20).expect("seek"), None);
 }
