@@ -17,12 +17,14 @@ use crate::exit::{self, UsageError};
 use crate::output::{code_name, print_json};
 use crate::terminal::{self, RawMode};
 
-/// The exit code for how a command ended: its code, or 128+signal.
+/// The exit code for how a command ended: its code, or 128+N for signal N.
+/// The guest reports these numbers: a signal outside 1..=127 (no real
+/// one) counts as an error rather than overflowing.
 pub fn exit_status(code: Option<i32>, signal: Option<i32>) -> i32 {
     match (code, signal) {
         (Some(code), _) => code,
-        (None, Some(signal)) => 128 + signal,
-        (None, None) => exit::API_ERROR,
+        (None, Some(signal @ 1..=127)) => 128 + signal,
+        (None, _) => exit::API_ERROR,
     }
 }
 
@@ -645,6 +647,15 @@ mod tests {
         assert_eq!(exit_status(Some(42), None), 42);
         assert_eq!(exit_status(None, Some(9)), 137);
         assert_eq!(exit_status(None, None), 1);
+    }
+
+    #[test]
+    fn exit_statuses_survive_signal_numbers_from_a_hostile_guest() {
+        assert_eq!(exit_status(None, Some(i32::MAX)), exit::API_ERROR);
+        assert_eq!(exit_status(None, Some(i32::MIN)), exit::API_ERROR);
+        assert_eq!(exit_status(None, Some(0)), exit::API_ERROR);
+        assert_eq!(exit_status(None, Some(127)), 255);
+        assert_eq!(exit_status(Some(i32::MAX), Some(i32::MAX)), i32::MAX);
     }
 
     #[test]

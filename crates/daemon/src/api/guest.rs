@@ -408,7 +408,7 @@ async fn pump_shell(socket: WebSocket, mut session: tine_client::agent::ShellSes
                 }
             }
             Ok(Some(ShellEvent::Exit(s))) => {
-                let code = s.code.unwrap_or_else(|| 128 + s.signal.unwrap_or(0));
+                let code = shell_exit_code(&s);
                 let mut msg = vec![SHELL_EXIT];
                 msg.extend_from_slice(&code.to_be_bytes());
                 let _ = sink.send(Message::Binary(msg.into())).await;
@@ -419,6 +419,17 @@ async fn pump_shell(socket: WebSocket, mut session: tine_client::agent::ShellSes
     }
     let _ = sink.send(Message::Close(None)).await;
     input.abort();
+}
+
+/// The code a shell's end is reported with: its exit code, else 128+N for
+/// signal N. The agent reports these numbers; a signal outside 1..=127
+/// (no real one) gives 128 rather than overflowing.
+fn shell_exit_code(status: &tine_proto::agent::ExitStatus) -> i32 {
+    match (status.code, status.signal) {
+        (Some(code), _) => code,
+        (None, Some(signal @ 1..=127)) => 128 + signal,
+        (None, _) => 128,
+    }
 }
 
 /// Parses `tcp:PORT`, `tcp:HOST:PORT` or `unix:PATH`.
@@ -524,5 +535,19 @@ mod tests {
         for bad in ["tcp:0", "tcp:x", "unix:rel", "udp:53", ""] {
             assert!(parse_target(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn shell_exit_codes_survive_signal_numbers_from_a_hostile_agent() {
+        let status = |code, signal| tine_proto::agent::ExitStatus {
+            code,
+            signal,
+            ..Default::default()
+        };
+        assert_eq!(shell_exit_code(&status(Some(3), None)), 3);
+        assert_eq!(shell_exit_code(&status(None, Some(9))), 137);
+        assert_eq!(shell_exit_code(&status(None, Some(i32::MAX))), 128);
+        assert_eq!(shell_exit_code(&status(None, Some(i32::MIN))), 128);
+        assert_eq!(shell_exit_code(&status(None, None)), 128);
     }
 }
