@@ -16,6 +16,7 @@ use crate::cli::{CpArgs, ExecArgs, ForwardArgs, GlobalArgs, ShellArgs};
 use crate::exit::{self, UsageError};
 use crate::output::{code_name, print_json};
 use crate::terminal::{self, RawMode};
+use crate::untar;
 
 /// The exit code for how a command ended: its code, or 128+N for signal N.
 /// The guest reports these numbers: a signal outside 1..=127 (no real
@@ -373,15 +374,19 @@ async fn download(
             inner: tokio_util::io::SyncIoBridge::new(data),
             bytes: 0,
         };
+        let umask = untar::current_umask();
         let unpacked = tokio::task::spawn_blocking(move || {
-            let mut archive = tar::Archive::new(counted);
-            archive.set_preserve_permissions(true);
-            archive.unpack(&dir)?;
-            Ok::<u64, std::io::Error>(archive.into_inner().bytes)
+            let mut counted = counted;
+            let done = untar::unpack(&mut counted, &dir, umask)?;
+            Ok::<_, std::io::Error>((done, counted.bytes))
         })
         .await
         .context("the tar reader failed")?;
-        return unpacked.with_context(|| format!("cannot unpack into {local}"));
+        let (done, bytes) = unpacked.with_context(|| format!("cannot unpack into {local}"))?;
+        for name in &done.skipped {
+            eprintln!("tine: skipped {name:?} from {vm}:{path}: not a file, directory or symlink");
+        }
+        return Ok(bytes);
     }
     let mut target = PathBuf::from(local);
     if local.ends_with('/') || target.is_dir() {

@@ -414,6 +414,43 @@ async fn cp_streams_files_and_trees() {
 }
 
 #[tokio::test]
+async fn cp_from_a_vm_keeps_no_special_modes_and_no_devices() {
+    use std::os::unix::fs::PermissionsExt;
+    let fake = FakeDaemon::start(None).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("out");
+    let r = run(
+        &fake,
+        &[
+            "vm",
+            "cp",
+            "-r",
+            "dev-1:/hostile-tree",
+            &out.to_string_lossy(),
+        ],
+    )
+    .await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    // `tine` inherited this process's umask.
+    let umask = nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
+    nix::sys::stat::umask(umask);
+    let expected = 0o755 & !umask.bits();
+    let mode = |p: &str| {
+        std::fs::symlink_metadata(out.join(p))
+            .expect("stat")
+            .permissions()
+            .mode()
+            & 0o7777
+    };
+    assert_eq!(mode("suid"), expected, "setuid kept");
+    assert_eq!(mode("drop"), expected, "sticky or world-writable kept");
+    let left: Vec<_> = std::fs::read_dir(out.join("drop")).expect("list").collect();
+    assert!(left.is_empty(), "the device became {left:?}");
+    assert!(r.stderr.contains("skipped"), "{}", r.stderr);
+    assert!(!r.stderr.contains('\u{1b}'), "{:?}", r.stderr);
+}
+
+#[tokio::test]
 async fn forward_bridges_local_connections() {
     let fake = FakeDaemon::start(None).await;
     let mut child = tine()

@@ -12,7 +12,10 @@
 //!   writes `oops` to stderr and exits 2; `split` sends its frames cut in
 //!   the middle of lines, one piece every few ms; anything else gets an
 //!   `error` frame (`not_found`).
-//! - cp download: `hello from PATH\n`; upload: counts and keeps the bytes.
+//! - cp download: `hello from PATH\n`; in tar mode, `/hostile-tree` is
+//!   what a guest that replaced its agent could send (a setuid file, a
+//!   world-writable sticky directory, a device carrying bytes); upload:
+//!   counts and keeps the bytes.
 //! - shell: greets, echoes terminal data, answers a resize with
 //!   `resized R C`, ends with exit 3 on input `exit\r`, and goes away
 //!   without an exit message on `drop\r`.
@@ -666,12 +669,36 @@ async fn download(Path(h): Path<String>, RawQuery(q): RawQuery) -> Response {
             "/missing: no such file",
         );
     }
+    if path == "/hostile-tree" && param(&q, "mode").as_deref() == Some("tar") {
+        return ([("content-type", "application/x-tar")], hostile_tar()).into_response();
+    }
     let (tx, body) = channel_body();
     tokio::spawn(async move {
         let _ = tx.send(Bytes::from(format!("hello from {path}"))).await;
         let _ = tx.send(Bytes::from_static(b"\n")).await;
     });
     ([("content-type", "application/octet-stream")], body).into_response()
+}
+
+/// A tar no honest agent sends: modes a host must not keep, and a device.
+fn hostile_tar() -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    let mut add = |kind: tar::EntryType, path: &str, mode: u32, data: &[u8]| {
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(kind);
+        h.set_mode(mode);
+        h.set_size(data.len() as u64);
+        b.append_data(&mut h, path, data).expect("tar entry");
+    };
+    add(tar::EntryType::Regular, "suid", 0o4755, b"#!/bin/sh\n");
+    add(tar::EntryType::Directory, "drop/", 0o1777, b"");
+    add(
+        tar::EntryType::Char,
+        "drop/\u{1b}]0;pwned\u{7}tty",
+        0o6666,
+        b"BOOM!",
+    );
+    b.into_inner().expect("tar")
 }
 
 async fn upload(
