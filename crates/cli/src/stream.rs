@@ -14,7 +14,7 @@ use tokio::signal::unix::{signal, SignalKind};
 
 use crate::cli::{CpArgs, ExecArgs, ForwardArgs, GlobalArgs, ShellArgs};
 use crate::exit::{self, UsageError};
-use crate::output::{code_name, print_json};
+use crate::output::{code_name, print_json, sanitize};
 use crate::terminal::{self, RawMode};
 use crate::untar;
 
@@ -97,7 +97,9 @@ pub async fn exec(g: &GlobalArgs, c: &TineClient, args: ExecArgs) -> anyhow::Res
             }
             ExecFrame::Error { error, code } => {
                 if !g.json {
-                    eprintln!("tine: {error} ({})", code_name(code));
+                    // The agent's words: no escapes to the terminal.
+                    let line = format!("tine: {error} ({})", code_name(code));
+                    eprintln!("{}", sanitize(&line, false));
                 }
                 return Ok(if code == tine_proto::api::ErrorCode::Timeout {
                     exit::TIMEOUT
@@ -384,7 +386,9 @@ async fn download(
         .context("the tar reader failed")?;
         let (done, bytes) = unpacked.with_context(|| format!("cannot unpack into {local}"))?;
         for name in &done.skipped {
-            eprintln!("tine: skipped {name:?} from {vm}:{path}: not a file, directory or symlink");
+            let line =
+                format!("tine: skipped {name} from {vm}:{path}: not a file, directory or symlink");
+            eprintln!("{}", sanitize(&line, false));
         }
         return Ok(bytes);
     }

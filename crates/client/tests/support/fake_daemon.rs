@@ -4,7 +4,9 @@
 //!
 //! Canned behaviour:
 //! - host group `dev` with VMs `dev-1` (running, tags `name=web`, `env=ci`)
-//!   and `dev-2` (stopped); anything else is 404.
+//!   and `dev-2` (stopped); anything else is 404. `evil` (running, not
+//!   listed) is a VM whose guest writes terminal escapes wherever guest text
+//!   reaches: its `reason`, agent version and console log.
 //! - create: 201 `dev-3`, `starting` without wait, `running` with
 //!   `wait=agent`; a request named `slow` with `wait=agent` gets 408.
 //! - exec `cmd`: `echo ARGS` prints them; `exit N` exits N; `kill N` dies
@@ -258,9 +260,11 @@ fn vm(hostname: &str) -> Option<VmInfo> {
             Some("10.0.0.2".to_string()),
         ),
         "dev-2" => (VmState::Stopped, vec![], None),
+        "evil" => (VmState::Running, vec![], None),
         _ => return None,
     };
     let hostname = if hostname == "web" { "dev-1" } else { hostname };
+    let reason = (hostname == "evil").then(|| format!("agent said {EVIL_OSC52}"));
     Some(VmInfo {
         hostname: hostname.to_string(),
         host_group: "dev".into(),
@@ -272,7 +276,7 @@ fn vm(hostname: &str) -> Option<VmInfo> {
         ip,
         network: None,
         pid: None,
-        reason: None,
+        reason,
         stop_mode: None,
         created_at: "2026-01-01T00:00:00.000Z".into(),
         started_at: None,
@@ -287,6 +291,15 @@ fn vm(hostname: &str) -> Option<VmInfo> {
         },
     })
 }
+
+/// OSC 0: sets the terminal's title.
+pub const EVIL_OSC0: &str = "\u{1b}]0;pwned\u{7}";
+/// Clears the screen.
+pub const EVIL_CLEAR: &str = "\u{1b}[2J";
+/// OSC 52: writes the clipboard (`rm -rf ~`).
+pub const EVIL_OSC52: &str = "\u{1b}]52;c;cm0gLXJmIH4K\u{7}";
+/// CSI as the one C1 character U+009B.
+pub const EVIL_C1: &str = "\u{9b}2J";
 
 fn query_pairs(q: &Option<String>) -> Vec<(String, String)> {
     let q = q.clone().unwrap_or_default();
@@ -500,10 +513,15 @@ async fn health(Path(h): Path<String>, RawQuery(q): RawQuery) -> Response {
             "the agent does not answer",
         );
     }
+    let agent_version = if v.hostname == "evil" {
+        format!("0.1.0{EVIL_OSC0}{EVIL_C1}")
+    } else {
+        "0.1.0".into()
+    };
     Json(VmHealth {
         hostname: v.hostname,
         agent_ready: true,
-        agent_version: "0.1.0".into(),
+        agent_version,
         agent_uptime_ms: 1000,
         system_uptime_ms: 1200,
         userdata_ran: true,
@@ -519,7 +537,11 @@ async fn logs(Path(h): Path<String>, RawQuery(q): RawQuery) -> Response {
     let n = param(&query_pairs(&q), "lines")
         .and_then(|n| n.parse::<usize>().ok())
         .unwrap_or(200);
-    let lines: Vec<String> = (1..=3).map(|i| format!("console line {i}")).collect();
+    let mut lines: Vec<String> = (1..=3).map(|i| format!("console line {i}")).collect();
+    if v.hostname == "evil" {
+        lines.push(format!("{EVIL_CLEAR}{EVIL_OSC52}\tboot done\r"));
+        lines.push(format!("{EVIL_OSC0}{EVIL_C1}"));
+    }
     let skip = lines.len().saturating_sub(n);
     Json(LogsResponse {
         hostname: v.hostname,
