@@ -414,6 +414,21 @@ async fn cp_streams_files_and_trees() {
 }
 
 #[tokio::test]
+async fn cp_of_an_aborted_download_fails_and_leaves_no_file() {
+    let fake = FakeDaemon::start(None).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("f");
+    let r = run(
+        &fake,
+        &["vm", "cp", "dev-1:/cut-short", &out.to_string_lossy()],
+    )
+    .await;
+    assert_eq!(r.code, 1, "{}", r.stdout);
+    assert!(!r.stdout.contains("copied"), "{}", r.stdout);
+    assert!(!out.exists(), "a partial file was left");
+}
+
+#[tokio::test]
 async fn cp_from_a_vm_keeps_no_special_modes_and_no_devices() {
     use std::os::unix::fs::PermissionsExt;
     let fake = FakeDaemon::start(None).await;

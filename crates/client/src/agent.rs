@@ -3,7 +3,8 @@
 //! can run at once on one [`AgentClient`]; each gets its own stream.
 //!
 //! The agent is the guest's: code in the VM can replace it. [`Limits`] put
-//! host-side deadlines on its answers.
+//! host-side deadlines on its answers and a cap on what a download brings;
+//! a download that ends before the size the agent announced is an error.
 
 use std::future::Future;
 use std::io;
@@ -24,9 +25,13 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 /// Bytes read from a local source per data frame.
 const SEND_CHUNK: usize = 128 << 10;
 
+/// The default cap on the bytes one download (a file or a tar) may bring:
+/// 16 GiB.
+pub const DEFAULT_DOWNLOAD_LIMIT: u64 = 16 << 30;
+
 /// Host-side limits on an agent, set with [`AgentClient::with_limits`].
 /// The defaults set no deadline.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
     /// The longest wait for an answer that needs no long work: the answer
     /// of a one-answer call (health, stat, bg_list, ...; bg_wait gets its
@@ -39,6 +44,18 @@ pub struct Limits {
     /// download, each wait for flow-control credit of an upload, and the
     /// answer after an upload's last byte (it may wait for an fsync).
     pub transfer: Option<Duration>,
+    /// Most bytes one download may bring ([`DEFAULT_DOWNLOAD_LIMIT`]).
+    pub download_bytes: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            reply: None,
+            transfer: None,
+            download_bytes: DEFAULT_DOWNLOAD_LIMIT,
+        }
+    }
 }
 
 /// Runs `call`, giving up with [`ClientError::Timeout`] after `limit`.
@@ -92,6 +109,20 @@ pub enum ClientError {
     Timeout {
         /// The limit that passed.
         after: Duration,
+    },
+    /// A download ended before the size the agent announced.
+    #[error("The download ended after {received} of the {expected} bytes the agent announced")]
+    Truncated {
+        /// The size in the agent's file info.
+        expected: u64,
+        /// The bytes that came.
+        received: u64,
+    },
+    /// A download brought more than [`Limits::download_bytes`].
+    #[error("The download exceeds the limit of {limit} bytes")]
+    TooLarge {
+        /// The limit.
+        limit: u64,
     },
     /// Reading or writing a local source or sink failed.
     #[error("Local I/O failed")]
@@ -838,7 +869,10 @@ impl AgentClient {
         self.upload(req, data).await
     }
 
-    /// Downloads one file into `writer`; returns its metadata.
+    /// Downloads one file into `writer`; returns its metadata. Fewer bytes
+    /// than the file info announced is [`ClientError::Truncated`] (more is
+    /// fine: a file can grow while it is read, and `/proc` files announce
+    /// 0); more than [`Limits::download_bytes`] is [`ClientError::TooLarge`].
     pub async fn download<W: AsyncWrite + Unpin>(
         &self,
         path: &str,
@@ -852,8 +886,12 @@ impl AgentClient {
             Response::FileInfo(stat) => stat,
             other => return Err(unexpected(other)),
         };
-        self.receive_data(&mut rx, &mut writer).await?;
+        let received = self.receive_data(&mut rx, &mut writer).await?;
         match self.transfer_reply(&mut rx).await? {
+            Response::Ok if received < stat.size => Err(ClientError::Truncated {
+                expected: stat.size,
+                received,
+            }),
             Response::Ok => Ok(stat),
             other => Err(unexpected(other)),
         }
@@ -878,7 +916,8 @@ impl AgentClient {
         }
     }
 
-    /// Writes a tar archive of a directory (or file) into `writer`.
+    /// Writes a tar archive of a directory (or file) into `writer`; more
+    /// than [`Limits::download_bytes`] is [`ClientError::TooLarge`].
     pub async fn download_tar<W: AsyncWrite + Unpin>(
         &self,
         path: &str,
@@ -1004,17 +1043,24 @@ impl AgentClient {
 }
 
 impl AgentClient {
-    /// Writes data frames into `writer` until the data channel's EOF. Each
-    /// frame must come within the transfer limit (writing to `writer` has
-    /// no deadline).
+    /// Writes data frames into `writer` until the data channel's EOF;
+    /// returns the bytes written. Each frame must come within the transfer
+    /// limit (writing to `writer` has no deadline), and the total stays
+    /// within the download limit.
     async fn receive_data<W: AsyncWrite + Unpin>(
         &self,
         rx: &mut StreamReceiver,
         writer: &mut W,
-    ) -> Result<()> {
+    ) -> Result<u64> {
+        let limit = self.limits.download_bytes;
+        let mut received = 0u64;
         loop {
             match within(self.limits.transfer, async { Ok(rx.recv().await) }).await? {
                 Some(Inbound::Data(_, chunk)) => {
+                    received = received.saturating_add(chunk.len() as u64);
+                    if received > limit {
+                        return Err(ClientError::TooLarge { limit });
+                    }
                     writer.write_all(&chunk).await.map_err(ClientError::Io)?
                 }
                 Some(Inbound::Eof(_)) => break,
@@ -1025,6 +1071,7 @@ impl AgentClient {
                 None => return Err(ended(rx)),
             }
         }
-        writer.flush().await.map_err(ClientError::Io)
+        writer.flush().await.map_err(ClientError::Io)?;
+        Ok(received)
     }
 }

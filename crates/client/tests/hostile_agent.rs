@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use tine_client::agent::{ClientError, Limits};
 use tine_client::proto::{
-    Channel, ExecRequest, FileKind, FileStat, Request, Response, UploadRequest,
+    Channel, ErrorCode, ExecRequest, FileKind, FileStat, Request, Response, UploadRequest,
 };
 use tine_client::AgentClient;
 use tine_testbed::hostile_agent::{HostileAgent, Step};
@@ -40,6 +40,88 @@ fn downloads(steps: Vec<Step>) -> HostileAgent {
         Request::Download(_) | Request::DownloadTar(_) => steps.clone(),
         _ => vec![Step::Hang],
     })
+}
+
+#[tokio::test]
+async fn a_download_shorter_than_announced_is_an_error() {
+    let agent = downloads(vec![
+        file_info(1_000_000),
+        Step::Data(Channel::Data, b"8 bytes!".to_vec()),
+        Step::Eof(Channel::Data),
+        Step::Reply(Response::Ok),
+    ]);
+    let client = connect(&agent, Limits::default()).await;
+    let mut sink = Vec::new();
+    let err = client.download("/f", &mut sink).await.expect_err("short");
+    assert!(
+        matches!(
+            err,
+            ClientError::Truncated {
+                expected: 1_000_000,
+                received: 8
+            }
+        ),
+        "{err:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_download_cut_by_an_agent_error_is_an_error() {
+    let agent = downloads(vec![
+        file_info(1_000_000),
+        Step::Data(Channel::Data, b"8 bytes!".to_vec()),
+        Step::Reply(Response::error(ErrorCode::Io, "read failed")),
+    ]);
+    let client = connect(&agent, Limits::default()).await;
+    let err = client.read_file("/f").await.expect_err("cut");
+    assert_eq!(err.code(), Some(ErrorCode::Io), "{err:?}");
+}
+
+#[tokio::test]
+async fn a_download_that_grows_or_announces_zero_is_fine() {
+    // A file appended to while read, or a /proc file (size 0).
+    for announced in [3, 0] {
+        let agent = downloads(vec![
+            file_info(announced),
+            Step::Data(Channel::Data, b"hello".to_vec()),
+            Step::Eof(Channel::Data),
+            Step::Reply(Response::Ok),
+        ]);
+        let client = connect(&agent, Limits::default()).await;
+        assert_eq!(client.read_file("/f").await.expect("read"), b"hello");
+    }
+}
+
+#[tokio::test]
+async fn an_endless_download_stops_at_the_cap() {
+    let limits = Limits {
+        download_bytes: 1 << 20,
+        ..Limits::default()
+    };
+    for tar in [false, true] {
+        let mut steps = vec![Step::Endless(Channel::Data, 64 << 10)];
+        if !tar {
+            steps.insert(0, file_info(0));
+        }
+        let agent = downloads(steps);
+        let client = connect(&agent, limits).await;
+        let mut sink = Vec::new();
+        let result = tokio::time::timeout(HANG, async {
+            if tar {
+                client.download_tar("/", &mut sink).await.map(|_| ())
+            } else {
+                client.download("/dev/zero", &mut sink).await.map(|_| ())
+            }
+        })
+        .await
+        .expect("the cap ends it");
+        let err = result.expect_err("over the cap");
+        assert!(
+            matches!(err, ClientError::TooLarge { limit } if limit == 1 << 20),
+            "{err:?}"
+        );
+        assert!(sink.len() <= 1 << 20, "{} bytes written", sink.len());
+    }
 }
 
 #[tokio::test]

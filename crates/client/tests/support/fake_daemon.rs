@@ -16,8 +16,9 @@
 //!   `error` frame (`not_found`).
 //! - cp download: `hello from PATH\n`; in tar mode, `/hostile-tree` is
 //!   what a guest that replaced its agent could send (a setuid file, a
-//!   world-writable sticky directory, a device carrying bytes); upload:
-//!   counts and keeps the bytes.
+//!   world-writable sticky directory, a device carrying bytes);
+//!   `/cut-short` sends 8 bytes and aborts the body, as the daemon does
+//!   when the agent fails mid-download; upload: counts and keeps the bytes.
 //! - shell: greets, echoes terminal data, answers a resize with
 //!   `resized R C`, ends with exit 3 on input `exit\r`, and goes away
 //!   without an exit message on `drop\r`.
@@ -690,6 +691,14 @@ async fn download(Path(h): Path<String>, RawQuery(q): RawQuery) -> Response {
             ErrorCode::NotFound,
             "/missing: no such file",
         );
+    }
+    if path == "/cut-short" {
+        let parts: [Result<Bytes, std::io::Error>; 2] = [
+            Ok(Bytes::from_static(b"8 bytes!")),
+            Err(std::io::Error::other("the agent failed")),
+        ];
+        let body = Body::from_stream(futures_util::stream::iter(parts));
+        return ([("content-type", "application/octet-stream")], body).into_response();
     }
     if path == "/hostile-tree" && param(&q, "mode").as_deref() == Some("tar") {
         return ([("content-type", "application/x-tar")], hostile_tar()).into_response();

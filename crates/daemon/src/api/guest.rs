@@ -1,7 +1,8 @@
 //! Routes served by the guest agent: health, exec, files, shell, forward.
 //!
 //! The agent is the guest's, and code in the VM can replace it: every call
-//! a handler makes has a host-side deadline ([`DEADLINES`]).
+//! a handler makes has a host-side deadline ([`DEADLINES`]), a download is
+//! capped and a cut-short one aborts its body.
 
 use std::future::Future;
 use std::time::{Duration, Instant};
@@ -39,13 +40,19 @@ struct Deadlines {
     /// How long past its own `timeout` an exec may go before the host ends
     /// it (the agent is meant to kill it at `timeout`).
     exec_grace: Duration,
+    /// Most bytes one download may bring.
+    download_bytes: u64,
 }
+
+/// The cap on one download (`GET /vm/{vm}/cp`): 16 GiB (docs/api.md).
+pub const MAX_DOWNLOAD_BYTES: u64 = 16 << 30;
 
 /// The deadlines of every handler here.
 const DEADLINES: Deadlines = Deadlines {
     reply: Duration::from_secs(10),
     transfer: Duration::from_secs(60),
     exec_grace: Duration::from_secs(5),
+    download_bytes: MAX_DOWNLOAD_BYTES,
 };
 
 /// `health?wait=agent` gets at least this long for the agent's answer
@@ -57,6 +64,7 @@ impl Deadlines {
         Limits {
             reply: Some(self.reply),
             transfer: Some(self.transfer),
+            download_bytes: self.download_bytes,
         }
     }
 }
@@ -403,17 +411,6 @@ pub(super) async fn download(
             )));
         }
     }
-    let (writer, reader) = tokio::io::duplex(256 * 1024);
-    tokio::spawn(async move {
-        let result = if tar {
-            client.download_tar(&path, writer).await.map(|_| ())
-        } else {
-            client.download(&path, writer).await.map(|_| ())
-        };
-        if let Err(e) = result {
-            tracing::warn!("download {path}: {e}");
-        }
-    });
     let content_type = if tar {
         "application/x-tar"
     } else {
@@ -421,9 +418,42 @@ pub(super) async fn download(
     };
     Ok((
         [(header::CONTENT_TYPE, content_type)],
-        Body::from_stream(ReaderStream::new(reader)),
+        download_body(client, path, tar),
     )
         .into_response())
+}
+
+/// The body of a download: the agent's bytes, then an error in the body
+/// stream if the download failed (the agent's error, fewer bytes than it
+/// announced, the cap passed, a stall). The error makes hyper abort the
+/// response, so the client sees a broken transfer, never a short success.
+fn download_body(client: AgentClient, path: String, tar: bool) -> Body {
+    let (writer, reader) = tokio::io::duplex(256 * 1024);
+    let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        // `writer` is gone when the call returns: the reader ends, then
+        // reads the result.
+        let result = if tar {
+            client.download_tar(&path, writer).await.map(|_| ())
+        } else {
+            client.download(&path, writer).await.map(|_| ())
+        };
+        if let Err(e) = &result {
+            tracing::warn!("download {path}: {e}");
+        }
+        let _ = done_tx.send(result.map_err(|e| format!("download {path}: {e}")));
+    });
+    let end = futures_util::stream::once(async move {
+        match done_rx.await {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) => Some(Err(std::io::Error::other(e))),
+            Err(_) => Some(Err(std::io::Error::other(
+                "the download ended without a result",
+            ))),
+        }
+    })
+    .filter_map(std::future::ready);
+    Body::from_stream(ReaderStream::new(reader).chain(end))
 }
 
 pub(super) async fn upload(
@@ -663,8 +693,8 @@ pub(super) async fn forward(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tine_proto::agent::Request;
     use tine_proto::agent::Response as AgentResponse;
+    use tine_proto::agent::{Channel, ErrorCode as AgentCode, FileKind, FileStat, Request};
     use tine_testbed::hostile_agent::{HostileAgent, Step};
 
     /// Short deadlines, so a test of a hung agent is quick.
@@ -672,6 +702,7 @@ mod tests {
         reply: Duration::from_millis(300),
         transfer: Duration::from_millis(300),
         exec_grace: Duration::from_millis(300),
+        download_bytes: 1 << 20,
     };
     /// Longer than any deadline here: what is still waiting then hangs.
     const HANG: Duration = Duration::from_secs(10);
@@ -682,6 +713,19 @@ mod tests {
             .await
             .expect("handshake")
             .with_limits(limits)
+    }
+
+    fn file_info(size: u64) -> Step {
+        Step::Reply(AgentResponse::FileInfo(FileStat {
+            kind: FileKind::File,
+            size,
+            mode: 0o644,
+            uid: 0,
+            gid: 0,
+            mtime_secs: 0,
+            mtime_nanos: 0,
+            symlink_target: None,
+        }))
     }
 
     /// The data of a body until its end or its first error.
@@ -769,6 +813,118 @@ mod tests {
             .expect("the deadline ends it")
             .expect_err("never started");
         assert_eq!(err.code, ErrorCode::AgentUnavailable, "{err:?}");
+    }
+
+    /// A fresh connection to an agent answering downloads with `steps`.
+    async fn download_agent(steps: Vec<Step>) -> AgentClient {
+        let agent = HostileAgent::new(move |request| match request {
+            Request::Download(_) | Request::DownloadTar(_) => steps.clone(),
+            _ => vec![Step::Hang],
+        });
+        connect(&agent, FAST.limits()).await
+    }
+
+    #[tokio::test]
+    async fn a_cut_short_download_aborts_its_body() {
+        let eight = || Step::Data(Channel::Data, b"8 bytes!".to_vec());
+        let cases = [
+            (
+                "agent error",
+                false,
+                vec![
+                    file_info(1_000_000),
+                    eight(),
+                    Step::Reply(AgentResponse::error(AgentCode::Io, "disk gone")),
+                ],
+            ),
+            (
+                "short stream",
+                false,
+                vec![
+                    file_info(1_000_000),
+                    eight(),
+                    Step::Eof(Channel::Data),
+                    Step::Reply(AgentResponse::Ok),
+                ],
+            ),
+            (
+                "stall",
+                false,
+                vec![file_info(1_000_000), eight(), Step::Hang],
+            ),
+            (
+                "connection lost",
+                true,
+                vec![
+                    eight(),
+                    Step::Sleep(Duration::from_millis(50)),
+                    Step::Disconnect,
+                ],
+            ),
+            (
+                "endless",
+                true,
+                vec![Step::Endless(Channel::Data, 64 << 10)],
+            ),
+        ];
+        for (what, tar, steps) in cases {
+            let client = download_agent(steps).await;
+            let (data, err) = read_body(download_body(client, "/f".into(), tar)).await;
+            assert!(err.is_some(), "{what}: the body ended cleanly");
+            assert!(data.len() as u64 <= FAST.download_bytes, "{what}");
+        }
+        let honest = vec![
+            file_info(5),
+            Step::Data(Channel::Data, b"hello".to_vec()),
+            Step::Eof(Channel::Data),
+            Step::Reply(AgentResponse::Ok),
+        ];
+        let client = download_agent(honest).await;
+        let (data, err) = read_body(download_body(client, "/f".into(), false)).await;
+        assert_eq!((data.as_slice(), err), (&b"hello"[..], None));
+    }
+
+    #[tokio::test]
+    async fn a_cut_short_download_is_an_error_for_the_http_client() {
+        use tine_client::api::CpMode;
+        let dir = tempfile::tempdir().expect("tmp");
+        let socket = dir.path().join("api.sock");
+        let listener = tokio::net::UnixListener::bind(&socket).expect("bind");
+        let app = axum::Router::new().route(
+            "/vm/{hostname}/cp",
+            axum::routing::get(|uri: Uri| async move {
+                let short = uri.query().is_some_and(|q| q.contains("short"));
+                let mut steps = vec![file_info(if short { 1_000_000 } else { 8 })];
+                steps.extend([
+                    Step::Data(Channel::Data, b"8 bytes!".to_vec()),
+                    Step::Eof(Channel::Data),
+                    Step::Reply(AgentResponse::Ok),
+                ]);
+                let client = download_agent(steps).await;
+                download_body(client, "/f".into(), false)
+            }),
+        );
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        let api = tine_client::TineClient::unix(&socket);
+        let mut got = Vec::new();
+        let download = api
+            .cp_download("vm-1", "/short", CpMode::Binary)
+            .await
+            .expect("the answer starts");
+        let err = tokio::time::timeout(HANG, download.copy_to(&mut got))
+            .await
+            .expect("no hang")
+            .expect_err("a short download is not a success");
+        assert!(got.len() <= 8, "{err}");
+        let mut got = Vec::new();
+        let n = api
+            .cp_download("vm-1", "/whole", CpMode::Binary)
+            .await
+            .expect("the answer starts")
+            .copy_to(&mut got)
+            .await
+            .expect("a whole download");
+        assert_eq!((n, got.as_slice()), (8, &b"8 bytes!"[..]));
     }
 
     #[test]
