@@ -9,6 +9,11 @@
 //! token is checked, takes at most [`ListenLimits::max_tcp_connections`] at
 //! once, so idle TCP connections cannot use up the daemon's file
 //! descriptors and leave the Unix socket unanswered.
+//!
+//! What the daemon writes (the database with the userdata in it, serial
+//! logs, VM sockets) is private: the process runs with umask 077, which
+//! the VMMs inherit, and the data directory is 0700. Only the API socket is
+//! opened up, to 0660.
 
 use std::io::Write;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
@@ -128,11 +133,24 @@ pub struct DataDirLock {
     _lock: Flock<std::fs::File>,
 }
 
-/// Takes `<data_dir>/tine.lock`; a second daemon gets an error naming the
-/// first one's pid.
+/// The umask of the daemon process, inherited by its VMMs: what they create
+/// is for the daemon's user alone.
+pub const DAEMON_UMASK: u32 = 0o077;
+
+/// Sets [`DAEMON_UMASK`] for the whole process.
+pub fn set_private_umask() {
+    use nix::sys::stat::{umask, Mode};
+    umask(Mode::from_bits_truncate(DAEMON_UMASK));
+}
+
+/// Takes `<data_dir>/tine.lock`, creating the data directory (mode 0700,
+/// also when it exists); a second daemon gets an error naming the first
+/// one's pid.
 pub fn lock_data_dir(data_dir: &Path) -> anyhow::Result<DataDirLock> {
     std::fs::create_dir_all(data_dir)
         .with_context(|| format!("create data directory {}", data_dir.display()))?;
+    std::fs::set_permissions(data_dir, std::fs::Permissions::from_mode(0o700))
+        .with_context(|| format!("make {} private (mode 0700)", data_dir.display()))?;
     let path = data_dir.join("tine.lock");
     let file = std::fs::OpenOptions::new()
         .create(true)
@@ -224,6 +242,7 @@ pub async fn serve(config: Config, data_dir: PathBuf) -> anyhow::Result<()> {
             data_dir.display()
         );
     }
+    set_private_umask();
     match raise_open_files_limit() {
         Ok(limit) => tracing::debug!("open files limit {limit}"),
         Err(e) => tracing::warn!("cannot raise the open files limit: {e}"),
@@ -255,6 +274,7 @@ pub async fn serve(config: Config, data_dir: PathBuf) -> anyhow::Result<()> {
     }
     let unix = tokio::net::UnixListener::bind(&socket)
         .with_context(|| format!("listen on {}", socket.display()))?;
+    // Bound under the umask (0600); the socket alone is for the group too.
     std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o660))?;
     let app = crate::api::app(daemon.clone());
     let mut tasks = tokio::task::JoinSet::new();

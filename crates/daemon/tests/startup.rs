@@ -1,6 +1,7 @@
 //! `tine up` in this process, without VMs (so without KVM): what start-up
 //! sets for the whole daemon, checked from outside as a client sees it.
 
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -11,6 +12,7 @@ const REQUEST: &[u8] = b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: close\r
 /// A daemon's scratch folder: config, stand-in artifacts, data directory.
 struct Up {
     _dir: tempfile::TempDir,
+    data: PathBuf,
     socket: PathBuf,
     tcp: String,
 }
@@ -29,7 +31,10 @@ async fn start() -> Up {
     for f in ["tine-vmm", "vmlinux"] {
         std::fs::write(dir.path().join(f), b"").expect("stand-in");
     }
+    // As an older daemon left it: readable by everyone.
     let data = dir.path().join("d");
+    std::fs::create_dir(&data).expect("mkdir");
+    std::fs::set_permissions(&data, std::fs::Permissions::from_mode(0o755)).expect("chmod");
     let tcp = format!("127.0.0.1:{}", free_port());
     let yaml = format!(
         "vmm: {}\nkernel: {}\napi:\n  bind: {tcp}\nhost_groups:\n  - name: t\n    count: 0\n",
@@ -46,6 +51,7 @@ async fn start() -> Up {
     }
     Up {
         _dir: dir,
+        data,
         socket,
         tcp,
     }
@@ -97,4 +103,47 @@ async fn idle_tcp_connections_past_the_cap_leave_the_unix_socket_answering() {
         .filter(|closed| *closed)
         .count();
     assert_eq!(closed, 50, "connections over the cap of {cap} kept open");
+}
+
+fn mode(path: &Path) -> u32 {
+    std::fs::symlink_metadata(path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .permissions()
+        .mode()
+        & 0o7777
+}
+
+/// Every path below `dir`.
+fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).expect("list") {
+        let path = entry.expect("entry").path();
+        out.push(path.clone());
+        if std::fs::symlink_metadata(&path).expect("stat").is_dir() {
+            walk(&path, out);
+        }
+    }
+}
+
+#[tokio::test]
+async fn the_data_directory_and_what_the_daemon_writes_are_private() {
+    let up = start().await;
+    assert_eq!(mode(&up.data), 0o700, "data directory");
+    assert_eq!(mode(&up.socket), 0o660, "API socket");
+    // The database (with userdata in it) was created after start.
+    assert_eq!(mode(&up.data.join("tine.db")), 0o600, "tine.db");
+    let mut paths = Vec::new();
+    walk(&up.data, &mut paths);
+    for path in paths.iter().filter(|p| **p != up.socket) {
+        assert_eq!(mode(path) & 0o077, 0, "{} is not private", path.display());
+    }
+    // The VMMs inherit the umask: so does any child.
+    let out = std::process::Command::new("sh")
+        .args(["-c", "umask"])
+        .output()
+        .expect("sh");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "0077");
+    // A file made by the daemon's process now is private too.
+    let later = up.data.join("later");
+    std::fs::write(&later, b"x").expect("write");
+    assert_eq!(mode(&later), 0o600);
 }
