@@ -133,7 +133,7 @@ async fn vm(g: &GlobalArgs, command: VmCommand) -> anyhow::Result<i32> {
                 println!(
                     "{}: agent {} ready, up {} (system {}), userdata {}, rtt {:.1} ms",
                     h.hostname,
-                    h.agent_version,
+                    output::sanitize(&h.agent_version, false),
                     output::millis(h.agent_uptime_ms),
                     output::millis(h.system_uptime_ms),
                     if h.userdata_ran { "ran" } else { "pending" },
@@ -286,8 +286,10 @@ async fn logs(g: &GlobalArgs, c: &TineClient, args: &LogsArgs) -> anyhow::Result
     if g.json {
         print_json(&logs)?;
     } else {
+        // The serial console is the guest's: its escapes must not reach
+        // the terminal. A console's line ends are CRLF.
         for line in &logs.lines {
-            println!("{line}");
+            println!("{}", output::sanitize(line.trim_end_matches('\r'), true));
         }
     }
     Ok(exit::OK)
@@ -313,7 +315,8 @@ async fn ready(g: &GlobalArgs, c: &TineClient, args: &ReadyArgs) -> anyhow::Resu
             if e.is_timeout() || e.code() == Some(tine_proto::api::ErrorCode::AgentUnavailable) =>
         {
             let code = e.code().map(output::code_name).unwrap_or_default();
-            eprintln!("tine: {}: {e} ({code})", args.vm);
+            let line = format!("tine: {}: {e} ({code})", args.vm);
+            eprintln!("{}", output::sanitize(&line, false));
             Ok(1)
         }
         Err(e) => Err(e.into()),
@@ -430,7 +433,7 @@ async fn tag(g: &GlobalArgs, c: &TineClient, command: TagCommand) -> anyhow::Res
         print_json(&r)?;
     } else {
         for t in &r.tags {
-            println!("{t}");
+            println!("{}", output::sanitize(t, false));
         }
     }
     Ok(exit::OK)

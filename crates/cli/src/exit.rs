@@ -2,7 +2,7 @@
 
 use tine_client::ApiError;
 
-use crate::output::code_name;
+use crate::output::{code_name, sanitize};
 
 /// Success.
 pub const OK: i32 = 0;
@@ -46,12 +46,14 @@ pub fn code_for(err: &anyhow::Error) -> i32 {
 }
 
 /// The line printed on stderr for an error: `tine: <error> (<code>)` when
-/// the daemon answered, else `tine: <error: causes>`.
+/// the daemon answered, else `tine: <error: causes>`. Errors carry the
+/// agent's words (a failed cp, exec or health): it is [`sanitize`]d.
 pub fn message_for(err: &anyhow::Error) -> String {
-    match api_error(err).and_then(ApiError::code) {
+    let line = match api_error(err).and_then(ApiError::code) {
         Some(code) => format!("tine: {err:#} ({})", code_name(code)),
         None => format!("tine: {err:#}"),
-    }
+    };
+    sanitize(&line, false).into_owned()
 }
 
 #[cfg(test)]
@@ -118,6 +120,14 @@ mod tests {
         assert_eq!(
             message_for(&anyhow::anyhow!("cannot read x")),
             "tine: cannot read x"
+        );
+        assert_eq!(
+            message_for(&api(
+                503,
+                ErrorCode::AgentUnavailable,
+                "/x: \u{1b}]0;owned\u{7}"
+            )),
+            "tine: /x: \\x1b]0;owned\\x07 (agent_unavailable)"
         );
     }
 }

@@ -10,6 +10,7 @@ mod exit;
 mod output;
 mod stream;
 mod terminal;
+mod untar;
 
 use std::io::Write;
 

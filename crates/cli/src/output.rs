@@ -1,5 +1,8 @@
-//! Human output: aligned tables, sizes, ages, and the `--json` printer.
+//! Human output: aligned tables, sizes, ages, the `--json` printer, and
+//! [`sanitize`] for text a guest may have written.
 
+use std::borrow::Cow;
+use std::fmt::Write as _;
 use std::time::{Duration, SystemTime};
 
 use serde::Serialize;
@@ -8,9 +11,58 @@ use tine_proto::api::{CommitInfo, ErrorCode, HostGroupInfo, StopMode, VmInfo};
 /// Columns are separated by this many spaces.
 const GAP: usize = 3;
 
+/// Makes text fit to print on a terminal as text: control characters
+/// (C0 with ESC, DEL, C1) and bidirectional overrides are written as
+/// escapes (`\x1b`, `\u{9b}`, `\u{202e}`), so a guest cannot set the
+/// window title, clear the screen, write the clipboard (OSC 52) or reorder
+/// what the operator reads. `multiline` keeps `\n` and `\t` (logs).
+///
+/// Everything the CLI prints as text that a guest may have written (console
+/// logs, agent versions, agent errors, tar entry names, a VM's `reason`)
+/// goes through here; exec and shell output stay raw, like ssh's.
+pub fn sanitize(text: &str, multiline: bool) -> Cow<'_, str> {
+    let unsafe_char = |c: char| {
+        let kept = multiline && (c == '\n' || c == '\t');
+        !kept && (c.is_control() || is_bidi_control(c))
+    };
+    if !text.chars().any(unsafe_char) {
+        return Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        if !unsafe_char(c) {
+            out.push(c);
+            continue;
+        }
+        // Writing to a String cannot fail.
+        let _ = match c {
+            '\n' => write!(out, "\\n"),
+            '\t' => write!(out, "\\t"),
+            '\r' => write!(out, "\\r"),
+            c if (c as u32) < 0x80 => write!(out, "\\x{:02x}", c as u32),
+            c => write!(out, "\\u{{{:x}}}", c as u32),
+        };
+    }
+    Cow::Owned(out)
+}
+
+/// Unicode's explicit bidirectional formatting characters.
+fn is_bidi_control(c: char) -> bool {
+    matches!(c, '\u{61c}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+}
+
 /// Lays out rows under headers, each column as wide as its widest cell;
-/// the last column is not padded.
+/// the last column is not padded. Cells are [`sanitize`]d.
 pub fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
+    let rows: Vec<Vec<String>> = rows
+        .iter()
+        .map(|row| {
+            row.iter()
+                .map(|cell| sanitize(cell, false).into_owned())
+                .collect()
+        })
+        .collect();
+    let rows = rows.as_slice();
     let columns = headers.len();
     let mut widths: Vec<usize> = headers.iter().map(|h| h.chars().count()).collect();
     for row in rows {
@@ -186,11 +238,12 @@ pub fn commit_table(commits: &[CommitInfo], now: SystemTime) -> String {
     )
 }
 
-/// `key: value` lines, keys aligned.
+/// `key: value` lines, keys aligned, values [`sanitize`]d.
 pub fn fields(pairs: &[(&str, String)]) -> String {
     let width = pairs.iter().map(|(k, _)| k.len()).max().unwrap_or(0) + 1;
     let mut out = String::new();
     for (k, v) in pairs {
+        let v = sanitize(v, false);
         out.push_str(&format!("{:<width$} {v}\n", format!("{k}:")));
     }
     out
@@ -409,6 +462,45 @@ dev-10     dev     stopped   2      512M   -          2h    -
             "{text}"
         );
         assert!(text.contains("network:     none"), "{text}");
+    }
+
+    #[test]
+    fn terminal_escapes_from_a_guest_come_out_escaped() {
+        // OSC 0 sets the window title, ESC[2J clears the screen, OSC 52
+        // writes the clipboard, CSI as one C1 character, a bidi override.
+        let cases = [
+            ("\u{1b}]0;pwned\u{7}", "\\x1b]0;pwned\\x07"),
+            ("a\u{1b}[2Jb", "a\\x1b[2Jb"),
+            (
+                "\u{1b}]52;c;cm0gLXJmIH4K\u{1b}\\",
+                "\\x1b]52;c;cm0gLXJmIH4K\\x1b\\",
+            ),
+            ("\u{9b}2J", "\\u{9b}2J"),
+            ("\u{202e}txt.exe", "\\u{202e}txt.exe"),
+            ("nul\0del\u{7f}cr\r", "nul\\x00del\\x7fcr\\r"),
+        ];
+        for (raw, shown) in cases {
+            assert_eq!(sanitize(raw, false), shown, "{raw:?}");
+            assert_eq!(sanitize(raw, true), shown, "{raw:?}");
+        }
+        assert_eq!(sanitize("a\tb\nc", false), "a\\tb\\nc");
+        assert_eq!(sanitize("a\tb\nc", true), "a\tb\nc");
+        assert!(matches!(
+            sanitize("plain text, ünïcödé", false),
+            Cow::Borrowed(_)
+        ));
+    }
+
+    #[test]
+    fn describe_and_tables_escape_guest_text() {
+        let mut v = vm("dev-4", VmState::Failed, &["t=\u{1b}[2J"], None);
+        v.reason = Some("agent said \u{1b}]52;c;eA==\u{7}".into());
+        let now = humantime::parse_rfc3339("2026-01-01T00:01:00Z").expect("now");
+        let text = describe(&v, now);
+        assert!(!text.contains('\u{1b}'), "{text:?}");
+        assert!(text.contains("agent said \\x1b]52;c;eA==\\x07"), "{text}");
+        let table = vm_table(&[v], now);
+        assert!(table.contains("t=\\x1b[2J"), "{table}");
     }
 
     #[test]

@@ -14,15 +14,18 @@ use tokio::signal::unix::{signal, SignalKind};
 
 use crate::cli::{CpArgs, ExecArgs, ForwardArgs, GlobalArgs, ShellArgs};
 use crate::exit::{self, UsageError};
-use crate::output::{code_name, print_json};
+use crate::output::{code_name, print_json, sanitize};
 use crate::terminal::{self, RawMode};
+use crate::untar;
 
-/// The exit code for how a command ended: its code, or 128+signal.
+/// The exit code for how a command ended: its code, or 128+N for signal N.
+/// The guest reports these numbers: a signal outside 1..=127 (no real
+/// one) counts as an error rather than overflowing.
 pub fn exit_status(code: Option<i32>, signal: Option<i32>) -> i32 {
     match (code, signal) {
         (Some(code), _) => code,
-        (None, Some(signal)) => 128 + signal,
-        (None, None) => exit::API_ERROR,
+        (None, Some(signal @ 1..=127)) => 128 + signal,
+        (None, _) => exit::API_ERROR,
     }
 }
 
@@ -94,7 +97,9 @@ pub async fn exec(g: &GlobalArgs, c: &TineClient, args: ExecArgs) -> anyhow::Res
             }
             ExecFrame::Error { error, code } => {
                 if !g.json {
-                    eprintln!("tine: {error} ({})", code_name(code));
+                    // The agent's words: no escapes to the terminal.
+                    let line = format!("tine: {error} ({})", code_name(code));
+                    eprintln!("{}", sanitize(&line, false));
                 }
                 return Ok(if code == tine_proto::api::ErrorCode::Timeout {
                     exit::TIMEOUT
@@ -371,15 +376,21 @@ async fn download(
             inner: tokio_util::io::SyncIoBridge::new(data),
             bytes: 0,
         };
+        let umask = untar::current_umask();
         let unpacked = tokio::task::spawn_blocking(move || {
-            let mut archive = tar::Archive::new(counted);
-            archive.set_preserve_permissions(true);
-            archive.unpack(&dir)?;
-            Ok::<u64, std::io::Error>(archive.into_inner().bytes)
+            let mut counted = counted;
+            let done = untar::unpack(&mut counted, &dir, umask)?;
+            Ok::<_, std::io::Error>((done, counted.bytes))
         })
         .await
         .context("the tar reader failed")?;
-        return unpacked.with_context(|| format!("cannot unpack into {local}"));
+        let (done, bytes) = unpacked.with_context(|| format!("cannot unpack into {local}"))?;
+        for name in &done.skipped {
+            let line =
+                format!("tine: skipped {name} from {vm}:{path}: not a file, directory or symlink");
+            eprintln!("{}", sanitize(&line, false));
+        }
+        return Ok(bytes);
     }
     let mut target = PathBuf::from(local);
     if local.ends_with('/') || target.is_dir() {
@@ -645,6 +656,15 @@ mod tests {
         assert_eq!(exit_status(Some(42), None), 42);
         assert_eq!(exit_status(None, Some(9)), 137);
         assert_eq!(exit_status(None, None), 1);
+    }
+
+    #[test]
+    fn exit_statuses_survive_signal_numbers_from_a_hostile_guest() {
+        assert_eq!(exit_status(None, Some(i32::MAX)), exit::API_ERROR);
+        assert_eq!(exit_status(None, Some(i32::MIN)), exit::API_ERROR);
+        assert_eq!(exit_status(None, Some(0)), exit::API_ERROR);
+        assert_eq!(exit_status(None, Some(127)), 255);
+        assert_eq!(exit_status(Some(i32::MAX), Some(i32::MAX)), i32::MAX);
     }
 
     #[test]

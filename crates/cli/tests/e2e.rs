@@ -414,6 +414,138 @@ async fn cp_streams_files_and_trees() {
 }
 
 #[tokio::test]
+async fn cp_of_an_aborted_download_fails_and_leaves_no_file() {
+    let fake = FakeDaemon::start(None).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("f");
+    let r = run(
+        &fake,
+        &["vm", "cp", "dev-1:/cut-short", &out.to_string_lossy()],
+    )
+    .await;
+    assert_eq!(r.code, 1, "{}", r.stdout);
+    assert!(!r.stdout.contains("copied"), "{}", r.stdout);
+    assert!(!out.exists(), "a partial file was left");
+}
+
+#[tokio::test]
+async fn cp_from_a_vm_keeps_no_special_modes_and_no_devices() {
+    use std::os::unix::fs::PermissionsExt;
+    let fake = FakeDaemon::start(None).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("out");
+    let r = run(
+        &fake,
+        &[
+            "vm",
+            "cp",
+            "-r",
+            "dev-1:/hostile-tree",
+            &out.to_string_lossy(),
+        ],
+    )
+    .await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    // `tine` inherited this process's umask.
+    let umask = nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
+    nix::sys::stat::umask(umask);
+    let expected = 0o755 & !umask.bits();
+    let mode = |p: &str| {
+        std::fs::symlink_metadata(out.join(p))
+            .expect("stat")
+            .permissions()
+            .mode()
+            & 0o7777
+    };
+    assert_eq!(mode("suid"), expected, "setuid kept");
+    assert_eq!(mode("drop"), expected, "sticky or world-writable kept");
+    let left: Vec<_> = std::fs::read_dir(out.join("drop")).expect("list").collect();
+    assert!(left.is_empty(), "the device became {left:?}");
+    assert!(r.stderr.contains("skipped"), "{}", r.stderr);
+    assert!(!r.stderr.contains('\u{1b}'), "{:?}", r.stderr);
+}
+
+/// Whether `text` holds a byte or character a terminal acts on (ESC, BEL,
+/// a C1 control).
+fn has_terminal_controls(text: &str) -> bool {
+    text.chars()
+        .any(|c| c.is_control() && c != '\n' && c != '\t')
+}
+
+#[tokio::test]
+async fn guest_text_reaches_the_terminal_escaped() {
+    use fake_daemon::{EVIL_C1, EVIL_CLEAR, EVIL_OSC0, EVIL_OSC52};
+    let fake = FakeDaemon::start(None).await;
+    let escaped = |s: &str| {
+        s.replace('\u{1b}', "\\x1b")
+            .replace('\u{7}', "\\x07")
+            .replace('\u{9b}', "\\u{9b}")
+    };
+
+    let r = run(&fake, &["vm", "logs", "evil"]).await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(!has_terminal_controls(&r.stdout), "{:?}", r.stdout);
+    assert!(
+        r.stdout.contains(&format!(
+            "{}{}\tboot done\n",
+            escaped(EVIL_CLEAR),
+            escaped(EVIL_OSC52)
+        )),
+        "{:?}",
+        r.stdout
+    );
+
+    let r = run(&fake, &["vm", "health", "evil"]).await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(!has_terminal_controls(&r.stdout), "{:?}", r.stdout);
+    assert!(
+        r.stdout.contains(&format!(
+            "agent 0.1.0{}{} ready",
+            escaped(EVIL_OSC0),
+            escaped(EVIL_C1)
+        )),
+        "{:?}",
+        r.stdout
+    );
+
+    let r = run(&fake, &["vm", "describe", "evil"]).await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(!has_terminal_controls(&r.stdout), "{:?}", r.stdout);
+    assert!(
+        r.stdout
+            .contains(&format!("agent said {}", escaped(EVIL_OSC52))),
+        "{:?}",
+        r.stdout
+    );
+
+    // An exec error frame and an error answer carry the agent's words.
+    let cmd = format!("{EVIL_CLEAR}x");
+    let r = run(&fake, &["vm", "exec", "dev-1", "--", &cmd]).await;
+    assert_eq!(r.code, 1);
+    assert_eq!(
+        r.stderr,
+        format!(
+            "tine: {}x: command not found (not_found)\n",
+            escaped(EVIL_CLEAR)
+        )
+    );
+    let dir = tempfile::tempdir().expect("tempdir");
+    let src = format!("evil{EVIL_OSC0}:/etc/hosts");
+    let r = run(
+        &fake,
+        &["vm", "cp", &src, &dir.path().join("h").to_string_lossy()],
+    )
+    .await;
+    assert_eq!(r.code, 1);
+    assert!(!has_terminal_controls(&r.stderr), "{:?}", r.stderr);
+    assert!(r.stderr.contains(&escaped(EVIL_OSC0)), "{:?}", r.stderr);
+
+    // Exec output stays raw, as ssh's does.
+    let r = run(&fake, &["vm", "exec", "dev-1", "--", "echo", EVIL_CLEAR]).await;
+    assert_eq!(r.stdout, format!("{EVIL_CLEAR}\n"));
+}
+
+#[tokio::test]
 async fn forward_bridges_local_connections() {
     let fake = FakeDaemon::start(None).await;
     let mut child = tine()

@@ -1,7 +1,12 @@
 //! Client for the guest agent protocol (docs/agent-protocol.md): one method
 //! per operation, over any `AsyncRead + AsyncWrite` transport. Many calls
 //! can run at once on one [`AgentClient`]; each gets its own stream.
+//!
+//! The agent is the guest's: code in the VM can replace it. [`Limits`] put
+//! host-side deadlines on its answers and a cap on what a download brings;
+//! a download that ends before the size the agent announced is an error.
 
+use std::future::Future;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -19,6 +24,49 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// Bytes read from a local source per data frame.
 const SEND_CHUNK: usize = 128 << 10;
+
+/// The default cap on the bytes one download (a file or a tar) may bring:
+/// 16 GiB.
+pub const DEFAULT_DOWNLOAD_LIMIT: u64 = 16 << 30;
+
+/// Host-side limits on an agent, set with [`AgentClient::with_limits`].
+/// The defaults set no deadline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// The longest wait for an answer that needs no long work: the answer
+    /// of a one-answer call (health, stat, bg_list, ...; bg_wait gets its
+    /// own timeout on top), each answer of a list, and the first answer of
+    /// a stream (exec's and shell's `started`, a download's file info,
+    /// forward's `connected`, bg_logs' start). A running process's output
+    /// has no deadline.
+    pub reply: Option<Duration>,
+    /// The longest wait for progress of a file transfer: each frame of a
+    /// download, each wait for flow-control credit of an upload, and the
+    /// answer after an upload's last byte (it may wait for an fsync).
+    pub transfer: Option<Duration>,
+    /// Most bytes one download may bring ([`DEFAULT_DOWNLOAD_LIMIT`]).
+    pub download_bytes: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            reply: None,
+            transfer: None,
+            download_bytes: DEFAULT_DOWNLOAD_LIMIT,
+        }
+    }
+}
+
+/// Runs `call`, giving up with [`ClientError::Timeout`] after `limit`.
+async fn within<T>(limit: Option<Duration>, call: impl Future<Output = Result<T>>) -> Result<T> {
+    match limit {
+        None => call.await,
+        Some(after) => tokio::time::timeout(after, call)
+            .await
+            .unwrap_or(Err(ClientError::Timeout { after })),
+    }
+}
 
 /// Errors from agent calls.
 #[derive(Debug, thiserror::Error)]
@@ -55,6 +103,27 @@ pub enum ClientError {
     /// Sending on the connection failed.
     #[error("Sending to the agent failed")]
     Send(#[source] MuxError),
+    /// The agent did not answer, or a transfer made no progress, in time
+    /// (see [`Limits`]).
+    #[error("The agent did not answer within {after:?}")]
+    Timeout {
+        /// The limit that passed.
+        after: Duration,
+    },
+    /// A download ended before the size the agent announced.
+    #[error("The download ended after {received} of the {expected} bytes the agent announced")]
+    Truncated {
+        /// The size in the agent's file info.
+        expected: u64,
+        /// The bytes that came.
+        received: u64,
+    },
+    /// A download brought more than [`Limits::download_bytes`].
+    #[error("The download exceeds the limit of {limit} bytes")]
+    TooLarge {
+        /// The limit.
+        limit: u64,
+    },
     /// Reading or writing a local source or sink failed.
     #[error("Local I/O failed")]
     Io(#[source] io::Error),
@@ -520,6 +589,7 @@ pub struct TarSummary {
 pub struct AgentClient {
     mux: Mux,
     welcome: Welcome,
+    limits: Limits,
 }
 
 impl AgentClient {
@@ -547,7 +617,33 @@ impl AgentClient {
         };
         let welcome = client_handshake(&mut io, &hello).await?;
         let mux = Mux::client(io, MuxConfig::default());
-        Ok(Self { mux, welcome })
+        Ok(Self {
+            mux,
+            welcome,
+            limits: Limits::default(),
+        })
+    }
+
+    /// The same connection with these limits on its calls (clones share
+    /// the connection, each keeps its own limits).
+    pub fn with_limits(mut self, limits: Limits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// The limits on this client's calls.
+    pub fn limits(&self) -> Limits {
+        self.limits
+    }
+
+    /// The next control message within the reply limit.
+    async fn reply(&self, rx: &mut StreamReceiver) -> Result<Response> {
+        within(self.limits.reply, next_response(rx)).await
+    }
+
+    /// The next control message within the transfer limit.
+    async fn transfer_reply(&self, rx: &mut StreamReceiver) -> Result<Response> {
+        within(self.limits.transfer, next_response(rx)).await
     }
 
     /// What the agent said in the handshake (its versions and limits).
@@ -568,7 +664,7 @@ impl AgentClient {
     /// Sends a request and returns its single answer.
     async fn call(&self, request: &Request) -> Result<Response> {
         let (_tx, mut rx) = self.open(request).await?;
-        next_response(&mut rx).await
+        self.reply(&mut rx).await
     }
 
     async fn call_ok(&self, request: &Request) -> Result<()> {
@@ -590,7 +686,7 @@ impl AgentClient {
     /// `req.background` must be unset (see [`AgentClient::exec_background`]).
     pub async fn exec(&self, req: ExecRequest) -> Result<Execution> {
         let (tx, mut rx) = self.open(&Request::Exec(req)).await?;
-        match next_response(&mut rx).await? {
+        match self.reply(&mut rx).await? {
             Response::Started { pid } => Ok(Execution {
                 pid,
                 control: ProcessControl { tx },
@@ -664,7 +760,7 @@ impl AgentClient {
     /// until it exits).
     pub async fn bg_logs(&self, req: BgLogsRequest) -> Result<BgLogs> {
         let (tx, mut rx) = self.open(&Request::BgLogs(req)).await?;
-        match next_response(&mut rx).await? {
+        match self.reply(&mut rx).await? {
             Response::LogsStart {
                 stdout_from,
                 stderr_from,
@@ -687,7 +783,13 @@ impl AgentClient {
             id,
             timeout_ms: timeout.map(|t| t.as_millis().min(u128::from(u64::MAX)) as u64),
         });
-        match self.call(&request).await? {
+        // The agent waits `timeout` (or for ever) before it answers.
+        let limit = match (timeout, self.limits.reply) {
+            (Some(t), Some(reply)) => t.checked_add(reply),
+            _ => None,
+        };
+        let (_tx, mut rx) = self.open(&request).await?;
+        match within(limit, next_response(&mut rx)).await? {
             Response::Exited(status) => Ok(status),
             other => Err(unexpected(other)),
         }
@@ -707,7 +809,7 @@ impl AgentClient {
     /// Opens a shell on a PTY.
     pub async fn shell(&self, req: ShellRequest) -> Result<ShellSession> {
         let (tx, mut rx) = self.open(&Request::Shell(req)).await?;
-        match next_response(&mut rx).await? {
+        match self.reply(&mut rx).await? {
             Response::Started { pid } => Ok(ShellSession {
                 pid,
                 control: ProcessControl { tx },
@@ -720,6 +822,7 @@ impl AgentClient {
 
     /// Sends `reader`'s bytes and returns the final answer. If the agent
     /// fails early, its error is returned rather than the send failure.
+    /// Reading `reader` has no deadline; the agent's credit does.
     async fn send_all<R: AsyncRead + Unpin>(
         &self,
         request: &Request,
@@ -729,19 +832,22 @@ impl AgentClient {
         let mut buf = vec![0u8; SEND_CHUNK];
         loop {
             let n = reader.read(&mut buf).await.map_err(ClientError::Io)?;
-            let sent = if n == 0 {
-                tx.send_eof(Channel::Data).await
-            } else {
-                tx.send_data(Channel::Data, &buf[..n]).await
+            let send = async {
+                let sent = if n == 0 {
+                    tx.send_eof(Channel::Data).await
+                } else {
+                    tx.send_data(Channel::Data, &buf[..n]).await
+                };
+                Ok(sent)
             };
-            match sent {
+            match within(self.limits.transfer, send).await? {
                 Ok(()) if n == 0 => break,
                 Ok(()) => {}
                 Err(MuxError::StreamClosed) => break,
                 Err(e) => return Err(e.into()),
             }
         }
-        next_response(&mut rx).await
+        self.transfer_reply(&mut rx).await
     }
 
     /// Uploads one file atomically; returns the bytes written.
@@ -763,7 +869,10 @@ impl AgentClient {
         self.upload(req, data).await
     }
 
-    /// Downloads one file into `writer`; returns its metadata.
+    /// Downloads one file into `writer`; returns its metadata. Fewer bytes
+    /// than the file info announced is [`ClientError::Truncated`] (more is
+    /// fine: a file can grow while it is read, and `/proc` files announce
+    /// 0); more than [`Limits::download_bytes`] is [`ClientError::TooLarge`].
     pub async fn download<W: AsyncWrite + Unpin>(
         &self,
         path: &str,
@@ -773,12 +882,16 @@ impl AgentClient {
             path: path.to_owned(),
         });
         let (_tx, mut rx) = self.open(&request).await?;
-        let stat = match next_response(&mut rx).await? {
+        let stat = match self.reply(&mut rx).await? {
             Response::FileInfo(stat) => stat,
             other => return Err(unexpected(other)),
         };
-        receive_data(&mut rx, &mut writer).await?;
-        match next_response(&mut rx).await? {
+        let received = self.receive_data(&mut rx, &mut writer).await?;
+        match self.transfer_reply(&mut rx).await? {
+            Response::Ok if received < stat.size => Err(ClientError::Truncated {
+                expected: stat.size,
+                received,
+            }),
             Response::Ok => Ok(stat),
             other => Err(unexpected(other)),
         }
@@ -803,7 +916,8 @@ impl AgentClient {
         }
     }
 
-    /// Writes a tar archive of a directory (or file) into `writer`.
+    /// Writes a tar archive of a directory (or file) into `writer`; more
+    /// than [`Limits::download_bytes`] is [`ClientError::TooLarge`].
     pub async fn download_tar<W: AsyncWrite + Unpin>(
         &self,
         path: &str,
@@ -813,8 +927,8 @@ impl AgentClient {
             path: path.to_owned(),
         });
         let (_tx, mut rx) = self.open(&request).await?;
-        receive_data(&mut rx, &mut writer).await?;
-        match next_response(&mut rx).await? {
+        self.receive_data(&mut rx, &mut writer).await?;
+        match self.transfer_reply(&mut rx).await? {
             Response::TarDone { entries, skipped } => Ok(TarSummary { entries, skipped }),
             other => Err(unexpected(other)),
         }
@@ -840,7 +954,7 @@ impl AgentClient {
         let (_tx, mut rx) = self.open(&request).await?;
         let mut all = Vec::new();
         loop {
-            match next_response(&mut rx).await? {
+            match self.reply(&mut rx).await? {
                 Response::Entries { entries } => all.extend(entries),
                 Response::Ok => return Ok(all),
                 other => return Err(unexpected(other)),
@@ -867,7 +981,7 @@ impl AgentClient {
         let (tx, mut rx) = self
             .open(&Request::Forward(ForwardRequest { target }))
             .await?;
-        match next_response(&mut rx).await? {
+        match self.reply(&mut rx).await? {
             Response::Connected => Ok(ForwardStream {
                 tx,
                 rx,
@@ -928,23 +1042,36 @@ impl AgentClient {
     }
 }
 
-/// Writes data frames into `writer` until the data channel's EOF.
-async fn receive_data<W: AsyncWrite + Unpin>(
-    rx: &mut StreamReceiver,
-    writer: &mut W,
-) -> Result<()> {
-    loop {
-        match rx.recv().await {
-            Some(Inbound::Data(_, chunk)) => {
-                writer.write_all(&chunk).await.map_err(ClientError::Io)?
+impl AgentClient {
+    /// Writes data frames into `writer` until the data channel's EOF;
+    /// returns the bytes written. Each frame must come within the transfer
+    /// limit (writing to `writer` has no deadline), and the total stays
+    /// within the download limit.
+    async fn receive_data<W: AsyncWrite + Unpin>(
+        &self,
+        rx: &mut StreamReceiver,
+        writer: &mut W,
+    ) -> Result<u64> {
+        let limit = self.limits.download_bytes;
+        let mut received = 0u64;
+        loop {
+            match within(self.limits.transfer, async { Ok(rx.recv().await) }).await? {
+                Some(Inbound::Data(_, chunk)) => {
+                    received = received.saturating_add(chunk.len() as u64);
+                    if received > limit {
+                        return Err(ClientError::TooLarge { limit });
+                    }
+                    writer.write_all(&chunk).await.map_err(ClientError::Io)?
+                }
+                Some(Inbound::Eof(_)) => break,
+                Some(Inbound::Msg(bytes)) => {
+                    let response = parse_response(&bytes)?;
+                    return Err(unexpected(response));
+                }
+                None => return Err(ended(rx)),
             }
-            Some(Inbound::Eof(_)) => break,
-            Some(Inbound::Msg(bytes)) => {
-                let response = parse_response(&bytes)?;
-                return Err(unexpected(response));
-            }
-            None => return Err(ended(rx)),
         }
+        writer.flush().await.map_err(ClientError::Io)?;
+        Ok(received)
     }
-    writer.flush().await.map_err(ClientError::Io)
 }

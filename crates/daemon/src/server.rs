@@ -2,14 +2,29 @@
 //! API on the Unix socket (and TCP with the token) until SIGINT or SIGTERM.
 //!
 //! Stopping the daemon leaves VMs running: the next `tine up` adopts them.
+//!
+//! Both listeners are served by [`serve_unix`] and [`serve_tcp`]: a client
+//! must send a request's headers within [`ListenLimits::header_read_timeout`],
+//! and TCP, where anyone who can reach the port may connect before the
+//! token is checked, takes at most [`ListenLimits::max_tcp_connections`] at
+//! once, so idle TCP connections cannot use up the daemon's file
+//! descriptors and leave the Unix socket unanswered.
+//!
+//! What the daemon writes (the database with the userdata in it, serial
+//! logs, VM sockets) is private: the process runs with umask 077, which
+//! the VMMs inherit, and the data directory is 0700. Only the API socket is
+//! opened up, to 0660.
 
 use std::io::Write;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{bail, Context};
+use axum::Router;
 use nix::fcntl::{Flock, FlockArg};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::config::{Config, DEFAULT_DATA_DIR};
 use crate::core::Daemon;
@@ -18,17 +33,124 @@ use crate::core::Daemon;
 /// VM folder and socket names are appended.
 const MAX_DATA_DIR_LEN: usize = 64;
 
+/// Limits of the API listeners.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ListenLimits {
+    /// A connection must send a request's headers within this time (an
+    /// idle keep-alive connection too), or it is closed.
+    pub header_read_timeout: Duration,
+    /// TCP connections served at once; more are closed as they arrive.
+    /// The Unix socket has no such limit.
+    pub max_tcp_connections: usize,
+}
+
+/// The limits `tine up` serves with (docs/daemon.md).
+pub const LISTEN_LIMITS: ListenLimits = ListenLimits {
+    header_read_timeout: Duration::from_secs(10),
+    max_tcp_connections: 256,
+};
+
+/// The pause after a failed `accept` (out of file descriptors, say).
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+
+/// Serves one accepted connection in a task: HTTP/1 with upgrades (the
+/// shell and forward WebSockets) and the header-read timeout. `permit`
+/// is held until the connection ends.
+fn serve_connection<IO>(
+    io: IO,
+    app: Router,
+    limits: ListenLimits,
+    permit: Option<OwnedSemaphorePermit>,
+) where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
+{
+    tokio::spawn(async move {
+        let _permit = permit;
+        let service = hyper_util::service::TowerToHyperService::new(app);
+        let connection = hyper::server::conn::http1::Builder::new()
+            .timer(hyper_util::rt::TokioTimer::new())
+            .header_read_timeout(limits.header_read_timeout)
+            .serve_connection(hyper_util::rt::TokioIo::new(io), service)
+            .with_upgrades();
+        if let Err(e) = connection.await {
+            tracing::debug!("API connection ended: {e}");
+        }
+    });
+}
+
+/// Serves `app` on a Unix socket for ever (see [`ListenLimits`]).
+pub async fn serve_unix(listener: tokio::net::UnixListener, app: Router, limits: ListenLimits) {
+    loop {
+        match listener.accept().await {
+            Ok((io, _)) => serve_connection(io, app.clone(), limits, None),
+            Err(e) => {
+                tracing::warn!("accept on the Unix socket failed: {e}");
+                tokio::time::sleep(ACCEPT_BACKOFF).await;
+            }
+        }
+    }
+}
+
+/// Serves `app` on TCP for ever, at most
+/// [`ListenLimits::max_tcp_connections`] connections at once: one more is
+/// closed as soon as it is accepted.
+pub async fn serve_tcp(listener: tokio::net::TcpListener, app: Router, limits: ListenLimits) {
+    let slots = Arc::new(Semaphore::new(limits.max_tcp_connections));
+    loop {
+        match listener.accept().await {
+            Ok((io, peer)) => match slots.clone().try_acquire_owned() {
+                Ok(permit) => serve_connection(io, app.clone(), limits, Some(permit)),
+                Err(_) => {
+                    tracing::debug!(
+                        "closed a TCP connection from {peer}: {} are open",
+                        limits.max_tcp_connections
+                    );
+                    drop(io);
+                }
+            },
+            Err(e) => {
+                tracing::warn!("accept on TCP failed: {e}");
+                tokio::time::sleep(ACCEPT_BACKOFF).await;
+            }
+        }
+    }
+}
+
+/// Raises the soft limit on open files to the hard limit (VMs, their
+/// sockets and API connections all take descriptors); returns the limit.
+pub fn raise_open_files_limit() -> std::io::Result<u64> {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).map_err(std::io::Error::from)?;
+    if soft < hard {
+        setrlimit(Resource::RLIMIT_NOFILE, hard, hard).map_err(std::io::Error::from)?;
+    }
+    Ok(hard)
+}
+
 /// Holds the data directory's lock while the daemon runs.
 #[derive(Debug)]
 pub struct DataDirLock {
     _lock: Flock<std::fs::File>,
 }
 
-/// Takes `<data_dir>/tine.lock`; a second daemon gets an error naming the
-/// first one's pid.
+/// The umask of the daemon process, inherited by its VMMs: what they create
+/// is for the daemon's user alone.
+pub const DAEMON_UMASK: u32 = 0o077;
+
+/// Sets [`DAEMON_UMASK`] for the whole process.
+pub fn set_private_umask() {
+    use nix::sys::stat::{umask, Mode};
+    umask(Mode::from_bits_truncate(DAEMON_UMASK));
+}
+
+/// Takes `<data_dir>/tine.lock`, creating the data directory (mode 0700,
+/// also when it exists); a second daemon gets an error naming the first
+/// one's pid.
 pub fn lock_data_dir(data_dir: &Path) -> anyhow::Result<DataDirLock> {
     std::fs::create_dir_all(data_dir)
         .with_context(|| format!("create data directory {}", data_dir.display()))?;
+    std::fs::set_permissions(data_dir, std::fs::Permissions::from_mode(0o700))
+        .with_context(|| format!("make {} private (mode 0700)", data_dir.display()))?;
     let path = data_dir.join("tine.lock");
     let file = std::fs::OpenOptions::new()
         .create(true)
@@ -120,6 +242,11 @@ pub async fn serve(config: Config, data_dir: PathBuf) -> anyhow::Result<()> {
             data_dir.display()
         );
     }
+    set_private_umask();
+    match raise_open_files_limit() {
+        Ok(limit) => tracing::debug!("open files limit {limit}"),
+        Err(e) => tracing::warn!("cannot raise the open files limit: {e}"),
+    }
     let _lock = lock_data_dir(&data_dir)?;
     let token = load_or_create_token(&data_dir)?;
     let socket = config
@@ -147,14 +274,11 @@ pub async fn serve(config: Config, data_dir: PathBuf) -> anyhow::Result<()> {
     }
     let unix = tokio::net::UnixListener::bind(&socket)
         .with_context(|| format!("listen on {}", socket.display()))?;
+    // Bound under the umask (0600); the socket alone is for the group too.
     std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o660))?;
     let app = crate::api::app(daemon.clone());
     let mut tasks = tokio::task::JoinSet::new();
-    tasks.spawn(async move {
-        axum::serve(unix, app)
-            .await
-            .context("serve the Unix socket")
-    });
+    tasks.spawn(serve_unix(unix, app, LISTEN_LIMITS));
     if let Some(bind) = bind {
         let tcp = tokio::net::TcpListener::bind(&bind)
             .await
@@ -164,7 +288,7 @@ pub async fn serve(config: Config, data_dir: PathBuf) -> anyhow::Result<()> {
             "listening on http://{bind} (bearer token in {}/auth/token)",
             data_dir.display()
         );
-        tasks.spawn(async move { axum::serve(tcp, app).await.context("serve TCP") });
+        tasks.spawn(serve_tcp(tcp, app, LISTEN_LIMITS));
     }
     tracing::info!(
         "tine daemon {} ready on {} (data in {})",
@@ -183,7 +307,8 @@ pub async fn serve(config: Config, data_dir: PathBuf) -> anyhow::Result<()> {
         _ = tokio::signal::ctrl_c() => tracing::info!("interrupted; VMs keep running"),
         _ = term.recv() => tracing::info!("terminated; VMs keep running"),
         Some(r) = tasks.join_next() => {
-            r.context("listener task")??;
+            // The listeners run for ever: only a panic ends one.
+            r.context("listener task")?;
         }
     }
     let _ = std::fs::remove_file(&socket);
@@ -220,4 +345,114 @@ pub fn open_daemon(
         network: crate::network::NetworkManager::default(),
         deadlines: crate::core::Deadlines::default(),
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Instant;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    const REQUEST: &[u8] = b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n";
+
+    /// Reads until the peer closes (or `within` passes: `None`).
+    async fn read_to_close<S: tokio::io::AsyncRead + Unpin>(
+        io: &mut S,
+        within: Duration,
+    ) -> Option<Vec<u8>> {
+        let mut out = Vec::new();
+        let read = tokio::time::timeout(within, async {
+            let mut buf = [0u8; 1024];
+            loop {
+                match io.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => out.extend_from_slice(&buf[..n]),
+                }
+            }
+        });
+        read.await.ok().map(|()| out)
+    }
+
+    #[tokio::test]
+    async fn a_tcp_flood_leaves_the_unix_socket_answering() {
+        let limits = ListenLimits {
+            header_read_timeout: Duration::from_secs(3),
+            max_tcp_connections: 8,
+        };
+        let app = Router::new().route("/healthz", axum::routing::get(|| async { "ok" }));
+        let dir = tempfile::tempdir().expect("tmp");
+        let socket = dir.path().join("api.sock");
+        let unix = tokio::net::UnixListener::bind(&socket).expect("bind unix");
+        let tcp = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind tcp");
+        let addr = tcp.local_addr().expect("addr");
+        tokio::spawn(serve_unix(unix, app.clone(), limits));
+        tokio::spawn(serve_tcp(tcp, app, limits));
+
+        // Fill TCP: idle connections, the first with half a request.
+        let began = Instant::now();
+        let mut held = Vec::new();
+        for _ in 0..limits.max_tcp_connections {
+            held.push(tokio::net::TcpStream::connect(addr).await.expect("connect"));
+        }
+        held[0]
+            .write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n")
+            .await
+            .expect("half a request");
+        // One more is closed at once, without an answer.
+        let mut extra = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let _ = extra.write_all(REQUEST).await;
+        let answer = read_to_close(&mut extra, Duration::from_secs(2)).await;
+        assert_eq!(
+            answer,
+            Some(Vec::new()),
+            "the connection over the cap was served"
+        );
+        // The Unix socket answers at once.
+        let mut io = tokio::net::UnixStream::connect(&socket)
+            .await
+            .expect("connect");
+        io.write_all(REQUEST).await.expect("request");
+        let answer = read_to_close(&mut io, Duration::from_secs(2))
+            .await
+            .expect("the Unix socket answers while TCP is full");
+        assert!(answer.starts_with(b"HTTP/1.1 200"), "{answer:?}");
+        assert!(
+            began.elapsed() < limits.header_read_timeout,
+            "too slow to tell"
+        );
+
+        // The half-sent request is closed at the header-read timeout.
+        let closed = read_to_close(&mut held[0], Duration::from_secs(20))
+            .await
+            .expect("the half-sent request stays open");
+        assert!(!closed.starts_with(b"HTTP/1.1 200"), "{closed:?}");
+        assert!(began.elapsed() >= limits.header_read_timeout);
+        // The idle ones went too: TCP serves again.
+        for idle in &mut held[1..] {
+            read_to_close(idle, Duration::from_secs(20))
+                .await
+                .expect("an idle connection stays open");
+        }
+        let mut io = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        io.write_all(REQUEST).await.expect("request");
+        let answer = read_to_close(&mut io, Duration::from_secs(5))
+            .await
+            .expect("answer");
+        assert!(answer.starts_with(b"HTTP/1.1 200"), "{answer:?}");
+    }
+
+    #[test]
+    fn the_open_files_limit_is_raised_to_the_hard_limit() {
+        use nix::sys::resource::{getrlimit, setrlimit, Resource};
+        let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE).expect("getrlimit");
+        // Start from a low soft limit, as a default 1024 would be.
+        setrlimit(Resource::RLIMIT_NOFILE, hard.min(512), hard).expect("lower");
+        assert_eq!(raise_open_files_limit().expect("raise"), hard);
+        assert_eq!(
+            getrlimit(Resource::RLIMIT_NOFILE).expect("getrlimit"),
+            (hard, hard)
+        );
+    }
 }

@@ -6,8 +6,13 @@
 //! which runs it directly where the host's KVM is usable and inside the
 //! nested L1 otherwise; inside, the tests run under a libtest-compatible
 //! harness. Either way `cargo test` runs them: none is skipped.
+//!
+//! With the `hostile-agent` feature, [`hostile_agent`] holds a scripted
+//! guest agent for host-side tests that need no VM.
 
 pub mod cpio;
+#[cfg(feature = "hostile-agent")]
+pub mod hostile_agent;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -4,7 +4,9 @@
 //!
 //! Canned behaviour:
 //! - host group `dev` with VMs `dev-1` (running, tags `name=web`, `env=ci`)
-//!   and `dev-2` (stopped); anything else is 404.
+//!   and `dev-2` (stopped); anything else is 404. `evil` (running, not
+//!   listed) is a VM whose guest writes terminal escapes wherever guest text
+//!   reaches: its `reason`, agent version and console log.
 //! - create: 201 `dev-3`, `starting` without wait, `running` with
 //!   `wait=agent`; a request named `slow` with `wait=agent` gets 408.
 //! - exec `cmd`: `echo ARGS` prints them; `exit N` exits N; `kill N` dies
@@ -12,7 +14,11 @@
 //!   writes `oops` to stderr and exits 2; `split` sends its frames cut in
 //!   the middle of lines, one piece every few ms; anything else gets an
 //!   `error` frame (`not_found`).
-//! - cp download: `hello from PATH\n`; upload: counts and keeps the bytes.
+//! - cp download: `hello from PATH\n`; in tar mode, `/hostile-tree` is
+//!   what a guest that replaced its agent could send (a setuid file, a
+//!   world-writable sticky directory, a device carrying bytes);
+//!   `/cut-short` sends 8 bytes and aborts the body, as the daemon does
+//!   when the agent fails mid-download; upload: counts and keeps the bytes.
 //! - shell: greets, echoes terminal data, answers a resize with
 //!   `resized R C`, ends with exit 3 on input `exit\r`, and goes away
 //!   without an exit message on `drop\r`.
@@ -255,9 +261,11 @@ fn vm(hostname: &str) -> Option<VmInfo> {
             Some("10.0.0.2".to_string()),
         ),
         "dev-2" => (VmState::Stopped, vec![], None),
+        "evil" => (VmState::Running, vec![], None),
         _ => return None,
     };
     let hostname = if hostname == "web" { "dev-1" } else { hostname };
+    let reason = (hostname == "evil").then(|| format!("agent said {EVIL_OSC52}"));
     Some(VmInfo {
         hostname: hostname.to_string(),
         host_group: "dev".into(),
@@ -269,7 +277,7 @@ fn vm(hostname: &str) -> Option<VmInfo> {
         ip,
         network: None,
         pid: None,
-        reason: None,
+        reason,
         stop_mode: None,
         created_at: "2026-01-01T00:00:00.000Z".into(),
         started_at: None,
@@ -284,6 +292,15 @@ fn vm(hostname: &str) -> Option<VmInfo> {
         },
     })
 }
+
+/// OSC 0: sets the terminal's title.
+pub const EVIL_OSC0: &str = "\u{1b}]0;pwned\u{7}";
+/// Clears the screen.
+pub const EVIL_CLEAR: &str = "\u{1b}[2J";
+/// OSC 52: writes the clipboard (`rm -rf ~`).
+pub const EVIL_OSC52: &str = "\u{1b}]52;c;cm0gLXJmIH4K\u{7}";
+/// CSI as the one C1 character U+009B.
+pub const EVIL_C1: &str = "\u{9b}2J";
 
 fn query_pairs(q: &Option<String>) -> Vec<(String, String)> {
     let q = q.clone().unwrap_or_default();
@@ -497,10 +514,15 @@ async fn health(Path(h): Path<String>, RawQuery(q): RawQuery) -> Response {
             "the agent does not answer",
         );
     }
+    let agent_version = if v.hostname == "evil" {
+        format!("0.1.0{EVIL_OSC0}{EVIL_C1}")
+    } else {
+        "0.1.0".into()
+    };
     Json(VmHealth {
         hostname: v.hostname,
         agent_ready: true,
-        agent_version: "0.1.0".into(),
+        agent_version,
         agent_uptime_ms: 1000,
         system_uptime_ms: 1200,
         userdata_ran: true,
@@ -516,7 +538,11 @@ async fn logs(Path(h): Path<String>, RawQuery(q): RawQuery) -> Response {
     let n = param(&query_pairs(&q), "lines")
         .and_then(|n| n.parse::<usize>().ok())
         .unwrap_or(200);
-    let lines: Vec<String> = (1..=3).map(|i| format!("console line {i}")).collect();
+    let mut lines: Vec<String> = (1..=3).map(|i| format!("console line {i}")).collect();
+    if v.hostname == "evil" {
+        lines.push(format!("{EVIL_CLEAR}{EVIL_OSC52}\tboot done\r"));
+        lines.push(format!("{EVIL_OSC0}{EVIL_C1}"));
+    }
     let skip = lines.len().saturating_sub(n);
     Json(LogsResponse {
         hostname: v.hostname,
@@ -666,12 +692,44 @@ async fn download(Path(h): Path<String>, RawQuery(q): RawQuery) -> Response {
             "/missing: no such file",
         );
     }
+    if path == "/cut-short" {
+        let parts: [Result<Bytes, std::io::Error>; 2] = [
+            Ok(Bytes::from_static(b"8 bytes!")),
+            Err(std::io::Error::other("the agent failed")),
+        ];
+        let body = Body::from_stream(futures_util::stream::iter(parts));
+        return ([("content-type", "application/octet-stream")], body).into_response();
+    }
+    if path == "/hostile-tree" && param(&q, "mode").as_deref() == Some("tar") {
+        return ([("content-type", "application/x-tar")], hostile_tar()).into_response();
+    }
     let (tx, body) = channel_body();
     tokio::spawn(async move {
         let _ = tx.send(Bytes::from(format!("hello from {path}"))).await;
         let _ = tx.send(Bytes::from_static(b"\n")).await;
     });
     ([("content-type", "application/octet-stream")], body).into_response()
+}
+
+/// A tar no honest agent sends: modes a host must not keep, and a device.
+fn hostile_tar() -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    let mut add = |kind: tar::EntryType, path: &str, mode: u32, data: &[u8]| {
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(kind);
+        h.set_mode(mode);
+        h.set_size(data.len() as u64);
+        b.append_data(&mut h, path, data).expect("tar entry");
+    };
+    add(tar::EntryType::Regular, "suid", 0o4755, b"#!/bin/sh\n");
+    add(tar::EntryType::Directory, "drop/", 0o1777, b"");
+    add(
+        tar::EntryType::Char,
+        "drop/\u{1b}]0;pwned\u{7}tty",
+        0o6666,
+        b"BOOM!",
+    );
+    b.into_inner().expect("tar")
 }
 
 async fn upload(

@@ -1,5 +1,10 @@
 //! Routes served by the guest agent: health, exec, files, shell, forward.
+//!
+//! The agent is the guest's, and code in the VM can replace it: every call
+//! a handler makes has a host-side deadline ([`DEADLINES`]), a download is
+//! capped and a cut-short one aborts its body.
 
+use std::future::Future;
 use std::time::{Duration, Instant};
 
 use axum::body::{Body, Bytes};
@@ -10,7 +15,8 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use base64::Engine;
 use futures_util::{SinkExt, StreamExt, TryStreamExt};
-use tine_client::agent::{ExecEvent, ShellEvent};
+use tine_client::agent::{ClientError, ExecEvent, Limits, ShellEvent};
+use tine_client::AgentClient;
 use tine_proto::agent::{
     Command, ExecRequest, FileAttrs, ForwardTarget, ProcessOptions, ShellRequest, UploadRequest,
     UploadTarRequest,
@@ -22,8 +28,109 @@ use tokio_util::io::{ReaderStream, StreamReader};
 use super::{parse_timeout, query_get, query_num, query_only, query_pairs, AppState};
 use crate::error::{ApiError, ApiResult};
 
+/// Host-side limits on the agent for the calls handlers make.
+#[derive(Debug, Clone, Copy)]
+struct Deadlines {
+    /// An answer that needs no long work (health without `wait`, stat,
+    /// exec's and shell's start, forward's connect).
+    reply: Duration,
+    /// A file transfer without progress (a frame of a download, credit for
+    /// an upload, an upload's final answer, which may wait for an fsync).
+    transfer: Duration,
+    /// How long past its own `timeout` an exec may go before the host ends
+    /// it (the agent is meant to kill it at `timeout`).
+    exec_grace: Duration,
+    /// Most bytes one download may bring.
+    download_bytes: u64,
+}
+
+/// The cap on one download (`GET /vm/{vm}/cp`): 16 GiB (docs/api.md).
+pub const MAX_DOWNLOAD_BYTES: u64 = 16 << 30;
+
+/// The deadlines of every handler here.
+const DEADLINES: Deadlines = Deadlines {
+    reply: Duration::from_secs(10),
+    transfer: Duration::from_secs(60),
+    exec_grace: Duration::from_secs(5),
+    download_bytes: MAX_DOWNLOAD_BYTES,
+};
+
+/// `health?wait=agent` gets at least this long for the agent's answer
+/// once the VM is running, even when the wait used up its `timeout`.
+const MIN_HEALTH_BUDGET: Duration = Duration::from_secs(1);
+
+impl Deadlines {
+    fn limits(&self) -> Limits {
+        Limits {
+            reply: Some(self.reply),
+            transfer: Some(self.transfer),
+            download_bytes: self.download_bytes,
+        }
+    }
+}
+
+/// A handler's agent connection, with [`DEADLINES`] on its calls.
+async fn agent(d: &AppState, hostname: &str) -> ApiResult<AgentClient> {
+    let (_vm, client) = d.agent(hostname).await?;
+    Ok(client.with_limits(DEADLINES.limits()))
+}
+
 fn agent_err(e: impl std::fmt::Display) -> ApiError {
     ApiError::agent(e.to_string())
+}
+
+/// An error from a call: a deadline or a lost connection as 503, any
+/// other as `other` makes it.
+fn call_err(e: ClientError, other: impl FnOnce(String) -> ApiError) -> ApiError {
+    match e {
+        ClientError::Timeout { .. } | ClientError::ConnectionLost(_) | ClientError::StreamEnded => {
+            agent_err(e)
+        }
+        e => other(e.to_string()),
+    }
+}
+
+fn millis(d: Duration) -> String {
+    humantime::format_duration(Duration::from_millis(d.as_millis() as u64)).to_string()
+}
+
+/// Runs `answer` for `budget`; past it, the agent "did not answer": 408
+/// when the request waited for the agent (`wait=agent`), else 503.
+async fn answer_within<T>(
+    budget: Duration,
+    waited: bool,
+    hostname: &str,
+    answer: impl Future<Output = ApiResult<T>>,
+) -> ApiResult<T> {
+    match tokio::time::timeout(budget, answer).await {
+        Ok(answer) => answer,
+        Err(_) => {
+            let msg = format!(
+                "the agent of {hostname} did not answer within {}",
+                millis(budget)
+            );
+            Err(if waited {
+                ApiError::timeout(msg)
+            } else {
+                ApiError::agent(msg)
+            })
+        }
+    }
+}
+
+/// The health answer of `client`'s agent.
+async fn health_answer(client: &AgentClient, hostname: String) -> ApiResult<VmHealth> {
+    let began = Instant::now();
+    let h = client.health().await.map_err(agent_err)?;
+    Ok(VmHealth {
+        hostname,
+        agent_ready: true,
+        agent_version: h.agent_version,
+        agent_uptime_ms: h.agent_uptime_ms,
+        system_uptime_ms: h.system_uptime_ms,
+        userdata_ran: h.userdata.ran || !h.userdata.present,
+        rtt_ms: began.elapsed().as_secs_f64() * 1e3,
+    })
 }
 
 pub(super) async fn health(
@@ -34,25 +141,34 @@ pub(super) async fn health(
     let q = query_pairs(&uri);
     query_only(&q, &["wait", "timeout"])?;
     let vm = d.vm(&hostname)?;
-    if let Some(w) = query_get(&q, "wait") {
-        if w != "agent" {
-            return Err(ApiError::bad_request(format!("wait `{w}` is not `agent`")));
-        }
-        let timeout = parse_timeout(query_get(&q, "timeout"), super::DEFAULT_WAIT)?;
-        d.wait_running(&vm.hostname, timeout).await?;
-    }
-    let (vm, client) = d.agent(&vm.hostname).await?;
     let began = Instant::now();
-    let h = client.health().await.map_err(agent_err)?;
-    Ok(Json(VmHealth {
-        hostname: vm.hostname,
-        agent_ready: true,
-        agent_version: h.agent_version,
-        agent_uptime_ms: h.agent_uptime_ms,
-        system_uptime_ms: h.system_uptime_ms,
-        userdata_ran: h.userdata.ran || !h.userdata.present,
-        rtt_ms: began.elapsed().as_secs_f64() * 1e3,
-    }))
+    // The whole answer, connecting included, fits the request's timeout
+    // with `wait=agent`, else the reply deadline.
+    let budget = match query_get(&q, "wait") {
+        Some("agent") => {
+            let timeout = parse_timeout(query_get(&q, "timeout"), super::DEFAULT_WAIT)?;
+            d.wait_running(&vm.hostname, timeout).await?;
+            Some(
+                timeout
+                    .saturating_sub(began.elapsed())
+                    .max(MIN_HEALTH_BUDGET),
+            )
+        }
+        Some(w) => return Err(ApiError::bad_request(format!("wait `{w}` is not `agent`"))),
+        None => None,
+    };
+    let answer = async {
+        let (vm, client) = d.agent(&vm.hostname).await?;
+        health_answer(&client, vm.hostname).await
+    };
+    let h = answer_within(
+        budget.unwrap_or(DEADLINES.reply),
+        budget.is_some(),
+        &vm.hostname,
+        answer,
+    )
+    .await?;
+    Ok(Json(h))
 }
 
 fn frame_line(frame: &ExecFrame) -> Bytes {
@@ -118,22 +234,42 @@ pub(super) async fn exec(
         command,
         options,
         stdin,
-        timeout_ms: timeout.map(|t| t.as_millis() as u64),
+        timeout_ms: timeout.map(|t| t.as_millis().min(u128::from(u64::MAX)) as u64),
         background: None,
     };
-    let (_vm, client) = d.agent(&hostname).await?;
+    let client = agent(&d, &hostname).await?;
+    exec_stream(client, req, timeout, body, DEADLINES).await
+}
+
+/// Starts `req` and answers with its NDJSON frames. With a `timeout`, the
+/// host ends the exec `exec_grace` after it with an `error` frame (code
+/// `timeout`) if the agent has not reported the exit by then.
+async fn exec_stream(
+    client: AgentClient,
+    req: ExecRequest,
+    timeout: Option<Duration>,
+    body: Body,
+    deadlines: Deadlines,
+) -> ApiResult<Response> {
+    let stdin = req.stdin;
     let mut execution = client.exec(req).await.map_err(|e| {
-        let msg = e.to_string();
-        if msg.contains("not found") || msg.contains("No such file") || msg.contains("spawn") {
-            ApiError::bad_request(msg)
-        } else {
-            ApiError::agent(msg)
-        }
+        call_err(e, |msg| {
+            if msg.contains("not found") || msg.contains("No such file") || msg.contains("spawn") {
+                ApiError::bad_request(msg)
+            } else {
+                ApiError::agent(msg)
+            }
+        })
     })?;
+    let give_up = timeout.and_then(|t| {
+        let limit = t.checked_add(deadlines.exec_grace)?;
+        Some((tokio::time::Instant::now().checked_add(limit)?, t, limit))
+    });
     let pid = execution.pid();
+    let mut feeder = None;
     if stdin {
         let control = execution.control();
-        tokio::spawn(async move {
+        feeder = Some(tokio::spawn(async move {
             let mut stream = body.into_data_stream();
             let mut open = true;
             while let Some(chunk) = stream.next().await {
@@ -149,7 +285,7 @@ pub(super) async fn exec(
             if open {
                 let _ = control.close_stdin().await;
             }
-        });
+        }));
     }
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(32);
     tokio::spawn(async move {
@@ -165,7 +301,33 @@ pub(super) async fn exec(
             return;
         }
         loop {
-            let frame = match execution.next_event().await {
+            let event = match give_up {
+                None => execution.next_event().await,
+                Some((at, timeout, limit)) => {
+                    match tokio::time::timeout_at(at, execution.next_event()).await {
+                        Ok(event) => event,
+                        Err(_) => {
+                            let error = format!(
+                                "the command ran past its timeout of {} and the agent did not end it; the host gave up after {}",
+                                millis(timeout),
+                                millis(limit)
+                            );
+                            let frame = ExecFrame::Error {
+                                error,
+                                code: ErrorCode::Timeout,
+                            };
+                            let _ = tx.send(Ok(frame_line(&frame))).await;
+                            // Every handle of the stream must go for the
+                            // agent to see it closed (and kill the process).
+                            if let Some(feeder) = feeder.take() {
+                                feeder.abort();
+                            }
+                            return;
+                        }
+                    }
+                }
+            };
+            let frame = match event {
                 Ok(Some(ExecEvent::Stdout(data))) => ExecFrame::Stdout {
                     data: b64.encode(data),
                 },
@@ -236,30 +398,19 @@ pub(super) async fn download(
     uri: Uri,
 ) -> ApiResult<Response> {
     let (_, path, tar) = cp_query(&uri, &["path", "mode"])?;
-    let (_vm, client) = d.agent(&hostname).await?;
+    let client = agent(&d, &hostname).await?;
     if !tar {
         // Fail before the body starts when the file is not there.
         let stat = client
             .stat(&path, true)
             .await
-            .map_err(|e| ApiError::not_found(format!("{path}: {e}")))?;
+            .map_err(|e| call_err(e, |msg| ApiError::not_found(format!("{path}: {msg}"))))?;
         if stat.kind != tine_proto::agent::FileKind::File {
             return Err(ApiError::bad_request(format!(
                 "{path} is not a regular file; use mode=tar for a directory"
             )));
         }
     }
-    let (writer, reader) = tokio::io::duplex(256 * 1024);
-    tokio::spawn(async move {
-        let result = if tar {
-            client.download_tar(&path, writer).await.map(|_| ())
-        } else {
-            client.download(&path, writer).await.map(|_| ())
-        };
-        if let Err(e) = result {
-            tracing::warn!("download {path}: {e}");
-        }
-    });
     let content_type = if tar {
         "application/x-tar"
     } else {
@@ -267,9 +418,42 @@ pub(super) async fn download(
     };
     Ok((
         [(header::CONTENT_TYPE, content_type)],
-        Body::from_stream(ReaderStream::new(reader)),
+        download_body(client, path, tar),
     )
         .into_response())
+}
+
+/// The body of a download: the agent's bytes, then an error in the body
+/// stream if the download failed (the agent's error, fewer bytes than it
+/// announced, the cap passed, a stall). The error makes hyper abort the
+/// response, so the client sees a broken transfer, never a short success.
+fn download_body(client: AgentClient, path: String, tar: bool) -> Body {
+    let (writer, reader) = tokio::io::duplex(256 * 1024);
+    let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        // `writer` is gone when the call returns: the reader ends, then
+        // reads the result.
+        let result = if tar {
+            client.download_tar(&path, writer).await.map(|_| ())
+        } else {
+            client.download(&path, writer).await.map(|_| ())
+        };
+        if let Err(e) = &result {
+            tracing::warn!("download {path}: {e}");
+        }
+        let _ = done_tx.send(result.map_err(|e| format!("download {path}: {e}")));
+    });
+    let end = futures_util::stream::once(async move {
+        match done_rx.await {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) => Some(Err(std::io::Error::other(e))),
+            Err(_) => Some(Err(std::io::Error::other(
+                "the download ended without a result",
+            ))),
+        }
+    })
+    .filter_map(std::future::ready);
+    Body::from_stream(ReaderStream::new(reader).chain(end))
 }
 
 pub(super) async fn upload(
@@ -291,7 +475,7 @@ pub(super) async fn upload(
         .transpose()?;
     let uid = query_num(&q, "uid")?;
     let gid = query_num(&q, "gid")?;
-    let (_vm, client) = d.agent(&hostname).await?;
+    let client = agent(&d, &hostname).await?;
     // Both modes report the bytes received; the tar mode counts them here.
     let received = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let counter = received.clone();
@@ -316,7 +500,7 @@ pub(super) async fn upload(
                 reader,
             )
             .await
-            .map_err(|e| ApiError::bad_request(e.to_string()))?;
+            .map_err(|e| call_err(e, ApiError::bad_request))?;
         CpResponse {
             bytes: received.load(std::sync::atomic::Ordering::Relaxed),
             entries: Some(s.entries),
@@ -334,7 +518,7 @@ pub(super) async fn upload(
                 reader,
             )
             .await
-            .map_err(|e| ApiError::bad_request(e.to_string()))?;
+            .map_err(|e| call_err(e, ApiError::bad_request))?;
         CpResponse {
             bytes,
             entries: None,
@@ -364,7 +548,7 @@ pub(super) async fn shell(
         cols: query_num(&q, "cols")?.unwrap_or(80),
         term: query_get(&q, "term").map(str::to_owned),
     };
-    let (_vm, client) = d.agent(&hostname).await?;
+    let client = agent(&d, &hostname).await?;
     let session = client.shell(req).await.map_err(agent_err)?;
     Ok(ws.on_upgrade(move |socket| async move {
         let _client = client;
@@ -408,7 +592,7 @@ async fn pump_shell(socket: WebSocket, mut session: tine_client::agent::ShellSes
                 }
             }
             Ok(Some(ShellEvent::Exit(s))) => {
-                let code = s.code.unwrap_or_else(|| 128 + s.signal.unwrap_or(0));
+                let code = shell_exit_code(&s);
                 let mut msg = vec![SHELL_EXIT];
                 msg.extend_from_slice(&code.to_be_bytes());
                 let _ = sink.send(Message::Binary(msg.into())).await;
@@ -419,6 +603,17 @@ async fn pump_shell(socket: WebSocket, mut session: tine_client::agent::ShellSes
     }
     let _ = sink.send(Message::Close(None)).await;
     input.abort();
+}
+
+/// The code a shell's end is reported with: its exit code, else 128+N for
+/// signal N. The agent reports these numbers; a signal outside 1..=127
+/// (no real one) gives 128 rather than overflowing.
+fn shell_exit_code(status: &tine_proto::agent::ExitStatus) -> i32 {
+    match (status.code, status.signal) {
+        (Some(code), _) => code,
+        (None, Some(signal @ 1..=127)) => 128 + signal,
+        (None, _) => 128,
+    }
 }
 
 /// Parses `tcp:PORT`, `tcp:HOST:PORT` or `unix:PATH`.
@@ -459,11 +654,11 @@ pub(super) async fn forward(
     let target = parse_target(
         query_get(&q, "target").ok_or_else(|| ApiError::bad_request("`target` is required"))?,
     )?;
-    let (_vm, client) = d.agent(&hostname).await?;
+    let client = agent(&d, &hostname).await?;
     let mut fwd = client
         .forward(target)
         .await
-        .map_err(|e| ApiError::bad_request(format!("forward: {e}")))?;
+        .map_err(|e| call_err(e, |msg| ApiError::bad_request(format!("forward: {msg}"))))?;
     Ok(ws.on_upgrade(move |socket| async move {
         let _client = client;
         let (mut sink, mut stream) = socket.split();
@@ -498,6 +693,239 @@ pub(super) async fn forward(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tine_proto::agent::Response as AgentResponse;
+    use tine_proto::agent::{Channel, ErrorCode as AgentCode, FileKind, FileStat, Request};
+    use tine_testbed::hostile_agent::{HostileAgent, Step};
+
+    /// Short deadlines, so a test of a hung agent is quick.
+    const FAST: Deadlines = Deadlines {
+        reply: Duration::from_millis(300),
+        transfer: Duration::from_millis(300),
+        exec_grace: Duration::from_millis(300),
+        download_bytes: 1 << 20,
+    };
+    /// Longer than any deadline here: what is still waiting then hangs.
+    const HANG: Duration = Duration::from_secs(10);
+
+    async fn connect(agent: &HostileAgent, limits: Limits) -> AgentClient {
+        let io = agent.connect().expect("socket pair");
+        AgentClient::handshake(io)
+            .await
+            .expect("handshake")
+            .with_limits(limits)
+    }
+
+    fn file_info(size: u64) -> Step {
+        Step::Reply(AgentResponse::FileInfo(FileStat {
+            kind: FileKind::File,
+            size,
+            mode: 0o644,
+            uid: 0,
+            gid: 0,
+            mtime_secs: 0,
+            mtime_nanos: 0,
+            symlink_target: None,
+        }))
+    }
+
+    /// The data of a body until its end or its first error.
+    async fn read_body(body: Body) -> (Vec<u8>, Option<String>) {
+        let mut stream = body.into_data_stream();
+        let mut data = Vec::new();
+        loop {
+            match tokio::time::timeout(HANG, stream.next()).await {
+                Err(_) => panic!("the body hangs"),
+                Ok(None) => return (data, None),
+                Ok(Some(Ok(chunk))) => data.extend_from_slice(&chunk),
+                Ok(Some(Err(e))) => return (data, Some(e.to_string())),
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_hung_health_answer_ends_at_its_deadline() {
+        let agent = HostileAgent::new(|_| vec![Step::Hang]);
+        for (waited, code) in [
+            (false, ErrorCode::AgentUnavailable),
+            (true, ErrorCode::Timeout),
+        ] {
+            let client = connect(&agent, Limits::default()).await;
+            let began = Instant::now();
+            let answer = health_answer(&client, "vm-1".into());
+            let err = answer_within(FAST.reply, waited, "vm-1", answer)
+                .await
+                .expect_err("hung");
+            assert_eq!(err.code, code, "{err:?}");
+            assert!(
+                err.message.contains("did not answer within 300ms"),
+                "{err:?}"
+            );
+            assert!(began.elapsed() < HANG);
+        }
+    }
+
+    #[tokio::test]
+    async fn an_exec_past_its_timeout_is_ended_by_the_host() {
+        let agent = HostileAgent::new(|request| match request {
+            Request::Exec(_) => vec![Step::Reply(AgentResponse::Started { pid: 42 }), Step::Hang],
+            _ => vec![],
+        });
+        let client = connect(&agent, FAST.limits()).await;
+        let timeout = Duration::from_millis(300);
+        let req = ExecRequest::argv(["sleep", "100"])
+            .with_stdin()
+            .timeout(timeout);
+        // Stdin that never ends: its feeder must not keep the exec alive.
+        let stdin = futures_util::stream::pending::<Result<Bytes, std::io::Error>>();
+        let began = Instant::now();
+        let response = exec_stream(client, req, Some(timeout), Body::from_stream(stdin), FAST)
+            .await
+            .expect("started");
+        let (body, err) = read_body(response.into_body()).await;
+        assert_eq!(err, None);
+        let frames: Vec<ExecFrame> = body
+            .split(|b| *b == b'\n')
+            .filter(|l| !l.is_empty())
+            .map(|l| serde_json::from_slice(l).expect("frame"))
+            .collect();
+        assert_eq!(frames.first(), Some(&ExecFrame::Started { pid: 42 }));
+        match frames.last() {
+            Some(ExecFrame::Error { code, error }) => {
+                assert_eq!(*code, ErrorCode::Timeout);
+                assert!(error.contains("gave up after 600ms"), "{error}");
+            }
+            other => panic!("last frame {other:?}"),
+        }
+        assert!(began.elapsed() >= timeout + FAST.exec_grace);
+        assert!(
+            agent.wait_closed_by_host(1, HANG).await,
+            "the host kept the exec's stream open"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_exec_that_never_starts_fails_at_the_reply_deadline() {
+        let agent = HostileAgent::new(|_| vec![Step::Hang]);
+        let client = connect(&agent, FAST.limits()).await;
+        let req = ExecRequest::argv(["true"]);
+        let err = tokio::time::timeout(HANG, exec_stream(client, req, None, Body::empty(), FAST))
+            .await
+            .expect("the deadline ends it")
+            .expect_err("never started");
+        assert_eq!(err.code, ErrorCode::AgentUnavailable, "{err:?}");
+    }
+
+    /// A fresh connection to an agent answering downloads with `steps`.
+    async fn download_agent(steps: Vec<Step>) -> AgentClient {
+        let agent = HostileAgent::new(move |request| match request {
+            Request::Download(_) | Request::DownloadTar(_) => steps.clone(),
+            _ => vec![Step::Hang],
+        });
+        connect(&agent, FAST.limits()).await
+    }
+
+    #[tokio::test]
+    async fn a_cut_short_download_aborts_its_body() {
+        let eight = || Step::Data(Channel::Data, b"8 bytes!".to_vec());
+        let cases = [
+            (
+                "agent error",
+                false,
+                vec![
+                    file_info(1_000_000),
+                    eight(),
+                    Step::Reply(AgentResponse::error(AgentCode::Io, "disk gone")),
+                ],
+            ),
+            (
+                "short stream",
+                false,
+                vec![
+                    file_info(1_000_000),
+                    eight(),
+                    Step::Eof(Channel::Data),
+                    Step::Reply(AgentResponse::Ok),
+                ],
+            ),
+            (
+                "stall",
+                false,
+                vec![file_info(1_000_000), eight(), Step::Hang],
+            ),
+            (
+                "connection lost",
+                true,
+                vec![
+                    eight(),
+                    Step::Sleep(Duration::from_millis(50)),
+                    Step::Disconnect,
+                ],
+            ),
+            (
+                "endless",
+                true,
+                vec![Step::Endless(Channel::Data, 64 << 10)],
+            ),
+        ];
+        for (what, tar, steps) in cases {
+            let client = download_agent(steps).await;
+            let (data, err) = read_body(download_body(client, "/f".into(), tar)).await;
+            assert!(err.is_some(), "{what}: the body ended cleanly");
+            assert!(data.len() as u64 <= FAST.download_bytes, "{what}");
+        }
+        let honest = vec![
+            file_info(5),
+            Step::Data(Channel::Data, b"hello".to_vec()),
+            Step::Eof(Channel::Data),
+            Step::Reply(AgentResponse::Ok),
+        ];
+        let client = download_agent(honest).await;
+        let (data, err) = read_body(download_body(client, "/f".into(), false)).await;
+        assert_eq!((data.as_slice(), err), (&b"hello"[..], None));
+    }
+
+    #[tokio::test]
+    async fn a_cut_short_download_is_an_error_for_the_http_client() {
+        use tine_client::api::CpMode;
+        let dir = tempfile::tempdir().expect("tmp");
+        let socket = dir.path().join("api.sock");
+        let listener = tokio::net::UnixListener::bind(&socket).expect("bind");
+        let app = axum::Router::new().route(
+            "/vm/{hostname}/cp",
+            axum::routing::get(|uri: Uri| async move {
+                let short = uri.query().is_some_and(|q| q.contains("short"));
+                let mut steps = vec![file_info(if short { 1_000_000 } else { 8 })];
+                steps.extend([
+                    Step::Data(Channel::Data, b"8 bytes!".to_vec()),
+                    Step::Eof(Channel::Data),
+                    Step::Reply(AgentResponse::Ok),
+                ]);
+                let client = download_agent(steps).await;
+                download_body(client, "/f".into(), false)
+            }),
+        );
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        let api = tine_client::TineClient::unix(&socket);
+        let mut got = Vec::new();
+        let download = api
+            .cp_download("vm-1", "/short", CpMode::Binary)
+            .await
+            .expect("the answer starts");
+        let err = tokio::time::timeout(HANG, download.copy_to(&mut got))
+            .await
+            .expect("no hang")
+            .expect_err("a short download is not a success");
+        assert!(got.len() <= 8, "{err}");
+        let mut got = Vec::new();
+        let n = api
+            .cp_download("vm-1", "/whole", CpMode::Binary)
+            .await
+            .expect("the answer starts")
+            .copy_to(&mut got)
+            .await
+            .expect("a whole download");
+        assert_eq!((n, got.as_slice()), (8, &b"8 bytes!"[..]));
+    }
 
     #[test]
     fn forward_targets_parse() {
@@ -524,5 +952,19 @@ mod tests {
         for bad in ["tcp:0", "tcp:x", "unix:rel", "udp:53", ""] {
             assert!(parse_target(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn shell_exit_codes_survive_signal_numbers_from_a_hostile_agent() {
+        let status = |code, signal| tine_proto::agent::ExitStatus {
+            code,
+            signal,
+            ..Default::default()
+        };
+        assert_eq!(shell_exit_code(&status(Some(3), None)), 3);
+        assert_eq!(shell_exit_code(&status(None, Some(9))), 137);
+        assert_eq!(shell_exit_code(&status(None, Some(i32::MAX))), 128);
+        assert_eq!(shell_exit_code(&status(None, Some(i32::MIN))), 128);
+        assert_eq!(shell_exit_code(&status(None, None)), 128);
     }
 }
