@@ -10,7 +10,7 @@ use tine_proto::agent::{
 };
 
 use super::files::blocking;
-use crate::error::OpError;
+use crate::error::{describe_error, OpError};
 use crate::system;
 
 /// The agent's build version.
@@ -92,7 +92,7 @@ pub(crate) async fn userdata_run(
     let root = root.to_path_buf();
     let status = blocking(move || {
         system::userdata::install(&root, &req.script)
-            .map_err(|e| OpError::new(ErrorCode::Io, system::describe_error(&e)))?;
+            .map_err(|e| OpError::new(ErrorCode::Io, describe_error(&e)))?;
         let status = system::userdata_status(&root);
         if !status.ran {
             system::userdata::spawn_run_once(root);
@@ -119,8 +119,7 @@ pub(crate) async fn network(req: NetworkRequest) -> Result<Response, OpError> {
         dns: req.dns,
     };
     blocking(move || {
-        system::net::configure(&config)
-            .map_err(|e| OpError::new(ErrorCode::Io, system::describe_error(&e)))
+        system::net::configure(&config).map_err(|e| OpError::new(ErrorCode::Io, describe_error(&e)))
     })
     .await?;
     Ok(Response::Ok)
@@ -133,7 +132,7 @@ pub(crate) async fn network(req: NetworkRequest) -> Result<Response, OpError> {
 pub(crate) async fn shutdown(req: ShutdownRequest) -> Result<Response, OpError> {
     blocking(move || {
         system::init::request_shutdown(req.action)
-            .map_err(|e| OpError::new(ErrorCode::Io, system::describe_error(&e)))
+            .map_err(|e| OpError::new(ErrorCode::Io, describe_error(&e)))
     })
     .await?;
     Ok(Response::Ok)
