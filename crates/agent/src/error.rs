@@ -1,5 +1,6 @@
 //! The error every operation returns: a protocol error code plus a message
 //! for the client.
+//! `describe_error` writes any error with its sources as one line.
 
 use std::io;
 use std::path::Path;
@@ -61,4 +62,17 @@ pub fn code_for(err: &io::Error) -> ErrorCode {
         io::ErrorKind::TimedOut => ErrorCode::Timeout,
         _ => ErrorCode::Io,
     }
+}
+
+/// `e` and each of its sources, joined with ": ", for messages that leave
+/// the process (console lines, protocol errors).
+pub(crate) fn describe_error(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
 }

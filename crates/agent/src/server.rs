@@ -17,8 +17,7 @@ use crate::listener::Listener;
 use crate::ops;
 use crate::ops::background::{Jobs, JobsConfig};
 
-/// The agent's build version.
-pub const AGENT_VERSION: &str = env!("CARGO_PKG_VERSION");
+pub use crate::ops::system::AGENT_VERSION;
 
 /// Settings of an [`Agent`].
 #[derive(Debug, Clone)]
@@ -185,12 +184,14 @@ async fn run(
     rx: StreamReceiver,
 ) -> Result<Response, OpError> {
     match request {
-        Request::Exec(req) if req.background.is_some() => ops::background::start(&agent, req).await,
+        Request::Exec(req) if req.background.is_some() => {
+            ops::background::start(&agent.jobs, req).await
+        }
         Request::Exec(req) => ops::exec::run(req, tx, rx).await,
         Request::Shell(req) => ops::shell::run(req, tx, rx).await,
         Request::BgList => Ok(agent.jobs.list()),
-        Request::BgLogs(req) => ops::background::logs(&agent, req, tx, rx).await,
-        Request::BgWait(req) => ops::background::wait(&agent, req, rx).await,
+        Request::BgLogs(req) => ops::background::logs(&agent.jobs, req, tx, rx).await,
+        Request::BgWait(req) => ops::background::wait(&agent.jobs, req, rx).await,
         Request::BgKill(req) => agent.jobs.kill(req.id, req.signal),
         Request::BgRemove(req) => agent.jobs.remove(req.id),
         Request::Upload(req) => ops::files::upload(req, rx).await,
@@ -202,11 +203,13 @@ async fn run(
         Request::Mkdir(req) => ops::files::mkdir(req).await,
         Request::Remove(req) => ops::files::remove(req).await,
         Request::Forward(req) => ops::forward::run(req, tx, rx).await,
-        Request::Health => ops::system::health(&agent).await,
-        Request::Fixups(req) => ops::system::fixups(&agent, req).await,
+        Request::Health => ops::system::health(&agent.config.system_root, agent.uptime()).await,
+        Request::Fixups(req) => ops::system::fixups(&agent.config.system_root, req).await,
         Request::Network(req) => ops::system::network(req).await,
-        Request::UserdataStatus => ops::system::userdata(&agent).await,
-        Request::UserdataRun(req) => ops::system::userdata_run(&agent, req).await,
+        Request::UserdataStatus => ops::system::userdata(&agent.config.system_root).await,
+        Request::UserdataRun(req) => {
+            ops::system::userdata_run(&agent.config.system_root, req).await
+        }
         Request::Shutdown(req) => ops::system::shutdown(req).await,
     }
 }

@@ -71,11 +71,11 @@ async fn not_found_decodes_the_error_body() {
         ApiError::Api { status, body } => {
             assert_eq!(*status, 404);
             assert_eq!(body.code, ErrorCode::NotFound);
-            assert_eq!(body.error, "no VM named dev-9");
+            assert_eq!(body.error, "no VM called `dev-9`");
         }
         other => panic!("not an API error: {other:?}"),
     }
-    assert_eq!(err.to_string(), "no VM named dev-9");
+    assert_eq!(err.to_string(), "no VM called `dev-9`");
 
     let err = client(&fake)
         .list_vms(Some("nope"), &ListQuery::default())
@@ -175,12 +175,12 @@ async fn lifecycle_tags_logs_and_health() {
         .health("dev-2", Wait::None, None)
         .await
         .expect_err("stopped");
-    assert_eq!(err.code(), Some(ErrorCode::AgentUnavailable));
+    assert_eq!(err.code(), Some(ErrorCode::Conflict));
     let err = c
         .health("dev-2", Wait::Agent, Some(Duration::from_secs(2)))
         .await
         .expect_err("wait");
-    assert!(err.is_timeout());
+    assert_eq!(err.code(), Some(ErrorCode::Internal));
     assert_eq!(
         fake.last("/vm/dev-2/health").uri,
         "/vm/dev-2/health?wait=agent&timeout=2s"
@@ -275,9 +275,20 @@ async fn exec_query_and_output() {
     let err = c
         .exec_output("dev-1", &ExecOptions::new("nope", Vec::<String>::new()))
         .await
+        .expect_err("cannot start");
+    assert_eq!(err.status(), Some(400));
+    assert_eq!(err.code(), Some(ErrorCode::BadRequest));
+    assert!(err.to_string().contains("cannot start \"nope\""), "{err}");
+
+    let err = c
+        .exec_output("dev-1", &ExecOptions::new("lost", Vec::<String>::new()))
+        .await
         .expect_err("error frame");
-    assert_eq!(err.code(), Some(ErrorCode::NotFound));
-    assert_eq!(err.to_string(), "nope: command not found");
+    assert_eq!(err.code(), Some(ErrorCode::AgentUnavailable));
+    assert_eq!(
+        err.to_string(),
+        "the agent closed the stream before the process ended"
+    );
 }
 
 #[tokio::test]
@@ -499,7 +510,7 @@ async fn forward_bridges_a_local_stream() {
 
     let err = c.forward("dev-9", &target).await.expect_err("unknown VM");
     assert_eq!(err.code(), Some(ErrorCode::NotFound));
-    assert_eq!(err.to_string(), "no VM named dev-9");
+    assert_eq!(err.to_string(), "no VM called `dev-9`");
 }
 
 #[tokio::test]

@@ -18,7 +18,6 @@ use tokio::sync::watch;
 use super::exec::READ_CHUNK;
 use super::process::{self, read_output, signal_group};
 use crate::error::OpError;
-use crate::server::Agent;
 
 /// Smallest ring a request may ask for.
 const MIN_RING_BYTES: u64 = 4 << 10;
@@ -249,7 +248,7 @@ impl Jobs {
 }
 
 /// Starts a background exec and answers [`Response::BgStarted`].
-pub(crate) async fn start(agent: &Arc<Agent>, req: ExecRequest) -> Result<Response, OpError> {
+pub(crate) async fn start(jobs: &Jobs, req: ExecRequest) -> Result<Response, OpError> {
     let ring_bytes = req
         .background
         .as_ref()
@@ -263,7 +262,6 @@ pub(crate) async fn start(agent: &Arc<Agent>, req: ExecRequest) -> Result<Respon
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
 
-    let jobs = &agent.jobs;
     let mut inner = jobs.lock();
     jobs.make_room(&mut inner, 2 * ring_bytes)?;
     let started = Instant::now();
@@ -351,12 +349,12 @@ async fn pump_ring<R: AsyncRead + Unpin>(
 /// Sends a job's buffered output (and, with `follow`, new output until it
 /// exits), then [`Response::LogsEnd`].
 pub(crate) async fn logs(
-    agent: &Arc<Agent>,
+    jobs: &Jobs,
     req: BgLogsRequest,
     tx: StreamSender,
     mut rx: StreamReceiver,
 ) -> Result<Response, OpError> {
-    let job = agent.jobs.get(req.id)?;
+    let job = jobs.get(req.id)?;
     let mut changes = job.changes.subscribe();
     let (mut out_pos, mut err_pos, mut dropped) = {
         let state = job.lock();
@@ -426,11 +424,11 @@ pub(crate) async fn logs(
 
 /// Waits for a job to exit and answers [`Response::Exited`].
 pub(crate) async fn wait(
-    agent: &Arc<Agent>,
+    jobs: &Jobs,
     req: BgWaitRequest,
     mut rx: StreamReceiver,
 ) -> Result<Response, OpError> {
-    let job = agent.jobs.get(req.id)?;
+    let job = jobs.get(req.id)?;
     let mut changes = job.changes.subscribe();
     let deadline = req
         .timeout_ms

@@ -1,7 +1,8 @@
 //! Health, fix-ups, userdata, network and shutdown: thin wrappers over
 //! [`crate::system`].
 
-use std::sync::Arc;
+use std::path::Path;
+use std::time::Duration;
 
 use tine_proto::agent::{
     ErrorCode, FixupReport, FixupRequest, Health, NetworkRequest, Response, ShutdownRequest,
@@ -9,11 +10,13 @@ use tine_proto::agent::{
 };
 
 use super::files::blocking;
-use crate::error::OpError;
-use crate::server::{Agent, AGENT_VERSION};
+use crate::error::{describe_error, OpError};
 use crate::system;
 
-fn millis(d: std::time::Duration) -> u64 {
+/// The agent's build version.
+pub const AGENT_VERSION: &str = env!("CARGO_PKG_VERSION");
+
+fn millis(d: Duration) -> u64 {
     d.as_millis().min(u128::from(u64::MAX)) as u64
 }
 
@@ -25,22 +28,24 @@ fn userdata_wire(status: system::UserdataStatus) -> UserdataStatus {
     }
 }
 
-/// Answers [`Response::Health`].
-pub(crate) async fn health(agent: &Arc<Agent>) -> Result<Response, OpError> {
-    let root = agent.config.system_root.clone();
+/// Answers [`Response::Health`] for an agent that has run for
+/// `agent_uptime` over the system at `root`.
+pub(crate) async fn health(root: &Path, agent_uptime: Duration) -> Result<Response, OpError> {
+    let root = root.to_path_buf();
     let (system_uptime, userdata) =
         blocking(move || Ok((system::system_uptime(), system::userdata_status(&root)))).await?;
     Ok(Response::Health(Health {
         agent_version: AGENT_VERSION.to_owned(),
         protocol: PROTOCOL_VERSION,
-        agent_uptime_ms: millis(agent.uptime()),
+        agent_uptime_ms: millis(agent_uptime),
         system_uptime_ms: millis(system_uptime),
         userdata: userdata_wire(userdata),
     }))
 }
 
-/// Applies fix-ups and answers [`Response::Fixups`] with the report.
-pub(crate) async fn fixups(agent: &Arc<Agent>, req: FixupRequest) -> Result<Response, OpError> {
+/// Applies fix-ups to the system at `root` and answers
+/// [`Response::Fixups`] with the report.
+pub(crate) async fn fixups(root: &Path, req: FixupRequest) -> Result<Response, OpError> {
     if let Some(name) = &req.hostname {
         if !system::valid_hostname(name) {
             return Err(OpError::new(
@@ -49,7 +54,7 @@ pub(crate) async fn fixups(agent: &Arc<Agent>, req: FixupRequest) -> Result<Resp
             ));
         }
     }
-    let root = agent.config.system_root.clone();
+    let root = root.to_path_buf();
     let request = system::FixupRequest {
         hostname: req.hostname,
         machine_id: req.machine_id,
@@ -70,9 +75,9 @@ pub(crate) async fn fixups(agent: &Arc<Agent>, req: FixupRequest) -> Result<Resp
     }))
 }
 
-/// Answers [`Response::Userdata`].
-pub(crate) async fn userdata(agent: &Arc<Agent>) -> Result<Response, OpError> {
-    let root = agent.config.system_root.clone();
+/// Answers [`Response::Userdata`] for the system at `root`.
+pub(crate) async fn userdata(root: &Path) -> Result<Response, OpError> {
+    let root = root.to_path_buf();
     let status = blocking(move || Ok(system::userdata_status(&root))).await?;
     Ok(Response::Userdata(userdata_wire(status)))
 }
@@ -81,13 +86,13 @@ pub(crate) async fn userdata(agent: &Arc<Agent>) -> Result<Response, OpError> {
 /// it in the background and answers [`Response::Userdata`] (the state
 /// before it runs; poll `userdata_status` for the result).
 pub(crate) async fn userdata_run(
-    agent: &Arc<Agent>,
+    root: &Path,
     req: UserdataRunRequest,
 ) -> Result<Response, OpError> {
-    let root = agent.config.system_root.clone();
+    let root = root.to_path_buf();
     let status = blocking(move || {
         system::userdata::install(&root, &req.script)
-            .map_err(|e| OpError::new(ErrorCode::Io, system::describe_error(&e)))?;
+            .map_err(|e| OpError::new(ErrorCode::Io, describe_error(&e)))?;
         let status = system::userdata_status(&root);
         if !status.ran {
             system::userdata::spawn_run_once(root);
@@ -114,8 +119,7 @@ pub(crate) async fn network(req: NetworkRequest) -> Result<Response, OpError> {
         dns: req.dns,
     };
     blocking(move || {
-        system::net::configure(&config)
-            .map_err(|e| OpError::new(ErrorCode::Io, system::describe_error(&e)))
+        system::net::configure(&config).map_err(|e| OpError::new(ErrorCode::Io, describe_error(&e)))
     })
     .await?;
     Ok(Response::Ok)
@@ -128,7 +132,7 @@ pub(crate) async fn network(req: NetworkRequest) -> Result<Response, OpError> {
 pub(crate) async fn shutdown(req: ShutdownRequest) -> Result<Response, OpError> {
     blocking(move || {
         system::init::request_shutdown(req.action)
-            .map_err(|e| OpError::new(ErrorCode::Io, system::describe_error(&e)))
+            .map_err(|e| OpError::new(ErrorCode::Io, describe_error(&e)))
     })
     .await?;
     Ok(Response::Ok)

@@ -11,7 +11,7 @@
 
 use std::net::{IpAddr, Ipv4Addr};
 
-use super::fixups::valid_hostname;
+use super::hostname::valid_hostname;
 use super::net::NetConfig;
 
 /// The interface configured when none is named.

@@ -1,11 +1,53 @@
-//! Fork fix-ups: the steps behind [`super::apply_fixups`].
+//! Fork fix-ups: what a fork asks to change ([`FixupRequest`]), the steps
+//! that change it ([`apply_fixups`]) and what they did ([`FixupReport`]).
 
 use std::fs;
-use std::io::{self, Write};
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
-use std::path::{Path, PathBuf};
+use std::io;
+use std::path::Path;
 
-use super::{ssh, FixupReport, FixupRequest};
+use super::fs::{under, write_atomic};
+use super::hostname::{valid_hostname, write_hostname_files};
+use super::ssh;
+
+/// What a fork asks the agent to change so that it differs from its siblings.
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+pub struct FixupRequest {
+    /// New hostname (kernel, `/etc/hostname`, the `127.0.1.1` line of `/etc/hosts`).
+    pub hostname: Option<String>,
+    /// Write a fresh `/etc/machine-id`.
+    pub machine_id: bool,
+    /// Regenerate the SSH host keys when sshd is installed.
+    pub ssh_host_keys: bool,
+    /// Bytes from the host's CSPRNG to credit to the kernel's pool before a
+    /// reseed; the saved random seeds are deleted too. `Some(vec![])` only
+    /// reseeds and deletes the seeds.
+    pub entropy: Option<Vec<u8>>,
+    /// The host's `CLOCK_REALTIME`, in nanoseconds since the Unix epoch.
+    pub clock_unix_nanos: Option<u128>,
+}
+
+/// What [`apply_fixups`] did. A step that was not asked for leaves its field
+/// at the default; a step that failed or was skipped says why in `errors`.
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+pub struct FixupReport {
+    /// The hostname now in effect, when one was set.
+    pub hostname: Option<String>,
+    /// The new machine-id (32 lowercase hex digits), when one was written.
+    pub machine_id: Option<String>,
+    /// The public halves of the regenerated SSH host keys
+    /// (`TYPE BASE64 COMMENT`, as in the `.pub` files).
+    pub ssh_host_keys: Vec<String>,
+    /// Bytes credited to the kernel's entropy pool (0 when skipped).
+    pub entropy_bytes: usize,
+    /// The kernel CRNG was reseeded (`RNDRESEEDCRNG`).
+    pub reseeded: bool,
+    /// `CLOCK_REALTIME` was set from the host's time.
+    pub clock_set: bool,
+    /// At least one saved random seed file was found and deleted.
+    pub random_seed_removed: bool,
+    /// One line per step that failed or was skipped, prefixed with the step.
+    pub errors: Vec<String>,
+}
 
 /// Saved random seeds that a fork must not reuse (systemd, Debian's
 /// sysvinit `urandom` script, OpenRC).
@@ -23,21 +65,6 @@ const RNDADDENTROPY: libc::Ioctl = 0x4008_5203;
 /// `_IO('R', 0x07)`
 const RNDRESEEDCRNG: libc::Ioctl = 0x5207;
 
-/// Whether `name` is a valid hostname: 1 to 64 characters, dot-separated
-/// labels of ASCII letters, digits and inner hyphens.
-pub fn valid_hostname(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= 64
-        && name.split('.').all(|label| {
-            !label.is_empty()
-                && !label.starts_with('-')
-                && !label.ends_with('-')
-                && label
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b == b'-')
-        })
-}
-
 /// Whether `root` is the running system's root, where kernel-level steps
 /// apply.
 pub(crate) fn is_live_root(root: &Path) -> bool {
@@ -46,57 +73,13 @@ pub(crate) fn is_live_root(root: &Path) -> bool {
         .unwrap_or(false)
 }
 
-/// Writes `data` to `path` through a temporary file in the same directory
-/// and a rename, so readers see the old or the new file, never a part. When
-/// the rename fails because `path` is a mount point (systemd bind-mounts
-/// `/etc/machine-id`), the file is rewritten in place instead.
-pub(crate) fn write_atomic(path: &Path, data: &[u8], mode: u32) -> io::Result<()> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    fs::create_dir_all(dir)?;
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let tmp = dir.join(format!(".{name}.tine-tmp.{}", std::process::id()));
-    let write = || -> io::Result<()> {
-        let mut f = fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(mode)
-            .open(&tmp)?;
-        f.write_all(data)?;
-        f.set_permissions(fs::Permissions::from_mode(mode))?;
-        f.sync_all()
-    };
-    if let Err(e) = write() {
-        let _ = fs::remove_file(&tmp);
-        return Err(e);
-    }
-    match fs::rename(&tmp, path) {
-        Ok(()) => Ok(()),
-        Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
-            let _ = fs::remove_file(&tmp);
-            let mut f = fs::OpenOptions::new()
-                .write(true)
-                .truncate(true)
-                .open(path)?;
-            f.write_all(data)?;
-            f.sync_all()
-        }
-        Err(e) => {
-            let _ = fs::remove_file(&tmp);
-            Err(e)
-        }
-    }
-}
-
-/// Guest path `p` ("/etc/x") under `root`.
-pub(crate) fn under(root: &Path, p: &str) -> PathBuf {
-    root.join(p.trim_start_matches('/'))
-}
-
-pub(super) fn apply(req: &FixupRequest, root: &Path) -> FixupReport {
+/// Applies the fix-ups in `req` to the system rooted at `root` ("/" in a VM).
+///
+/// The clock and the CSPRNG go first, so that the machine-id and the SSH keys
+/// are generated from reseeded randomness. Kernel-level steps (sethostname,
+/// `RNDADDENTROPY`/`RNDRESEEDCRNG`, `clock_settime`) run only when `root` is
+/// `/`; otherwise they are reported as skipped in `errors`.
+pub fn apply_fixups(req: &FixupRequest, root: &Path) -> FixupReport {
     let live = is_live_root(root);
     let mut rep = FixupReport::default();
 
@@ -270,52 +253,6 @@ fn reseed() -> io::Result<()> {
     Ok(())
 }
 
-/// `/etc/hostname`, and `127.0.1.1 NAME [SHORT]` in `/etc/hosts` (Debian's
-/// convention), replacing any earlier `127.0.1.1` line.
-pub(crate) fn write_hostname_files(root: &Path, name: &str) -> Result<(), String> {
-    let hostname = under(root, "/etc/hostname");
-    write_atomic(&hostname, format!("{name}\n").as_bytes(), 0o644)
-        .map_err(|e| format!("cannot write /etc/hostname: {e}"))?;
-    let hosts = under(root, "/etc/hosts");
-    let old = match fs::read_to_string(&hosts) {
-        Ok(s) => s,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => String::new(),
-        Err(e) => return Err(format!("cannot read /etc/hosts: {e}")),
-    };
-    write_atomic(&hosts, hosts_with(&old, name).as_bytes(), 0o644)
-        .map_err(|e| format!("cannot write /etc/hosts: {e}"))
-}
-
-/// `hosts` with its `127.0.1.1` line replaced by one for `name`, placed
-/// after the `127.0.0.1` line (or first when there is none).
-pub(crate) fn hosts_with(hosts: &str, name: &str) -> String {
-    let mut entry = format!("127.0.1.1\t{name}");
-    if let Some((short, _)) = name.split_once('.') {
-        entry.push('\t');
-        entry.push_str(short);
-    }
-    let first_field = |l: &str| l.split_whitespace().next().map(str::to_owned);
-    let mut lines: Vec<String> = hosts
-        .lines()
-        .filter(|l| first_field(l).as_deref() != Some("127.0.1.1"))
-        .map(str::to_owned)
-        .collect();
-    let at = lines
-        .iter()
-        .position(|l| first_field(l).as_deref() == Some("127.0.0.1"))
-        .map(|i| i + 1)
-        .unwrap_or(0);
-    if lines.is_empty() {
-        lines.push("127.0.0.1\tlocalhost".to_string());
-        lines.push(entry);
-    } else {
-        lines.insert(at, entry);
-    }
-    let mut out = lines.join("\n");
-    out.push('\n');
-    out
-}
-
 /// 128 random bits as 32 lowercase hex digits (systemd's machine-id format).
 pub(crate) fn new_machine_id() -> io::Result<String> {
     let mut b = [0u8; 16];
@@ -360,8 +297,10 @@ fn write_machine_id(root: &Path) -> Result<(String, Vec<String>), String> {
 
 #[cfg(test)]
 mod tests {
+    use std::os::unix::fs::PermissionsExt;
+
     use super::*;
-    use crate::system::{apply_fixups, FixupRequest};
+    use crate::system::ssh::tests::{require_ssh_keygen, root_with_sshd};
 
     fn temp_root() -> tempfile::TempDir {
         let dir = tempfile::tempdir().expect("tempdir");
@@ -373,45 +312,6 @@ mod tests {
         s.len() == 32
             && s.bytes()
                 .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-    }
-
-    #[test]
-    fn test_valid_hostname() {
-        for ok in ["a", "vm-1", "fork-0001.example.com", "A1", &"x".repeat(63)] {
-            assert!(valid_hostname(ok), "{ok}");
-        }
-        for bad in [
-            "",
-            "-a",
-            "a-",
-            "a..b",
-            "a b",
-            "a_b",
-            "ü",
-            ".a",
-            &"x".repeat(65),
-        ] {
-            assert!(!valid_hostname(bad), "{bad}");
-        }
-    }
-
-    #[test]
-    fn test_hosts_line_is_replaced_not_duplicated() {
-        let base = "127.0.0.1\tlocalhost\n127.0.1.1\told\n::1\tlocalhost ip6-localhost\n";
-        let once = hosts_with(base, "new-1");
-        assert_eq!(
-            once,
-            "127.0.0.1\tlocalhost\n127.0.1.1\tnew-1\n::1\tlocalhost ip6-localhost\n"
-        );
-        assert_eq!(hosts_with(&once, "new-1"), once);
-        assert_eq!(
-            hosts_with("", "a.b.c"),
-            "127.0.0.1\tlocalhost\n127.0.1.1\ta.b.c\ta\n"
-        );
-        assert_eq!(
-            hosts_with("# only a comment\n", "x"),
-            "127.0.1.1\tx\n# only a comment\n"
-        );
     }
 
     #[test]
@@ -591,15 +491,78 @@ mod tests {
     }
 
     #[test]
-    fn test_write_atomic_replaces_and_sets_mode() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let p = dir.path().join("sub/f");
-        write_atomic(&p, b"one", 0o600).expect("write");
-        write_atomic(&p, b"two", 0o640).expect("write");
-        assert_eq!(fs::read(&p).expect("read"), b"two");
-        assert_eq!(
-            fs::metadata(&p).expect("meta").permissions().mode() & 0o777,
-            0o640
+    fn test_no_sshd_no_keys_no_errors() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let rep = apply_fixups(
+            &FixupRequest {
+                ssh_host_keys: true,
+                ..Default::default()
+            },
+            root.path(),
         );
+        assert!(rep.ssh_host_keys.is_empty());
+        assert!(rep.errors.is_empty(), "{:?}", rep.errors);
+        assert!(!root.path().join("etc/ssh").exists());
+    }
+
+    #[test]
+    fn test_regenerates_configured_host_keys() {
+        require_ssh_keygen();
+        let root = root_with_sshd();
+        fs::write(
+            root.path().join("etc/ssh/sshd_config"),
+            "HostKey /etc/ssh/ssh_host_ed25519_key\nHostKey /etc/ssh/ssh_host_ecdsa_key\n",
+        )
+        .expect("config");
+        let key = root.path().join("etc/ssh/ssh_host_ed25519_key");
+        fs::write(&key, "parent's private key").expect("old key");
+        fs::write(root.path().join("etc/ssh/ssh_host_ed25519_key.pub"), "old").expect("old pub");
+
+        let req = FixupRequest {
+            hostname: Some("fork-9".into()),
+            ssh_host_keys: true,
+            ..Default::default()
+        };
+        let rep = apply_fixups(&req, root.path());
+        let ssh_errors: Vec<_> = rep.errors.iter().filter(|e| e.starts_with("ssh")).collect();
+        assert!(ssh_errors.is_empty(), "{ssh_errors:?}");
+        assert_eq!(rep.ssh_host_keys.len(), 2, "{:?}", rep.ssh_host_keys);
+        assert!(rep.ssh_host_keys[0].starts_with("ssh-ed25519 "));
+        assert!(rep.ssh_host_keys[0].ends_with(" root@fork-9"));
+        assert!(rep.ssh_host_keys[1].starts_with("ecdsa-sha2-nistp256 "));
+        let private = fs::read_to_string(&key).expect("new key");
+        assert!(private.starts_with("-----BEGIN OPENSSH PRIVATE KEY-----"));
+        assert_eq!(
+            fs::metadata(&key).expect("meta").permissions().mode() & 0o777,
+            0o600
+        );
+        // Only the configured keys: no RSA key appeared.
+        assert!(!root.path().join("etc/ssh/ssh_host_rsa_key").exists());
+
+        // A second fork gets different keys.
+        let again = apply_fixups(&req, root.path());
+        assert_eq!(again.ssh_host_keys.len(), 2);
+        assert_ne!(again.ssh_host_keys[0], rep.ssh_host_keys[0]);
+    }
+
+    #[test]
+    fn test_unknown_key_type_is_reported() {
+        require_ssh_keygen();
+        let root = root_with_sshd();
+        fs::write(
+            root.path().join("etc/ssh/sshd_config"),
+            "HostKey /etc/ssh/mystery_key\n",
+        )
+        .expect("config");
+        let rep = apply_fixups(
+            &FixupRequest {
+                ssh_host_keys: true,
+                ..Default::default()
+            },
+            root.path(),
+        );
+        assert!(rep.ssh_host_keys.is_empty());
+        assert_eq!(rep.errors.len(), 1);
+        assert!(rep.errors[0].contains("mystery_key"), "{:?}", rep.errors);
     }
 }

@@ -32,9 +32,11 @@ use std::time::{Duration, Instant};
 use nix::mount::MsFlags;
 
 use super::cmdline::KernelCmdline;
-use super::fixups::{under, valid_hostname, write_hostname_files};
+use super::fs::under;
+use super::hostname::{valid_hostname, write_hostname_files};
 use super::net::{self, NetConfig};
 use super::reaper::{self, Reaper};
+use crate::error::describe_error;
 
 /// The hostname when nothing names one.
 pub const DEFAULT_HOSTNAME: &str = "tine";
@@ -126,7 +128,7 @@ pub fn boot(root: &Path) -> BootReport {
     let m = mount_base(root);
     rep.mounted = m.mounted;
     rep.warnings
-        .extend(m.errors.iter().map(|e| crate::system::describe_error(e)));
+        .extend(m.errors.iter().map(|e| describe_error(e)));
 
     rep.cmdline = match KernelCmdline::read() {
         Ok(c) => c,
@@ -159,16 +161,16 @@ pub fn boot(root: &Path) -> BootReport {
     rep.hostname = name;
 
     if let Err(e) = net::link_up("lo") {
-        rep.warnings.push(crate::system::describe_error(&e));
+        rep.warnings.push(describe_error(&e));
     }
     if let Some(cfg) = rep.cmdline.net.clone() {
         match net::configure_link(&cfg) {
             Ok(()) => rep.net = Some(cfg.clone()),
-            Err(e) => rep.warnings.push(crate::system::describe_error(&e)),
+            Err(e) => rep.warnings.push(describe_error(&e)),
         }
         if !cfg.dns.is_empty() {
             if let Err(e) = net::write_resolv_conf(root, &cfg.dns) {
-                rep.warnings.push(crate::system::describe_error(&e));
+                rep.warnings.push(describe_error(&e));
             }
         }
     }
@@ -698,11 +700,7 @@ mod tests {
             let again = mount_base(&root);
             (rep, (checks, again.mounted.len(), again.errors.len()))
         });
-        let errors: Vec<String> = rep
-            .errors
-            .iter()
-            .map(|e| crate::system::describe_error(e))
-            .collect();
+        let errors: Vec<String> = rep.errors.iter().map(|e| describe_error(e)).collect();
         assert!(errors.is_empty(), "{errors:?}");
         assert_eq!(rep.already, vec!["/dev"]);
         let ((fstypes, ptmx, stdout, pts_ptmx, tmp_mode, _), again_mounted, again_errors) = checks;

@@ -21,9 +21,15 @@
 //!   `AsyncRead + AsyncWrite`.
 //! - [`init`]: the PID 1 pieces (mounts, signals, shutdown and power off
 //!   through the VMM's debug-exit port 0x501).
+//!
+//! Every type lives in the submodule that uses it and is re-exported here;
+//! `fs` (guest paths, atomic writes) and `hostname` sit below the others,
+//! and no submodule imports this one.
 
 pub mod cmdline;
 mod fixups;
+mod fs;
+mod hostname;
 pub mod init;
 pub mod net;
 pub mod reaper;
@@ -34,69 +40,9 @@ pub mod vsock;
 use std::path::Path;
 use std::time::Duration;
 
-pub use fixups::valid_hostname;
-
-/// What a fork asks the agent to change so that it differs from its siblings.
-#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
-pub struct FixupRequest {
-    /// New hostname (kernel, `/etc/hostname`, the `127.0.1.1` line of `/etc/hosts`).
-    pub hostname: Option<String>,
-    /// Write a fresh `/etc/machine-id`.
-    pub machine_id: bool,
-    /// Regenerate the SSH host keys when sshd is installed.
-    pub ssh_host_keys: bool,
-    /// Bytes from the host's CSPRNG to credit to the kernel's pool before a
-    /// reseed; the saved random seeds are deleted too. `Some(vec![])` only
-    /// reseeds and deletes the seeds.
-    pub entropy: Option<Vec<u8>>,
-    /// The host's `CLOCK_REALTIME`, in nanoseconds since the Unix epoch.
-    pub clock_unix_nanos: Option<u128>,
-}
-
-/// What [`apply_fixups`] did. A step that was not asked for leaves its field
-/// at the default; a step that failed or was skipped says why in `errors`.
-#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
-pub struct FixupReport {
-    /// The hostname now in effect, when one was set.
-    pub hostname: Option<String>,
-    /// The new machine-id (32 lowercase hex digits), when one was written.
-    pub machine_id: Option<String>,
-    /// The public halves of the regenerated SSH host keys
-    /// (`TYPE BASE64 COMMENT`, as in the `.pub` files).
-    pub ssh_host_keys: Vec<String>,
-    /// Bytes credited to the kernel's entropy pool (0 when skipped).
-    pub entropy_bytes: usize,
-    /// The kernel CRNG was reseeded (`RNDRESEEDCRNG`).
-    pub reseeded: bool,
-    /// `CLOCK_REALTIME` was set from the host's time.
-    pub clock_set: bool,
-    /// At least one saved random seed file was found and deleted.
-    pub random_seed_removed: bool,
-    /// One line per step that failed or was skipped, prefixed with the step.
-    pub errors: Vec<String>,
-}
-
-/// Applies the fix-ups in `req` to the system rooted at `root` ("/" in a VM).
-///
-/// The clock and the CSPRNG go first, so that the machine-id and the SSH keys
-/// are generated from reseeded randomness. Kernel-level steps (sethostname,
-/// `RNDADDENTROPY`/`RNDRESEEDCRNG`, `clock_settime`) run only when `root` is
-/// `/`; otherwise they are reported as skipped in `errors`.
-pub fn apply_fixups(req: &FixupRequest, root: &Path) -> FixupReport {
-    fixups::apply(req, root)
-}
-
-/// Whether userdata exists under `root` and whether it has run (and how).
-#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
-pub struct UserdataStatus {
-    /// `/etc/tine/userdata` exists.
-    pub present: bool,
-    /// It has run to completion (or was interrupted and will not run again).
-    pub ran: bool,
-    /// Its exit code; `None` when it did not run, was killed by a signal or
-    /// was interrupted by a shutdown.
-    pub exit_code: Option<i32>,
-}
+pub use fixups::{apply_fixups, FixupReport, FixupRequest};
+pub use hostname::valid_hostname;
+pub use userdata::UserdataStatus;
 
 /// Reads the userdata state under `root` ("/" in a VM).
 pub fn userdata_status(root: &Path) -> UserdataStatus {
@@ -112,19 +58,6 @@ pub fn system_uptime() -> Duration {
         ),
         Err(_) => Duration::ZERO,
     }
-}
-
-/// `e` and each of its sources, joined with ": ", for messages that leave
-/// the process (console lines, protocol errors).
-pub(crate) fn describe_error(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }
 
 /// How the agent was started, as found by [`start`].

@@ -11,7 +11,7 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
-use super::fixups::write_atomic;
+use super::fs::write_atomic;
 
 /// A static IPv4 configuration for one interface.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

@@ -7,7 +7,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use super::fixups::under;
+use super::fs::under;
 use super::reaper;
 
 /// Where sshd may be installed; present under the root means "installed".
@@ -275,12 +275,10 @@ fn generate(keygen: &Path, kind: &str, path: &Path, comment: &str) -> Result<Str
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
-    use crate::system::{apply_fixups, FixupRequest};
-    use std::os::unix::fs::PermissionsExt;
 
-    fn root_with_sshd() -> tempfile::TempDir {
+    pub(crate) fn root_with_sshd() -> tempfile::TempDir {
         let dir = tempfile::tempdir().expect("tempdir");
         fs::create_dir_all(dir.path().join("usr/sbin")).expect("mkdir");
         fs::write(dir.path().join("usr/sbin/sshd"), "").expect("sshd stand-in");
@@ -288,7 +286,7 @@ mod tests {
         dir
     }
 
-    fn require_ssh_keygen() {
+    pub(crate) fn require_ssh_keygen() {
         assert!(
             find_ssh_keygen().is_some(),
             "ssh-keygen is missing: install it (apt-get install openssh-client); scripts/setup does"
@@ -352,81 +350,5 @@ mod tests {
         assert!(!wildcard("*.conf", ".hidden.conf"));
         assert!(wildcard("?0-*.conf", "10-x.conf"));
         assert!(wildcard("*", "x"));
-    }
-
-    #[test]
-    fn test_no_sshd_no_keys_no_errors() {
-        let root = tempfile::tempdir().expect("tempdir");
-        let rep = apply_fixups(
-            &FixupRequest {
-                ssh_host_keys: true,
-                ..Default::default()
-            },
-            root.path(),
-        );
-        assert!(rep.ssh_host_keys.is_empty());
-        assert!(rep.errors.is_empty(), "{:?}", rep.errors);
-        assert!(!root.path().join("etc/ssh").exists());
-    }
-
-    #[test]
-    fn test_regenerates_configured_host_keys() {
-        require_ssh_keygen();
-        let root = root_with_sshd();
-        fs::write(
-            root.path().join("etc/ssh/sshd_config"),
-            "HostKey /etc/ssh/ssh_host_ed25519_key\nHostKey /etc/ssh/ssh_host_ecdsa_key\n",
-        )
-        .expect("config");
-        let key = root.path().join("etc/ssh/ssh_host_ed25519_key");
-        fs::write(&key, "parent's private key").expect("old key");
-        fs::write(root.path().join("etc/ssh/ssh_host_ed25519_key.pub"), "old").expect("old pub");
-
-        let req = FixupRequest {
-            hostname: Some("fork-9".into()),
-            ssh_host_keys: true,
-            ..Default::default()
-        };
-        let rep = apply_fixups(&req, root.path());
-        let ssh_errors: Vec<_> = rep.errors.iter().filter(|e| e.starts_with("ssh")).collect();
-        assert!(ssh_errors.is_empty(), "{ssh_errors:?}");
-        assert_eq!(rep.ssh_host_keys.len(), 2, "{:?}", rep.ssh_host_keys);
-        assert!(rep.ssh_host_keys[0].starts_with("ssh-ed25519 "));
-        assert!(rep.ssh_host_keys[0].ends_with(" root@fork-9"));
-        assert!(rep.ssh_host_keys[1].starts_with("ecdsa-sha2-nistp256 "));
-        let private = fs::read_to_string(&key).expect("new key");
-        assert!(private.starts_with("-----BEGIN OPENSSH PRIVATE KEY-----"));
-        assert_eq!(
-            fs::metadata(&key).expect("meta").permissions().mode() & 0o777,
-            0o600
-        );
-        // Only the configured keys: no RSA key appeared.
-        assert!(!root.path().join("etc/ssh/ssh_host_rsa_key").exists());
-
-        // A second fork gets different keys.
-        let again = apply_fixups(&req, root.path());
-        assert_eq!(again.ssh_host_keys.len(), 2);
-        assert_ne!(again.ssh_host_keys[0], rep.ssh_host_keys[0]);
-    }
-
-    #[test]
-    fn test_unknown_key_type_is_reported() {
-        require_ssh_keygen();
-        let root = root_with_sshd();
-        fs::write(
-            root.path().join("etc/ssh/sshd_config"),
-            "HostKey /etc/ssh/mystery_key\n",
-        )
-        .expect("config");
-        let rep = apply_fixups(
-            &FixupRequest {
-                ssh_host_keys: true,
-                ..Default::default()
-            },
-            root.path(),
-        );
-        assert!(rep.ssh_host_keys.is_empty());
-        assert_eq!(rep.errors.len(), 1);
-        assert!(rep.errors[0].contains("mystery_key"), "{:?}", rep.errors);
     }
 }

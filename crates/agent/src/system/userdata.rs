@@ -15,8 +15,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Mutex;
 
-use super::fixups::{under, write_atomic};
-use super::{reaper, UserdataStatus};
+use super::fs::{under, write_atomic};
+use super::reaper;
+use crate::error::describe_error;
 
 /// The userdata script (guest path).
 pub const USERDATA: &str = "/etc/tine/userdata";
@@ -26,6 +27,18 @@ pub const LOG: &str = "/var/log/tine-userdata.log";
 pub const STARTED: &str = "/var/lib/tine/userdata.started";
 /// Written when it has run: `exit=N`, `signal=N` or `interrupted`.
 pub const DONE: &str = "/var/lib/tine/userdata.done";
+
+/// Whether userdata exists under `root` and whether it has run (and how).
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+pub struct UserdataStatus {
+    /// `/etc/tine/userdata` exists.
+    pub present: bool,
+    /// It has run to completion (or was interrupted and will not run again).
+    pub ran: bool,
+    /// Its exit code; `None` when it did not run, was killed by a signal or
+    /// was interrupted by a shutdown.
+    pub exit_code: Option<i32>,
+}
 
 /// Errors from [`run_once`].
 #[derive(Debug, thiserror::Error)]
@@ -191,7 +204,7 @@ pub fn spawn_run_once(root: PathBuf) -> Option<std::thread::JoinHandle<()>> {
                     .unwrap_or_else(|| "no exit code".into())
             ),
             Ok(_) => {}
-            Err(e) => eprintln!("tine-agent: userdata: {}", super::describe_error(&e)),
+            Err(e) => eprintln!("tine-agent: userdata: {}", describe_error(&e)),
         })
         .ok()
 }

@@ -1,10 +1,15 @@
 //! A fake tine daemon for tests: an axum server on a Unix socket in a temp
 //! dir (and optionally on TCP with a bearer token) that speaks the shapes of
 //! docs/api.md with canned data. Shared by the client's and the CLI's tests.
+//! Its routes ([`routes`]), bodies (`tine_proto::api` types) and error
+//! statuses are checked against the real daemon by the CLI's
+//! `fake_matches_daemon` test.
 //!
 //! Canned behaviour:
 //! - host group `dev` with VMs `dev-1` (running, tags `name=web`, `env=ci`)
-//!   and `dev-2` (stopped); anything else is 404. `evil` (running, not
+//!   and `dev-2` (stopped); anything else is 404. As in the daemon, the
+//!   guest routes (health, exec, cp, shell, forward) answer 409 for the
+//!   stopped VM, and health with `wait=agent` 500. `evil` (running, not
 //!   listed) is a VM whose guest writes terminal escapes wherever guest text
 //!   reaches: its `reason`, agent version and console log.
 //! - create: 201 `dev-3`, `starting` without wait, `running` with
@@ -12,8 +17,9 @@
 //! - exec `cmd`: `echo ARGS` prints them; `exit N` exits N; `kill N` dies
 //!   of signal N; `cat` copies the streamed request body to stdout; `err`
 //!   writes `oops` to stderr and exits 2; `split` sends its frames cut in
-//!   the middle of lines, one piece every few ms; anything else gets an
-//!   `error` frame (`not_found`).
+//!   the middle of lines, one piece every few ms; `lost` starts and then
+//!   gets an `error` frame (`agent_unavailable`), as when the agent goes
+//!   away; anything else cannot start: 400, before any frame.
 //! - cp download: `hello from PATH\n`; in tar mode, `/hostile-tree` is
 //!   what a guest that replaced its agent could send (a setuid file, a
 //!   world-writable sticky directory, a device carrying bytes);
@@ -34,17 +40,18 @@ use std::time::Duration;
 use axum::body::{Body, Bytes};
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
 use axum::extract::{Path, RawQuery, Request, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::{HeaderMap, Method, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, get, post};
+use axum::routing::{on, MethodFilter};
 use axum::{Json, Router};
 use base64::Engine as _;
 use futures_util::StreamExt;
 use tine_proto::api::{
-    CommitInfo, CommitRequest, CreateVmRequest, CreateVmResponse, DaemonInfo, ErrorBody, ErrorCode,
-    ExecFrame, ForkRequest, ForkResponse, HostGroupInfo, LifecycleResponse, LogsResponse,
-    StorageInfo, TagsPatch, TagsResponse, VmHealth, VmInfo, VmState,
+    CommitInfo, CommitRequest, CpResponse, CreateVmRequest, CreateVmResponse, DaemonInfo,
+    DeleteCommitResponse, DeleteStatus, ErrorBody, ErrorCode, ExecFrame, ForkRequest, ForkResponse,
+    HostGroupInfo, LifecycleResponse, LogsResponse, StopMode, StorageInfo, TagsPatch, TagsResponse,
+    VmHealth, VmInfo, VmState,
 };
 use tokio::sync::mpsc;
 
@@ -163,37 +170,86 @@ impl FakeDaemon {
     }
 }
 
+/// The fake's router and the `(method, path)` of each of its routes, built
+/// together like the daemon's `Routes`, so the list is what is served.
+struct FakeRoutes {
+    router: Router<Fake>,
+    list: Vec<(Method, String)>,
+}
+
+impl FakeRoutes {
+    fn add<H, T>(mut self, method: Method, path: &str, handler: H) -> Self
+    where
+        H: axum::handler::Handler<T, Fake>,
+        T: 'static,
+    {
+        let filter = MethodFilter::try_from(method.clone()).expect("a method axum routes");
+        self.router = self.router.route(path, on(filter, handler));
+        self.list.push((method, path.to_owned()));
+        self
+    }
+}
+
+fn fake_routes() -> FakeRoutes {
+    use Method as M;
+    FakeRoutes {
+        router: Router::new(),
+        list: Vec::new(),
+    }
+    .add(M::GET, "/healthz", healthz)
+    .add(M::GET, "/info", info)
+    .add(M::GET, "/hostgroup", groups)
+    .add(M::GET, "/hostgroup/{group}/nodes", group_nodes)
+    .add(M::POST, "/hostgroup/{group}/nodes", create)
+    .add(M::DELETE, "/hostgroup/{group}/nodes/{hostname}", delete_vm)
+    .add(M::GET, "/nodes", nodes)
+    .add(M::GET, "/vm/commits", commits)
+    .add(M::DELETE, "/vm/commits/{id}", delete_commit)
+    .add(M::POST, "/vm/commits/{id}/fork", fork)
+    .add(M::GET, "/vm/{hostname}", describe)
+    .add(M::DELETE, "/vm/{hostname}", delete_vm_by_name)
+    .add(M::GET, "/vm/{hostname}/tags", tags)
+    .add(M::PATCH, "/vm/{hostname}/tags", patch_tags)
+    .add(M::GET, "/vm/{hostname}/health", health)
+    .add(M::GET, "/vm/{hostname}/logs", logs)
+    .add(M::POST, "/vm/{hostname}/shutdown", shutdown)
+    .add(M::POST, "/vm/{hostname}/relaunch", relaunch)
+    .add(M::POST, "/vm/{hostname}/exec", exec)
+    .add(M::GET, "/vm/{hostname}/cp", download)
+    .add(M::POST, "/vm/{hostname}/cp", upload)
+    .add(M::GET, "/vm/{hostname}/shell", shell)
+    .add(M::GET, "/vm/{hostname}/forward", forward)
+    .add(M::POST, "/vm/{hostname}/commit", commit)
+}
+
+/// Every route the fake serves, as `(method, path)` with `{param}`
+/// placeholders (the form of the daemon's `Routes::list`).
+pub fn routes() -> Vec<(Method, String)> {
+    fake_routes().list
+}
+
 fn router(fake: Fake) -> Router {
-    Router::new()
-        .route(
-            "/healthz",
-            get(|| async { Json(serde_json::json!({"status": "ok"})) }),
-        )
-        .route("/info", get(info))
-        .route("/hostgroup", get(groups))
-        .route("/hostgroup/{group}/nodes", get(group_nodes).post(create))
-        .route("/hostgroup/{group}/nodes/{hostname}", delete(delete_vm))
-        .route("/nodes", get(nodes))
-        .route("/vm/commits", get(commits))
-        .route("/vm/commits/{id}", delete(delete_commit))
-        .route("/vm/commits/{id}/fork", post(fork))
-        .route("/vm/{hostname}", get(describe).delete(delete_vm_by_name))
-        .route("/vm/{hostname}/tags", get(tags).patch(patch_tags))
-        .route("/vm/{hostname}/health", get(health))
-        .route("/vm/{hostname}/logs", get(logs))
-        .route("/vm/{hostname}/shutdown", post(shutdown))
-        .route("/vm/{hostname}/relaunch", post(relaunch))
-        .route("/vm/{hostname}/exec", post(exec))
-        .route("/vm/{hostname}/cp", get(download).post(upload))
-        .route("/vm/{hostname}/shell", get(shell))
-        .route("/vm/{hostname}/forward", get(forward))
-        .route("/vm/{hostname}/commit", post(commit))
-        .fallback(|| async { err(StatusCode::NOT_FOUND, ErrorCode::NotFound, "no such route") })
+    fake_routes()
+        .router
+        // The daemon's two fallbacks, with its messages.
+        .fallback(|req: Request| async move {
+            let msg = format!("no route {} {}", req.method(), req.uri().path());
+            err(StatusCode::NOT_FOUND, ErrorCode::NotFound, &msg)
+        })
+        .method_not_allowed_fallback(|req: Request| async move {
+            let msg = format!("{} is not allowed on {}", req.method(), req.uri().path());
+            err(StatusCode::METHOD_NOT_ALLOWED, ErrorCode::BadRequest, &msg)
+        })
         .layer(middleware::from_fn_with_state(
             fake.clone(),
             record_and_auth,
         ))
         .with_state(fake)
+}
+
+async fn healthz() -> Json<serde_json::Value> {
+    // The daemon answers this hand-built body too; there is no type for it.
+    Json(serde_json::json!({"status": "ok"}))
 }
 
 async fn record_and_auth(State(fake): State<Fake>, req: Request, next: Next) -> Response {
@@ -223,12 +279,19 @@ async fn record_and_auth(State(fake): State<Fake>, req: Request, next: Next) -> 
         body,
     });
     if let Some(token) = &fake.token {
-        if authorization.as_deref() != Some(&format!("Bearer {token}")) {
-            return err(
-                StatusCode::UNAUTHORIZED,
-                ErrorCode::Unauthorized,
-                "bad token",
-            );
+        let given = authorization
+            .as_deref()
+            .and_then(|v| v.strip_prefix("Bearer "));
+        let problem = match given {
+            None => Some(
+                "missing bearer token (Authorization: Bearer <token>; \
+                 the token is in <data_dir>/auth/token)",
+            ),
+            Some(t) if t != token => Some("wrong bearer token"),
+            Some(_) => None,
+        };
+        if let Some(problem) = problem {
+            return err(StatusCode::UNAUTHORIZED, ErrorCode::Unauthorized, problem);
         }
     }
     next.run(req).await
@@ -249,8 +312,58 @@ fn not_found_vm(name: &str) -> Response {
     err(
         StatusCode::NOT_FOUND,
         ErrorCode::NotFound,
-        &format!("no VM named {name}"),
+        &format!("no VM called `{name}`"),
     )
+}
+
+fn not_found_group(group: &str) -> Response {
+    err(
+        StatusCode::NOT_FOUND,
+        ErrorCode::NotFound,
+        &format!("no host group `{group}` (known: dev)"),
+    )
+}
+
+fn not_found_commit(id: &str) -> Response {
+    err(
+        StatusCode::NOT_FOUND,
+        ErrorCode::NotFound,
+        &format!("no commit `{id}`"),
+    )
+}
+
+fn bad_request(msg: &str) -> Response {
+    err(StatusCode::BAD_REQUEST, ErrorCode::BadRequest, msg)
+}
+
+/// The VM behind a guest route: as in the daemon, one that is not running
+/// has no agent to talk to (409). The error is the answer to send.
+fn guest_vm(name: &str) -> Result<VmInfo, Box<Response>> {
+    let v = vm(name).ok_or_else(|| Box::new(not_found_vm(name)))?;
+    if v.state != VmState::Running {
+        return Err(Box::new(err(
+            StatusCode::CONFLICT,
+            ErrorCode::Conflict,
+            &format!(
+                "{} is {}; start it with relaunch first",
+                v.hostname, v.state
+            ),
+        )));
+    }
+    Ok(v)
+}
+
+/// The `path` of a cp request, checked as the daemon does.
+fn cp_path(q: &[(String, String)]) -> Result<String, Box<Response>> {
+    let path = param(q, "path")
+        .filter(|p| p.starts_with('/'))
+        .ok_or_else(|| Box::new(bad_request("`path` is required and must be absolute")))?;
+    match param(q, "mode").as_deref() {
+        None | Some("binary") | Some("tar") => Ok(path),
+        Some(m) => Err(Box::new(bad_request(&format!(
+            "mode `{m}` is not binary or tar"
+        )))),
+    }
 }
 
 fn vm(hostname: &str) -> Option<VmInfo> {
@@ -386,11 +499,7 @@ async fn nodes(RawQuery(q): RawQuery) -> Json<Vec<VmInfo>> {
 
 async fn group_nodes(Path(group): Path<String>, RawQuery(q): RawQuery) -> Response {
     if group != "dev" {
-        return err(
-            StatusCode::NOT_FOUND,
-            ErrorCode::NotFound,
-            &format!("no host group {group}"),
-        );
+        return not_found_group(&group);
     }
     Json(filter(all_vms(), &query_pairs(&q))).into_response()
 }
@@ -401,20 +510,12 @@ async fn create(
     Json(req): Json<CreateVmRequest>,
 ) -> Response {
     if group != "dev" {
-        return err(
-            StatusCode::NOT_FOUND,
-            ErrorCode::NotFound,
-            &format!("no host group {group}"),
-        );
+        return not_found_group(&group);
     }
     let q = query_pairs(&q);
     let wait = param(&q, "wait").as_deref() == Some("agent");
     if req.cpus.is_some_and(|c| c > 2) {
-        return err(
-            StatusCode::BAD_REQUEST,
-            ErrorCode::BadRequest,
-            "cpus 4 is above the group's maximum 2",
-        );
+        return bad_request("cpus 4 is above the group's maximum 2");
     }
     if wait && req.name.as_deref() == Some("slow") {
         return err(
@@ -446,12 +547,12 @@ async fn describe(Path(h): Path<String>) -> Response {
     }
 }
 
-fn lifecycle(h: &str, state: VmState) -> Response {
+fn lifecycle(h: &str, state: VmState, stop_mode: Option<StopMode>) -> Response {
     match vm(h) {
         Some(v) => Json(LifecycleResponse {
             hostname: v.hostname,
             state,
-            stop_mode: None,
+            stop_mode,
             elapsed_ms: 5,
         })
         .into_response(),
@@ -459,12 +560,19 @@ fn lifecycle(h: &str, state: VmState) -> Response {
     }
 }
 
-async fn delete_vm(Path((_g, h)): Path<(String, String)>) -> Response {
-    lifecycle(&h, VmState::Stopped)
+fn conflict(msg: &str) -> Response {
+    err(StatusCode::CONFLICT, ErrorCode::Conflict, msg)
+}
+
+async fn delete_vm(Path((g, h)): Path<(String, String)>) -> Response {
+    if g != "dev" {
+        return not_found_group(&g);
+    }
+    lifecycle(&h, VmState::Stopped, None)
 }
 
 async fn delete_vm_by_name(Path(h): Path<String>) -> Response {
-    lifecycle(&h, VmState::Stopped)
+    lifecycle(&h, VmState::Stopped, None)
 }
 
 async fn tags(Path(h): Path<String>) -> Response {
@@ -500,20 +608,21 @@ async fn health(Path(h): Path<String>, RawQuery(q): RawQuery) -> Response {
         return not_found_vm(&h);
     };
     let q = query_pairs(&q);
-    if v.state != VmState::Running {
-        if param(&q, "wait").as_deref() == Some("agent") {
-            return err(
-                StatusCode::REQUEST_TIMEOUT,
-                ErrorCode::Timeout,
-                "the agent did not answer in time",
-            );
-        }
+    // The daemon's wait for a VM that is not starting gives up at once.
+    if v.state != VmState::Running && param(&q, "wait").as_deref() == Some("agent") {
         return err(
-            StatusCode::SERVICE_UNAVAILABLE,
-            ErrorCode::AgentUnavailable,
-            "the agent does not answer",
+            StatusCode::INTERNAL_SERVER_ERROR,
+            ErrorCode::Internal,
+            &format!(
+                "{} {} before its agent answered: no reason recorded",
+                v.hostname, v.state
+            ),
         );
     }
+    let v = match guest_vm(&h) {
+        Ok(v) => v,
+        Err(e) => return *e,
+    };
     let agent_version = if v.hostname == "evil" {
         format!("0.1.0{EVIL_OSC0}{EVIL_C1}")
     } else {
@@ -551,20 +660,34 @@ async fn logs(Path(h): Path<String>, RawQuery(q): RawQuery) -> Response {
     .into_response()
 }
 
-async fn shutdown(Path(h): Path<String>) -> Response {
-    lifecycle(&h, VmState::Stopped)
+async fn shutdown(Path(h): Path<String>, RawQuery(q): RawQuery) -> Response {
+    match vm(&h) {
+        Some(v) if v.state == VmState::Stopped => {
+            return conflict(&format!("{} is already stopped", v.hostname))
+        }
+        _ => {}
+    }
+    let mode = match param(&query_pairs(&q), "action").as_deref() {
+        Some("poweroff") => StopMode::Forced,
+        _ => StopMode::Graceful,
+    };
+    lifecycle(&h, VmState::Stopped, Some(mode))
 }
 
 async fn relaunch(Path(h): Path<String>, RawQuery(q): RawQuery) -> Response {
+    match vm(&h) {
+        Some(v) if v.state == VmState::Running => {
+            return conflict(&format!("{} is running", v.hostname))
+        }
+        _ => {}
+    }
     let wait = param(&query_pairs(&q), "wait").as_deref() == Some("agent");
-    lifecycle(
-        &h,
-        if wait {
-            VmState::Running
-        } else {
-            VmState::Starting
-        },
-    )
+    let state = if wait {
+        VmState::Running
+    } else {
+        VmState::Starting
+    };
+    lifecycle(&h, state, None)
 }
 
 fn frame_line(f: &ExecFrame) -> Bytes {
@@ -597,12 +720,23 @@ fn channel_body() -> (mpsc::Sender<Bytes>, Body) {
     (tx, Body::from_stream(stream))
 }
 
+/// The commands the fake's exec knows.
+const EXEC_COMMANDS: &[&str] = &["echo", "exit", "kill", "err", "cat", "split", "lost"];
+
 async fn exec(Path(h): Path<String>, RawQuery(q): RawQuery, body: Body) -> Response {
-    if vm(&h).is_none() {
-        return not_found_vm(&h);
-    }
     let q = query_pairs(&q);
-    let cmd = param(&q, "cmd").unwrap_or_default();
+    let Some(cmd) = param(&q, "cmd").filter(|c| !c.is_empty()) else {
+        return bad_request("`cmd` is required");
+    };
+    if let Err(e) = guest_vm(&h) {
+        return *e;
+    }
+    if !EXEC_COMMANDS.contains(&cmd.as_str()) {
+        // What the daemon answers when the agent cannot start the program.
+        return bad_request(&format!(
+            "Agent error (not_found): cannot start {cmd:?}: No such file or directory (os error 2)"
+        ));
+    }
     let args: Vec<String> = q
         .iter()
         .filter(|(k, _)| k == "args")
@@ -667,10 +801,11 @@ async fn exec(Path(h): Path<String>, RawQuery(q): RawQuery, body: Body) -> Respo
                     tokio::time::sleep(Duration::from_millis(2)).await;
                 }
             }
-            other => {
+            _ => {
+                send(ExecFrame::Started { pid: 7 }).await;
                 send(ExecFrame::Error {
-                    error: format!("{other}: command not found"),
-                    code: ErrorCode::NotFound,
+                    error: "the agent closed the stream before the process ended".into(),
+                    code: ErrorCode::AgentUnavailable,
                 })
                 .await;
             }
@@ -680,11 +815,14 @@ async fn exec(Path(h): Path<String>, RawQuery(q): RawQuery, body: Body) -> Respo
 }
 
 async fn download(Path(h): Path<String>, RawQuery(q): RawQuery) -> Response {
-    if vm(&h).is_none() {
-        return not_found_vm(&h);
-    }
     let q = query_pairs(&q);
-    let path = param(&q, "path").unwrap_or_default();
+    let path = match cp_path(&q) {
+        Ok(path) => path,
+        Err(e) => return *e,
+    };
+    if let Err(e) = guest_vm(&h) {
+        return *e;
+    }
     if path == "/missing" {
         return err(
             StatusCode::NOT_FOUND,
@@ -738,20 +876,19 @@ async fn upload(
     RawQuery(q): RawQuery,
     body: Body,
 ) -> Response {
-    if vm(&h).is_none() {
-        return not_found_vm(&h);
+    let path = match cp_path(&query_pairs(&q)) {
+        Ok(path) => path,
+        Err(e) => return *e,
+    };
+    if let Err(e) = guest_vm(&h) {
+        return *e;
     }
-    let path = param(&query_pairs(&q), "path").unwrap_or_default();
     let mut data = Vec::new();
     let mut chunks = 0;
     let mut stream = body.into_data_stream();
     while let Some(chunk) = stream.next().await {
         let Ok(chunk) = chunk else {
-            return err(
-                StatusCode::BAD_REQUEST,
-                ErrorCode::BadRequest,
-                "body failed",
-            );
+            return bad_request("body failed");
         };
         chunks += 1;
         data.extend_from_slice(&chunk);
@@ -761,16 +898,21 @@ async fn upload(
             .upload_progress
             .insert(path.clone(), data.len());
     }
-    let n = data.len();
+    let bytes = data.len() as u64;
     let mut r = fake.record.lock().expect("lock");
     r.uploads.insert(path.clone(), data);
     r.upload_chunks.insert(path, chunks);
-    Json(serde_json::json!({ "bytes": n })).into_response()
+    Json(CpResponse {
+        bytes,
+        entries: None,
+        skipped: None,
+    })
+    .into_response()
 }
 
 async fn shell(Path(h): Path<String>, ws: WebSocketUpgrade) -> Response {
-    if vm(&h).is_none() {
-        return not_found_vm(&h);
+    if let Err(e) = guest_vm(&h) {
+        return *e;
     }
     ws.on_upgrade(|mut socket: WebSocket| async move {
         let data = |bytes: &[u8]| {
@@ -808,8 +950,8 @@ async fn shell(Path(h): Path<String>, ws: WebSocketUpgrade) -> Response {
 }
 
 async fn forward(Path(h): Path<String>, RawQuery(q): RawQuery, ws: WebSocketUpgrade) -> Response {
-    if vm(&h).is_none() {
-        return not_found_vm(&h);
+    if let Err(e) = guest_vm(&h) {
+        return *e;
     }
     let target = param(&query_pairs(&q), "target").unwrap_or_default();
     ws.on_upgrade(move |mut socket: WebSocket| async move {
@@ -863,11 +1005,12 @@ async fn commit(Path(h): Path<String>, Json(req): Json<CommitRequest>) -> Respon
         return not_found_vm(&h);
     };
     if v.state == VmState::Running {
-        return err(
-            StatusCode::CONFLICT,
-            ErrorCode::Conflict,
-            &format!("{} is running; shut it down first", v.hostname),
-        );
+        return conflict(&format!(
+            "{h} is {}; shut it down first (tine vm shutdown {h}): \
+             only a stopped VM can be committed",
+            v.state,
+            h = v.hostname
+        ));
     }
     (
         StatusCode::CREATED,
@@ -895,13 +1038,13 @@ async fn commits(RawQuery(q): RawQuery) -> Json<Vec<CommitInfo>> {
 
 async fn delete_commit(Path(id): Path<String>) -> Response {
     if id != COMMIT {
-        return err(
-            StatusCode::NOT_FOUND,
-            ErrorCode::NotFound,
-            &format!("no commit {id}"),
-        );
+        return not_found_commit(&id);
     }
-    Json(serde_json::json!({"commit_id": id, "status": "deleted"})).into_response()
+    Json(DeleteCommitResponse {
+        commit_id: id,
+        status: DeleteStatus::Deleted,
+    })
+    .into_response()
 }
 
 async fn fork(
@@ -911,11 +1054,7 @@ async fn fork(
     Json(req): Json<ForkRequest>,
 ) -> Response {
     if id != COMMIT {
-        return err(
-            StatusCode::NOT_FOUND,
-            ErrorCode::NotFound,
-            &format!("no commit {id}"),
-        );
+        return not_found_commit(&id);
     }
     let wait = param(&query_pairs(&q), "wait").as_deref() == Some("agent");
     (

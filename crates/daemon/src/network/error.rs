@@ -105,7 +105,7 @@ pub enum NetworkError {
         /// What is wrong with it.
         reason: &'static str,
     },
-    /// A stored [`VmNetwork`](super::VmNetwork) record is inconsistent.
+    /// A stored VM network record (`VmNetwork`) is inconsistent.
     #[error("VM network record for TAP {tap:?} is inconsistent: {reason}")]
     BadRecord {
         /// The record's TAP.

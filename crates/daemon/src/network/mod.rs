@@ -14,6 +14,11 @@
 //! Host state is changed with `ip` (iproute2) and `nft -f` (one atomic
 //! transaction per change, only in our own `inet` table); it must run as
 //! root.
+//!
+//! The submodules form layers, each importing only from those before it:
+//! `config` (the data types), `error`, `names`, `addr`, `validation`;
+//! `nft` (needs `config`) and `sys` (needs `error`). Only this module, the
+//! manager, uses them all, and none of them uses it.
 
 mod addr;
 mod config;
@@ -21,6 +26,7 @@ mod error;
 mod names;
 mod nft;
 mod sys;
+mod validation;
 
 use std::collections::{BTreeSet, HashSet};
 use std::net::{IpAddr, Ipv4Addr};
@@ -33,13 +39,14 @@ pub use addr::{
     capacity, group_range, isolated_default_range, ISOLATED_RANGE_PREFIX, ISOLATED_VM_PREFIX,
 };
 pub use config::{
-    validate, validate_groups, DefaultAction, NetMode, NetworkConfig, Policy, PolicyEntry,
-    PolicyOverride, PolicyReport, PolicySource,
+    DefaultAction, NetMode, NetworkConfig, Policy, PolicyEntry, PolicyOverride, PolicyReport,
+    PolicySource,
 };
 pub use error::NetworkError;
 pub use names::{
     check_ifname, vm_mac, DEFAULT_BRIDGE_PREFIX, DEFAULT_TAP_PREFIX, IFNAME_MAX, PREFIX_MAX,
 };
+pub use validation::{validate, validate_groups};
 
 /// The network one VM was given. Serializable so that the daemon can store
 /// it and tear it down or re-create it after a restart.
@@ -164,8 +171,8 @@ fn resolve_policy(
             });
         }
     }
-    config::parse_entries("allow", &allow)?;
-    config::parse_entries("drop", &drop)?;
+    validation::parse_entries("allow", &allow)?;
+    validation::parse_entries("drop", &drop)?;
     Ok((allow, drop))
 }
 
@@ -357,8 +364,8 @@ impl NetworkManager {
         match vm.mode {
             NetMode::None => {}
             NetMode::Isolated => {
-                let allow = config::parse_entries("allow", &vm.allow)?;
-                let drop = config::parse_entries("drop", &vm.drop)?;
+                let allow = validation::parse_entries("allow", &vm.allow)?;
+                let drop = validation::parse_entries("drop", &vm.drop)?;
                 script.push_str(&nft::add_isolated(
                     table,
                     &vm.tap,

@@ -1,0 +1,75 @@
+//! Guest paths under a root and atomic file writes, for every module that
+//! edits the guest's files. Imports nothing from its siblings.
+
+use std::fs;
+use std::io::{self, Write};
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+/// Writes `data` to `path` through a temporary file in the same directory
+/// and a rename, so readers see the old or the new file, never a part. When
+/// the rename fails because `path` is a mount point (systemd bind-mounts
+/// `/etc/machine-id`), the file is rewritten in place instead.
+pub(crate) fn write_atomic(path: &Path, data: &[u8], mode: u32) -> io::Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    fs::create_dir_all(dir)?;
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = dir.join(format!(".{name}.tine-tmp.{}", std::process::id()));
+    let write = || -> io::Result<()> {
+        let mut f = fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(mode)
+            .open(&tmp)?;
+        f.write_all(data)?;
+        f.set_permissions(fs::Permissions::from_mode(mode))?;
+        f.sync_all()
+    };
+    if let Err(e) = write() {
+        let _ = fs::remove_file(&tmp);
+        return Err(e);
+    }
+    match fs::rename(&tmp, path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
+            let _ = fs::remove_file(&tmp);
+            let mut f = fs::OpenOptions::new()
+                .write(true)
+                .truncate(true)
+                .open(path)?;
+            f.write_all(data)?;
+            f.sync_all()
+        }
+        Err(e) => {
+            let _ = fs::remove_file(&tmp);
+            Err(e)
+        }
+    }
+}
+
+/// Guest path `p` ("/etc/x") under `root`.
+pub(crate) fn under(root: &Path, p: &str) -> PathBuf {
+    root.join(p.trim_start_matches('/'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_write_atomic_replaces_and_sets_mode() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let p = dir.path().join("sub/f");
+        write_atomic(&p, b"one", 0o600).expect("write");
+        write_atomic(&p, b"two", 0o640).expect("write");
+        assert_eq!(fs::read(&p).expect("read"), b"two");
+        assert_eq!(
+            fs::metadata(&p).expect("meta").permissions().mode() & 0o777,
+            0o640
+        );
+    }
+}
