@@ -9,7 +9,7 @@ use tine_proto::api::{
     Wait,
 };
 
-use super::{
+use super::params::{
     parse_json, parse_query_enum, parse_timeout, query_get, query_only, query_pairs, AppState,
     DEFAULT_WAIT,
 };

@@ -25,7 +25,7 @@ use tine_proto::api::shell::{DATA as SHELL_DATA, EXIT as SHELL_EXIT, RESIZE as S
 use tine_proto::api::{CpResponse, ErrorCode, ExecFrame, VmHealth};
 use tokio_util::io::{ReaderStream, StreamReader};
 
-use super::{parse_timeout, query_get, query_num, query_only, query_pairs, AppState};
+use super::params::{parse_timeout, query_get, query_num, query_only, query_pairs, AppState};
 use crate::error::{ApiError, ApiResult};
 
 /// Host-side limits on the agent for the calls handlers make.
@@ -146,7 +146,7 @@ pub(super) async fn health(
     // with `wait=agent`, else the reply deadline.
     let budget = match query_get(&q, "wait") {
         Some("agent") => {
-            let timeout = parse_timeout(query_get(&q, "timeout"), super::DEFAULT_WAIT)?;
+            let timeout = parse_timeout(query_get(&q, "timeout"), super::params::DEFAULT_WAIT)?;
             d.wait_running(&vm.hostname, timeout).await?;
             Some(
                 timeout
