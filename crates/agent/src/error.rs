@@ -66,13 +66,4 @@ pub fn code_for(err: &io::Error) -> ErrorCode {
 
 /// `e` and each of its sources, joined with ": ", for messages that leave
 /// the process (console lines, protocol errors).
-pub(crate) fn describe_error(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
-}
+pub(crate) use tine_proto::error_chain as describe_error;

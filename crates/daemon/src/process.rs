@@ -229,7 +229,9 @@ pub fn read_tail(path: &Path, limit: u64) -> String {
         return String::new();
     }
     let mut buf = Vec::new();
-    let _ = f.take(limit).read_to_end(&mut buf);
+    if let Err(e) = f.take(limit).read_to_end(&mut buf) {
+        tracing::warn!("read {}: {e}", path.display());
+    }
     String::from_utf8_lossy(&buf).into_owned()
 }
 
@@ -300,10 +302,12 @@ pub async fn wait_gone(pids: &[u32], limit: Duration) {
 /// Sends SIGKILL to `pid` if it is still the process launched for `paths`.
 pub fn kill_if_ours(pid: u32, pid_start: u64, paths: &VmPaths) {
     if is_ours(pid, pid_start, paths) {
-        let _ = nix::sys::signal::kill(
+        if let Err(e) = nix::sys::signal::kill(
             nix::unistd::Pid::from_raw(pid as i32),
             nix::sys::signal::Signal::SIGKILL,
-        );
+        ) {
+            tracing::warn!(pid, "cannot kill {}: {e}", paths.dir.display());
+        }
     }
 }
 

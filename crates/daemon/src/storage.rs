@@ -16,22 +16,8 @@ use tine_disk::{self as vstore, Format};
 #[error("{0}")]
 pub struct DiskError(pub String);
 
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        let m = c.to_string();
-        if !s.contains(&m) {
-            s.push_str(": ");
-            s.push_str(&m);
-        }
-        cur = c.source();
-    }
-    s
-}
-
 fn err(what: &str, e: &dyn std::error::Error) -> DiskError {
-    DiskError(format!("{what}: {}", chain(e)))
+    DiskError(format!("{what}: {}", tine_proto::error_chain(e)))
 }
 
 /// Creates `dest`, a qcow2 overlay on `base` of `size` bytes (default: the
@@ -118,8 +104,17 @@ pub fn commit_disk(disk: &Path, commit_path: &Path, new_disk: &Path) -> Result<u
     }
     crate::failpoint::hit(crate::failpoint::Failpoint::CommitLinked);
     let undo = |e: DiskError| {
-        let _ = std::fs::remove_file(commit_path);
-        let _ = std::fs::remove_file(new_disk);
+        for made in [commit_path, new_disk] {
+            match std::fs::remove_file(made) {
+                Err(r) if r.kind() != std::io::ErrorKind::NotFound => {
+                    tracing::warn!(
+                        "cannot remove {} after a failed commit: {r}",
+                        made.display()
+                    )
+                }
+                _ => {}
+            }
+        }
         e
     };
     // Immutable from here on: read-only for everyone (the inode is shared
@@ -133,9 +128,9 @@ pub fn commit_disk(disk: &Path, commit_path: &Path, new_disk: &Path) -> Result<u
         .into_iter()
         .flatten()
     {
-        if let Ok(d) = std::fs::File::open(dir) {
-            let _ = d.sync_all();
-        }
+        std::fs::File::open(dir)
+            .and_then(|d| d.sync_all())
+            .map_err(|e| undo(err(&format!("sync {}", dir.display()), &e)))?;
     }
     Ok(size)
 }

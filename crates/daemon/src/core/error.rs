@@ -122,18 +122,4 @@ impl Error {
 /// Result of core operations.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// `e` and its causes, joined with `: ` (a cause already contained in the
-/// text before it is left out).
-pub fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        let m = c.to_string();
-        if !s.contains(&m) {
-            s.push_str(": ");
-            s.push_str(&m);
-        }
-        cur = c.source();
-    }
-    s
-}
+pub use tine_proto::error_chain as chain;

@@ -331,7 +331,9 @@ impl NetworkManager {
         if let Err(err) = self.ensure_locked(&vm) {
             if !existed {
                 // Best effort: the original error is the one to report.
-                let _ = self.detach_locked(&vm);
+                if let Err(e) = self.detach_locked(&vm) {
+                    tracing::warn!(tap = %vm.tap, "undo a failed attach: {e}");
+                }
             }
             return Err(err);
         }
