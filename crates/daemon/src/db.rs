@@ -384,6 +384,8 @@ impl Store {
     }
 
     fn setup(mut conn: Connection) -> Result<Self> {
+        // Every statement the store runs stays prepared.
+        conn.set_prepared_statement_cache_capacity(64);
         conn.busy_timeout(std::time::Duration::from_secs(5))?;
         conn.pragma_update(None, "journal_mode", "WAL")?;
         conn.pragma_update(None, "synchronous", "FULL")?;
@@ -427,9 +429,8 @@ impl Store {
         self.transaction(|tx| {
             if let Some(name) = &new.name {
                 let taken: Option<String> = tx
-                    .query_row("SELECT hostname FROM vms WHERE name = ?1", [name], |r| {
-                        r.get(0)
-                    })
+                    .prepare_cached("SELECT hostname FROM vms WHERE name = ?1")?
+                    .query_row([name], |r| r.get(0))
                     .optional()?;
                 if let Some(h) = taken {
                     return Err(DbError::Conflict(format!(
@@ -437,38 +438,36 @@ impl Store {
                     )));
                 }
             }
-            let idx: u32 = tx.query_row(
-                "SELECT COALESCE(MAX(idx), 0) + 1 FROM vms WHERE host_group = ?1",
-                [&new.host_group],
-                |r| r.get(0),
-            )?;
+            let idx: u32 = tx
+                .prepare_cached("SELECT COALESCE(MAX(idx), 0) + 1 FROM vms WHERE host_group = ?1")?
+                .query_row([&new.host_group], |r| r.get(0))?;
             let hostname = format!("{}-{idx}", new.host_group);
             let disk = disk_for(&hostname);
-            tx.execute(
+            tx.prepare_cached(
                 "INSERT INTO vms (hostname, host_group, idx, state, cpus, ram_bytes, persistent, \
                  managed, tags, name, userdata, disk, policy, created_ms, booted_once, \
                  parent_commit_id, fixups) \
                  VALUES (?1, ?2, ?3, 'creating', ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, \
                  ?15, ?16)",
-                params![
-                    hostname,
-                    new.host_group,
-                    idx,
-                    new.cpus,
-                    new.ram_bytes as i64,
-                    new.persistent,
-                    new.managed,
-                    to_json(&new.tags),
-                    new.name,
-                    new.userdata,
-                    disk,
-                    new.policy.as_ref().map(to_json),
-                    now_ms() as i64,
-                    new.booted_once,
-                    new.parent_commit_id,
-                    new.fixups.as_ref().map(to_json),
-                ],
-            )?;
+            )?
+            .execute(params![
+                hostname,
+                new.host_group,
+                idx,
+                new.cpus,
+                new.ram_bytes as i64,
+                new.persistent,
+                new.managed,
+                to_json(&new.tags),
+                new.name,
+                new.userdata,
+                disk,
+                new.policy.as_ref().map(to_json),
+                now_ms() as i64,
+                new.booted_once,
+                new.parent_commit_id,
+                new.fixups.as_ref().map(to_json),
+            ])?;
             get_vm_tx(tx, &hostname)?.ok_or_else(|| DbError::Corrupt {
                 what: "vms",
                 detail: format!("{hostname} vanished after insert"),
@@ -480,9 +479,11 @@ impl Store {
     pub fn find_vm(&self, key: &str) -> Result<Option<VmRecord>> {
         let conn = self.lock();
         let sql = format!("SELECT {VM_COLUMNS} FROM vms WHERE hostname = ?1 OR name = ?1 LIMIT 1");
-        conn.query_row(&sql, [key], vm_from_row)
-            .optional()?
-            .transpose()
+        let found = conn
+            .prepare_cached(&sql)?
+            .query_row([key], vm_from_row)
+            .optional()?;
+        found.transpose()
     }
 
     /// Every VM, optionally of one group, ordered by group and number.
@@ -492,7 +493,7 @@ impl Store {
             "SELECT {VM_COLUMNS} FROM vms WHERE (?1 IS NULL OR host_group = ?1) \
              ORDER BY host_group, idx"
         );
-        let mut stmt = conn.prepare(&sql)?;
+        let mut stmt = conn.prepare_cached(&sql)?;
         let rows = stmt.query_map([group], vm_from_row)?;
         let mut out = Vec::new();
         for row in rows {
@@ -503,10 +504,9 @@ impl Store {
 
     /// Sets a VM's state and reason; `None` reason clears it.
     pub fn set_state(&self, hostname: &str, state: VmState, reason: Option<&str>) -> Result<()> {
-        self.lock().execute(
-            "UPDATE vms SET state = ?2, reason = ?3 WHERE hostname = ?1",
-            params![hostname, state.as_str(), reason],
-        )?;
+        self.lock()
+            .prepare_cached("UPDATE vms SET state = ?2, reason = ?3 WHERE hostname = ?1")?
+            .execute(params![hostname, state.as_str(), reason])?;
         Ok(())
     }
 
@@ -526,31 +526,31 @@ impl Store {
             if !from.contains(&vm.state) {
                 return Ok(false);
             }
-            tx.execute(
-                "UPDATE vms SET state = ?2, reason = ?3 WHERE hostname = ?1",
-                params![hostname, to.as_str(), reason],
-            )?;
+            tx.prepare_cached("UPDATE vms SET state = ?2, reason = ?3 WHERE hostname = ?1")?
+                .execute(params![hostname, to.as_str(), reason])?;
             Ok(true)
         })
     }
 
     /// Records a started process.
     pub fn set_process(&self, hostname: &str, pid: u32, pid_start: u64) -> Result<()> {
-        self.lock().execute(
-            "UPDATE vms SET state = 'starting', pid = ?2, pid_start = ?3, started_ms = ?4, \
+        self.lock()
+            .prepare_cached(
+                "UPDATE vms SET state = 'starting', pid = ?2, pid_start = ?3, started_ms = ?4, \
              reason = NULL, stop_mode = NULL, boot_ms = NULL WHERE hostname = ?1",
-            params![hostname, pid, pid_start as i64, now_ms() as i64],
-        )?;
+            )?
+            .execute(params![hostname, pid, pid_start as i64, now_ms() as i64])?;
         Ok(())
     }
 
     /// Marks a VM as waiting for a boot slot: `starting`, no process yet.
     pub fn queue_start(&self, hostname: &str) -> Result<()> {
-        self.lock().execute(
-            "UPDATE vms SET state = 'starting', pid = NULL, pid_start = NULL, reason = NULL, \
+        self.lock()
+            .prepare_cached(
+                "UPDATE vms SET state = 'starting', pid = NULL, pid_start = NULL, reason = NULL, \
              stop_mode = NULL, boot_ms = NULL WHERE hostname = ?1",
-            [hostname],
-        )?;
+            )?
+            .execute([hostname])?;
         Ok(())
     }
 
@@ -562,10 +562,8 @@ impl Store {
         reason: Option<&str>,
         stop_mode: Option<StopMode>,
     ) -> Result<()> {
-        self.lock().execute(
-            "UPDATE vms SET state = ?2, reason = ?3, stop_mode = ?4, pid = NULL, pid_start = NULL \
-             WHERE hostname = ?1",
-            params![
+        self.lock().prepare_cached("UPDATE vms SET state = ?2, reason = ?3, stop_mode = ?4, pid = NULL, pid_start = NULL \
+             WHERE hostname = ?1")?.execute(params![
                 hostname,
                 state.as_str(),
                 reason,
@@ -577,45 +575,44 @@ impl Store {
 
     /// Marks the agent ready after this boot's set-up.
     pub fn set_running(&self, hostname: &str, boot_ms: u64) -> Result<()> {
-        self.lock().execute(
-            "UPDATE vms SET state = 'running', boot_ms = ?2, booted_once = 1, fixups = NULL \
+        self.lock()
+            .prepare_cached(
+                "UPDATE vms SET state = 'running', boot_ms = ?2, booted_once = 1, fixups = NULL \
              WHERE hostname = ?1 AND state = 'starting'",
-            params![hostname, boot_ms as i64],
-        )?;
+            )?
+            .execute(params![hostname, boot_ms as i64])?;
         Ok(())
     }
 
     /// Stores the VM's network.
     pub fn set_network(&self, hostname: &str, network: Option<&VmNetwork>) -> Result<()> {
-        self.lock().execute(
-            "UPDATE vms SET network = ?2 WHERE hostname = ?1",
-            params![hostname, network.map(to_json)],
-        )?;
+        self.lock()
+            .prepare_cached("UPDATE vms SET network = ?2 WHERE hostname = ?1")?
+            .execute(params![hostname, network.map(to_json)])?;
         Ok(())
     }
 
     /// Replaces a VM's tags.
     pub fn set_tags(&self, hostname: &str, tags: &[String]) -> Result<()> {
-        self.lock().execute(
-            "UPDATE vms SET tags = ?2 WHERE hostname = ?1",
-            params![hostname, to_json(&tags)],
-        )?;
+        self.lock()
+            .prepare_cached("UPDATE vms SET tags = ?2 WHERE hostname = ?1")?
+            .execute(params![hostname, to_json(&tags)])?;
         Ok(())
     }
 
     /// Points a VM at another disk file.
     pub fn set_disk(&self, hostname: &str, disk: &str) -> Result<()> {
-        self.lock().execute(
-            "UPDATE vms SET disk = ?2 WHERE hostname = ?1",
-            params![hostname, disk],
-        )?;
+        self.lock()
+            .prepare_cached("UPDATE vms SET disk = ?2 WHERE hostname = ?1")?
+            .execute(params![hostname, disk])?;
         Ok(())
     }
 
     /// Removes a VM's record.
     pub fn delete_vm(&self, hostname: &str) -> Result<()> {
         self.lock()
-            .execute("DELETE FROM vms WHERE hostname = ?1", [hostname])?;
+            .prepare_cached("DELETE FROM vms WHERE hostname = ?1")?
+            .execute([hostname])?;
         Ok(())
     }
 
@@ -625,7 +622,7 @@ impl Store {
         self.transaction(|tx| {
             if let Some(key) = &c.cache_key {
                 let taken: Option<String> = tx
-                    .query_row("SELECT id FROM commits WHERE cache_key = ?1", [key], |r| {
+                    .prepare_cached("SELECT id FROM commits WHERE cache_key = ?1")?.query_row([key], |r| {
                         r.get(0)
                     })
                     .optional()?;
@@ -644,9 +641,7 @@ impl Store {
                     c.source
                 )));
             }
-            tx.execute(
-                &format!("INSERT INTO commits ({COMMIT_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)"),
-                params![
+            tx.prepare_cached(&format!("INSERT INTO commits ({COMMIT_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)"))?.execute(params![
                     c.id,
                     c.host_group,
                     c.source,
@@ -663,9 +658,7 @@ impl Store {
                     to_json(&c.source_tags),
                 ],
             )?;
-            tx.execute(
-                "UPDATE vms SET commit_id = ?2, disk = ?3 WHERE hostname = ?1",
-                params![c.source, c.id, source_new_disk],
+            tx.prepare_cached("UPDATE vms SET commit_id = ?2, disk = ?3 WHERE hostname = ?1")?.execute(params![c.source, c.id, source_new_disk],
             )?;
             Ok(())
         })
@@ -675,9 +668,11 @@ impl Store {
     pub fn get_commit(&self, id: &str) -> Result<Option<CommitRecord>> {
         let conn = self.lock();
         let sql = format!("SELECT {COMMIT_COLUMNS} FROM commits WHERE id = ?1");
-        conn.query_row(&sql, [id], commit_from_row)
-            .optional()?
-            .transpose()
+        let found = conn
+            .prepare_cached(&sql)?
+            .query_row([id], commit_from_row)
+            .optional()?;
+        found.transpose()
     }
 
     /// Commits matching every given filter, oldest first.
@@ -692,7 +687,7 @@ impl Store {
             "SELECT {COMMIT_COLUMNS} FROM commits WHERE (?1 IS NULL OR cache_key = ?1) \
              AND (?2 IS NULL OR source = ?2) ORDER BY created_ms, id"
         );
-        let mut stmt = conn.prepare(&sql)?;
+        let mut stmt = conn.prepare_cached(&sql)?;
         let rows = stmt.query_map(params![cache_key, source], commit_from_row)?;
         let mut out = Vec::new();
         for row in rows {
@@ -710,21 +705,22 @@ impl Store {
         self.transaction(|tx| {
             let sql = format!("SELECT {COMMIT_COLUMNS} FROM commits WHERE id = ?1");
             let Some(c) = tx
-                .query_row(&sql, [id], commit_from_row)
+                .prepare_cached(&sql)?
+                .query_row([id], commit_from_row)
                 .optional()?
                 .transpose()?
             else {
                 return Ok(None);
             };
-            let mut stmt = tx.prepare(
+            let mut stmt = tx.prepare_cached(
                 "SELECT hostname FROM vms WHERE commit_id = ?1 OR parent_commit_id = ?1 \
                  ORDER BY hostname",
             )?;
             let users: Vec<String> = stmt
                 .query_map([id], |r| r.get(0))?
                 .collect::<rusqlite::Result<_>>()?;
-            let mut children =
-                tx.prepare("SELECT id FROM commits WHERE parent_commit_id = ?1 ORDER BY id")?;
+            let mut children = tx
+                .prepare_cached("SELECT id FROM commits WHERE parent_commit_id = ?1 ORDER BY id")?;
             let child_commits: Vec<String> = children
                 .query_map([id], |r| r.get(0))?
                 .collect::<rusqlite::Result<_>>()?;
@@ -736,7 +732,8 @@ impl Store {
                     names.join(", ")
                 )));
             }
-            tx.execute("DELETE FROM commits WHERE id = ?1", [id])?;
+            tx.prepare_cached("DELETE FROM commits WHERE id = ?1")?
+                .execute([id])?;
             Ok(Some(c))
         })
     }
@@ -744,42 +741,40 @@ impl Store {
     /// An imported image.
     pub fn get_image(&self, name: &str) -> Result<Option<ImageRecord>> {
         self.lock()
-            .query_row(
-                "SELECT name, source, path, size_bytes FROM images WHERE name = ?1",
-                [name],
-                |r| {
-                    Ok(ImageRecord {
-                        name: r.get(0)?,
-                        source: r.get(1)?,
-                        path: r.get(2)?,
-                        size_bytes: r.get::<_, i64>(3)? as u64,
-                    })
-                },
-            )
+            .prepare_cached("SELECT name, source, path, size_bytes FROM images WHERE name = ?1")?
+            .query_row([name], |r| {
+                Ok(ImageRecord {
+                    name: r.get(0)?,
+                    source: r.get(1)?,
+                    path: r.get(2)?,
+                    size_bytes: r.get::<_, i64>(3)? as u64,
+                })
+            })
             .optional()
             .map_err(Into::into)
     }
 
     /// Records (or replaces) an imported image.
     pub fn put_image(&self, img: &ImageRecord) -> Result<()> {
-        self.lock().execute(
-            "INSERT OR REPLACE INTO images (name, source, path, size_bytes, imported_ms) \
+        self.lock()
+            .prepare_cached(
+                "INSERT OR REPLACE INTO images (name, source, path, size_bytes, imported_ms) \
              VALUES (?1, ?2, ?3, ?4, ?5)",
-            params![
+            )?
+            .execute(params![
                 img.name,
                 img.source,
                 img.path,
                 img.size_bytes as i64,
                 now_ms() as i64
-            ],
-        )?;
+            ])?;
         Ok(())
     }
 
     /// Every commit's disk path.
     pub fn commit_paths(&self) -> Result<Vec<String>> {
         let conn = self.lock();
-        let mut stmt = conn.prepare("SELECT disk FROM commits")?;
+        let mut stmt = conn.prepare_cached("SELECT disk FROM commits")?;
         let out = stmt
             .query_map([], |r| r.get(0))?
             .collect::<rusqlite::Result<_>>()?;
@@ -789,7 +784,7 @@ impl Store {
     /// Every image path recorded.
     pub fn image_paths(&self) -> Result<Vec<String>> {
         let conn = self.lock();
-        let mut stmt = conn.prepare("SELECT path FROM images")?;
+        let mut stmt = conn.prepare_cached("SELECT path FROM images")?;
         let out = stmt
             .query_map([], |r| r.get(0))?
             .collect::<rusqlite::Result<_>>()?;
@@ -799,7 +794,8 @@ impl Store {
 
 fn get_vm_tx(tx: &Transaction<'_>, hostname: &str) -> Result<Option<VmRecord>> {
     let sql = format!("SELECT {VM_COLUMNS} FROM vms WHERE hostname = ?1");
-    tx.query_row(&sql, [hostname], vm_from_row)
+    tx.prepare_cached(&sql)?
+        .query_row([hostname], vm_from_row)
         .optional()?
         .transpose()
 }

@@ -17,7 +17,7 @@ use tine_proto::api::{
     Wait,
 };
 
-use super::daemon::Daemon;
+use super::daemon::{Daemon, FileStamp};
 use super::error::{chain, Error, Result};
 use super::plan;
 use crate::db::{now_ms, CommitRecord};
@@ -26,6 +26,14 @@ use crate::storage;
 
 /// Most characters in a cache key.
 pub const MAX_CACHE_KEY: usize = 256;
+
+/// What identifies a file's content without reading it: inode, size,
+/// modification time.
+fn file_stamp(path: &Path) -> Option<FileStamp> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(path).ok()?;
+    Some((m.ino(), m.len(), m.mtime(), m.mtime_nsec()))
+}
 
 fn remove_file_logged(path: &Path) {
     if let Err(e) = std::fs::remove_file(path) {
@@ -205,7 +213,10 @@ impl Daemon {
         };
         let new = plan::fork(&group, &c, &req, name_taken)?;
         let commit_path = PathBuf::from(&c.disk);
-        {
+        // A commit is immutable: its metadata is checked once per daemon
+        // run, and again only when the file itself changed.
+        let stamp = file_stamp(&commit_path);
+        if stamp.is_none() || self.verified_stamp(&c.id) != stamp {
             let p = commit_path.clone();
             tokio::task::spawn_blocking(move || storage::verify_commit(&p))
                 .await
@@ -214,6 +225,9 @@ impl Daemon {
                     source,
                 })?
                 .map_err(|e| Error::disk(format!("commit {} cannot be forked", c.id), e))?;
+            if let Some(stamp) = stamp {
+                self.remember_verified(&c.id, stamp);
+            }
         }
         let this = self.clone();
         // The fork finishes even if the client goes away.

@@ -93,7 +93,12 @@ pub struct Daemon {
     /// VMs being stopped without the guest's help, with the reason their
     /// exit is recorded under ([`StopMode::Forced`]).
     forced: Mutex<HashMap<String, String>>,
+    /// Commits whose metadata was checked, with the file's stamp then.
+    verified: Mutex<HashMap<String, FileStamp>>,
 }
+
+/// A file's inode, size and modification time.
+pub(super) type FileStamp = (u64, u64, i64, i64);
 
 /// Most bytes of a stop or failure reason kept (guest text included).
 pub const MAX_REASON: usize = 4096;
@@ -138,6 +143,7 @@ impl Daemon {
             imports: Mutex::new(()),
             failures: Mutex::new(HashMap::new()),
             forced: Mutex::new(HashMap::new()),
+            verified: Mutex::new(HashMap::new()),
             boot_slots: Arc::new(tokio::sync::Semaphore::new(boot_concurrency.max(1))),
         })
     }
@@ -298,6 +304,21 @@ impl Daemon {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(hostname.to_owned(), reason);
+    }
+
+    pub(super) fn verified_stamp(&self, commit: &str) -> Option<FileStamp> {
+        self.verified
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(commit)
+            .copied()
+    }
+
+    pub(super) fn remember_verified(&self, commit: &str, stamp: FileStamp) {
+        self.verified
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(commit.to_owned(), stamp);
     }
 
     pub(super) fn take_forced(&self, hostname: &str) -> Option<String> {

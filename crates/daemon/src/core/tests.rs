@@ -287,6 +287,28 @@ async fn a_fork_that_fails_to_start_leaves_nothing() {
 }
 
 #[tokio::test]
+async fn a_commit_damaged_after_a_fork_is_refused_by_the_next_fork() {
+    use std::os::unix::fs::PermissionsExt;
+    let b = bed(true);
+    let commit = b.commit().await;
+    b.daemon
+        .fork(&commit, ForkRequest::default(), Wait::None, WAIT)
+        .await
+        .expect("first fork");
+    let file = b.daemon.commits(None, None, None).expect("commits")[0]
+        .disk
+        .clone();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+    std::fs::write(&file, b"not a qcow2 image any more").expect("damage");
+    let err = b
+        .daemon
+        .fork(&commit, ForkRequest::default(), Wait::None, WAIT)
+        .await
+        .expect_err("damaged");
+    assert!(super::chain(&err).contains("cannot be forked"), "{err}");
+}
+
+#[tokio::test]
 async fn no_fixups_applies_none_not_even_the_hostname() {
     let b = bed(true);
     let commit = b.commit().await;
