@@ -4,9 +4,7 @@
 use std::time::{Duration, Instant};
 
 use tine_client::agent::{ClientError, Limits};
-use tine_client::proto::{
-    Channel, ErrorCode, ExecRequest, FileKind, FileStat, Request, Response, UploadRequest,
-};
+use tine_client::proto::{Channel, ErrorCode, ExecRequest, Request, Response, UploadRequest};
 use tine_client::AgentClient;
 use tine_testbed::hostile_agent::{HostileAgent, Step};
 
@@ -21,19 +19,6 @@ async fn connect(agent: &HostileAgent, limits: Limits) -> AgentClient {
         .with_limits(limits)
 }
 
-fn file_info(size: u64) -> Step {
-    Step::Reply(Response::FileInfo(FileStat {
-        kind: FileKind::File,
-        size,
-        mode: 0o644,
-        uid: 0,
-        gid: 0,
-        mtime_secs: 0,
-        mtime_nanos: 0,
-        symlink_target: None,
-    }))
-}
-
 /// An agent answering every download with `steps`.
 fn downloads(steps: Vec<Step>) -> HostileAgent {
     HostileAgent::new(move |request| match request {
@@ -45,7 +30,7 @@ fn downloads(steps: Vec<Step>) -> HostileAgent {
 #[tokio::test]
 async fn a_download_shorter_than_announced_is_an_error() {
     let agent = downloads(vec![
-        file_info(1_000_000),
+        Step::file_info(1_000_000),
         Step::Data(Channel::Data, b"8 bytes!".to_vec()),
         Step::Eof(Channel::Data),
         Step::Reply(Response::Ok),
@@ -68,7 +53,7 @@ async fn a_download_shorter_than_announced_is_an_error() {
 #[tokio::test]
 async fn a_download_cut_by_an_agent_error_is_an_error() {
     let agent = downloads(vec![
-        file_info(1_000_000),
+        Step::file_info(1_000_000),
         Step::Data(Channel::Data, b"8 bytes!".to_vec()),
         Step::Reply(Response::error(ErrorCode::Io, "read failed")),
     ]);
@@ -82,7 +67,7 @@ async fn a_download_that_grows_or_announces_zero_is_fine() {
     // A file appended to while read, or a /proc file (size 0).
     for announced in [3, 0] {
         let agent = downloads(vec![
-            file_info(announced),
+            Step::file_info(announced),
             Step::Data(Channel::Data, b"hello".to_vec()),
             Step::Eof(Channel::Data),
             Step::Reply(Response::Ok),
@@ -101,7 +86,7 @@ async fn an_endless_download_stops_at_the_cap() {
     for tar in [false, true] {
         let mut steps = vec![Step::Endless(Channel::Data, 64 << 10)];
         if !tar {
-            steps.insert(0, file_info(0));
+            steps.insert(0, Step::file_info(0));
         }
         let agent = downloads(steps);
         let client = connect(&agent, limits).await;
@@ -154,7 +139,7 @@ async fn hung_answers_end_at_the_reply_deadline() {
 #[tokio::test]
 async fn a_download_that_stalls_ends_at_the_transfer_deadline() {
     let agent = downloads(vec![
-        file_info(100),
+        Step::file_info(100),
         Step::Data(Channel::Data, b"some".to_vec()),
         Step::Hang,
     ]);

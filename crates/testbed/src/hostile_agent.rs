@@ -48,6 +48,23 @@ pub enum Step {
     Disconnect,
 }
 
+impl Step {
+    /// The answer to a `stat` or the start of a download: a regular file of
+    /// `size` bytes (which the agent may then fail to send).
+    pub fn file_info(size: u64) -> Step {
+        Step::Reply(Response::FileInfo(tine_proto::agent::FileStat {
+            kind: tine_proto::agent::FileKind::File,
+            size,
+            mode: 0o644,
+            uid: 0,
+            gid: 0,
+            mtime_secs: 0,
+            mtime_nanos: 0,
+            symlink_target: None,
+        }))
+    }
+}
+
 /// What the agent answers: the steps for each request.
 pub type Script = Arc<dyn Fn(&Request) -> Vec<Step> + Send + Sync>;
 

@@ -694,7 +694,7 @@ pub(super) async fn forward(
 mod tests {
     use super::*;
     use tine_proto::agent::Response as AgentResponse;
-    use tine_proto::agent::{Channel, ErrorCode as AgentCode, FileKind, FileStat, Request};
+    use tine_proto::agent::{Channel, ErrorCode as AgentCode, Request};
     use tine_testbed::hostile_agent::{HostileAgent, Step};
 
     /// Short deadlines, so a test of a hung agent is quick.
@@ -713,19 +713,6 @@ mod tests {
             .await
             .expect("handshake")
             .with_limits(limits)
-    }
-
-    fn file_info(size: u64) -> Step {
-        Step::Reply(AgentResponse::FileInfo(FileStat {
-            kind: FileKind::File,
-            size,
-            mode: 0o644,
-            uid: 0,
-            gid: 0,
-            mtime_secs: 0,
-            mtime_nanos: 0,
-            symlink_target: None,
-        }))
     }
 
     /// The data of a body until its end or its first error.
@@ -832,7 +819,7 @@ mod tests {
                 "agent error",
                 false,
                 vec![
-                    file_info(1_000_000),
+                    Step::file_info(1_000_000),
                     eight(),
                     Step::Reply(AgentResponse::error(AgentCode::Io, "disk gone")),
                 ],
@@ -841,7 +828,7 @@ mod tests {
                 "short stream",
                 false,
                 vec![
-                    file_info(1_000_000),
+                    Step::file_info(1_000_000),
                     eight(),
                     Step::Eof(Channel::Data),
                     Step::Reply(AgentResponse::Ok),
@@ -850,7 +837,7 @@ mod tests {
             (
                 "stall",
                 false,
-                vec![file_info(1_000_000), eight(), Step::Hang],
+                vec![Step::file_info(1_000_000), eight(), Step::Hang],
             ),
             (
                 "connection lost",
@@ -874,7 +861,7 @@ mod tests {
             assert!(data.len() as u64 <= FAST.download_bytes, "{what}");
         }
         let honest = vec![
-            file_info(5),
+            Step::file_info(5),
             Step::Data(Channel::Data, b"hello".to_vec()),
             Step::Eof(Channel::Data),
             Step::Reply(AgentResponse::Ok),
@@ -894,7 +881,7 @@ mod tests {
             "/vm/{hostname}/cp",
             axum::routing::get(|uri: Uri| async move {
                 let short = uri.query().is_some_and(|q| q.contains("short"));
-                let mut steps = vec![file_info(if short { 1_000_000 } else { 8 })];
+                let mut steps = vec![Step::file_info(if short { 1_000_000 } else { 8 })];
                 steps.extend([
                     Step::Data(Channel::Data, b"8 bytes!".to_vec()),
                     Step::Eof(Channel::Data),

@@ -69,6 +69,24 @@ pub fn after_exit(state: VmState, persistent: bool, unborn_fork: bool, clean: bo
     }
 }
 
+/// One call of a boot's set-up, which must answer within `step`.
+async fn setup_call<T>(
+    step: std::time::Duration,
+    what: &'static str,
+    call: impl std::future::Future<Output = Result<T, tine_client::ClientError>>,
+) -> Result<T> {
+    match tokio::time::timeout(step, call).await {
+        Ok(answer) => answer.map_err(|source| Error::Agent {
+            what: what.into(),
+            source,
+        }),
+        Err(_) => Err(Error::Timeout(format!(
+            "{what}: the agent did not answer within {}",
+            humantime::format_duration(step)
+        ))),
+    }
+}
+
 impl Daemon {
     /// Launches a queued VM and supervises it (the set-up at agent-ready,
     /// then its exit); `permit` is the boot slot, held until the set-up
@@ -204,39 +222,13 @@ impl Daemon {
             clock_unix_nanos: clock,
         };
         let step = self.deadlines.setup_call;
-        let within = |what: &'static str| {
-            move |_| {
-                Error::Timeout(format!(
-                    "{what}: the agent did not answer within {}",
-                    humantime::format_duration(step)
-                ))
-            }
-        };
-        tokio::time::timeout(step, client.fixups(req))
-            .await
-            .map_err(within("fix-ups"))?
-            .map_err(|source| Error::Agent {
-                what: "fix-ups".into(),
-                source,
-            })?;
+        setup_call(step, "fix-ups", client.fixups(req)).await?;
         if let Some(n) = vm.network.as_ref().map(|n| n.agent_request()) {
-            tokio::time::timeout(step, client.network(n))
-                .await
-                .map_err(within("network set-up"))?
-                .map_err(|source| Error::Agent {
-                    what: "network set-up".into(),
-                    source,
-                })?;
+            setup_call(step, "network set-up", client.network(n)).await?;
         }
         if first {
             if let Some(script) = &vm.userdata {
-                tokio::time::timeout(step, client.userdata_run(script))
-                    .await
-                    .map_err(within("userdata"))?
-                    .map_err(|source| Error::Agent {
-                        what: "userdata".into(),
-                        source,
-                    })?;
+                setup_call(step, "userdata", client.userdata_run(script)).await?;
             }
         }
         let boot_ms = now_ms().saturating_sub(started_ms);
