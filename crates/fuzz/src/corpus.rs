@@ -86,7 +86,6 @@ fn qcow2_images(dir: &Path) -> io::Result<Vec<Vec<u8>>> {
             virtual_size: Some(4096),
             cluster_size: 512,
             backing: Some(("base.raw".into(), tine_disk::Format::Raw)),
-            ..Default::default()
         },
     )
     .map_err(err)?;
