@@ -35,7 +35,16 @@ fn init() -> State {
         .enable_time()
         .build()
         .unwrap_or_else(|e| panic!("cannot build a tokio runtime: {e}"));
-    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("cannot make a temp dir: {e}"));
+    // Memory-backed when there is a tmpfs: the qcow2 target rewrites its
+    // image file every case, and a disk file system turns each rewrite
+    // into a writeback.
+    let shm = std::path::Path::new("/dev/shm");
+    let dir = if shm.is_dir() {
+        tempfile::tempdir_in(shm).or_else(|_| tempfile::tempdir())
+    } else {
+        tempfile::tempdir()
+    }
+    .unwrap_or_else(|e| panic!("cannot make a temp dir: {e}"));
     let file = dir.path().join("image");
     State {
         rt,
