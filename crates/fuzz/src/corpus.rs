@@ -178,6 +178,53 @@ fn blk_request(kind: u32, sector: u64) -> Vec<u8> {
     mem
 }
 
+/// A guest memory image for `vsock_packet`: one TX packet (44-byte header
+/// at 0x1000, `payload` at 0x1100) of type `op` from guest port 1024 to
+/// host port 52, and two 4 KiB RX buffers at 0x2000 and 0x3000.
+fn vsock_tx(op: u16, payload: &[u8]) -> Vec<u8> {
+    const WRITE: u16 = 2;
+    const NEXT: u16 = 1;
+    let mut mem = vec![0u8; 0x1100 + payload.len()];
+    let put_desc = |mem: &mut Vec<u8>, at: usize, addr: u64, len: u32, flags: u16, next: u16| {
+        mem[at..at + 8].copy_from_slice(&addr.to_le_bytes());
+        mem[at + 8..at + 12].copy_from_slice(&len.to_le_bytes());
+        mem[at + 12..at + 14].copy_from_slice(&flags.to_le_bytes());
+        mem[at + 14..at + 16].copy_from_slice(&next.to_le_bytes());
+    };
+    // RX queue at 0: two writable buffers offered.
+    put_desc(&mut mem, 0, 0x2000, 4096, WRITE, 0);
+    put_desc(&mut mem, 16, 0x3000, 4096, WRITE, 0);
+    mem[0x102..0x104].copy_from_slice(&2u16.to_le_bytes());
+    mem[0x106..0x108].copy_from_slice(&1u16.to_le_bytes());
+    // TX queue at 0x400: header then payload.
+    let chained = !payload.is_empty();
+    put_desc(
+        &mut mem,
+        0x400,
+        0x1000,
+        44,
+        if chained { NEXT } else { 0 },
+        1,
+    );
+    if chained {
+        put_desc(&mut mem, 0x410, 0x1100, payload.len() as u32, 0, 0);
+    }
+    mem[0x502..0x504].copy_from_slice(&1u16.to_le_bytes());
+    // The packet header: src_cid, dst_cid, src_port, dst_port, len, type,
+    // op, flags, buf_alloc, fwd_cnt.
+    let h = &mut mem[0x1000..0x102c];
+    h[0..8].copy_from_slice(&3u64.to_le_bytes());
+    h[8..16].copy_from_slice(&2u64.to_le_bytes());
+    h[16..20].copy_from_slice(&1024u32.to_le_bytes());
+    h[20..24].copy_from_slice(&52u32.to_le_bytes());
+    h[24..28].copy_from_slice(&(payload.len() as u32).to_le_bytes());
+    h[28..30].copy_from_slice(&1u16.to_le_bytes());
+    h[30..32].copy_from_slice(&op.to_le_bytes());
+    h[36..40].copy_from_slice(&65536u32.to_le_bytes());
+    mem[0x1100..].copy_from_slice(payload);
+    mem
+}
+
 /// Writes every target's seeds under `root`; returns how many files.
 pub fn write_all(root: &Path) -> io::Result<usize> {
     let scratch = tempfile::tempdir()?;
@@ -209,6 +256,10 @@ pub fn write_all(root: &Path) -> io::Result<usize> {
                 blk_request(4, 0),
                 blk_request(8, 0),
             ],
+        ),
+        (
+            "vsock_packet",
+            vec![vsock_tx(1, b""), vsock_tx(5, b"hello"), vsock_tx(3, b"")],
         ),
     ];
     let mut n = 0;
