@@ -608,7 +608,7 @@ pub struct ForkArgs {
     /// Apply no fix-ups
     #[arg(long)]
     pub no_fixups: bool,
-    /// Delete inherited secrets
+    /// Delete inherited secrets (refused by the daemon until tine has secrets)
     #[arg(long)]
     pub no_secrets: bool,
     /// `none`: give the fork no network device
