@@ -248,16 +248,22 @@ pub fn run_tests(tests: Vec<Trial>) -> ! {
             .args(&args)
             .status()
     };
-    // The nested bed (QEMU/TCG) has been seen to stop making progress now
-    // and then, QEMU busy and L1 silent, until the limit ends it (kvm-run
-    // exits 124 and prints L1's console with its heartbeat). That says
-    // nothing about the code under test, so such a run is repeated once;
-    // a second timeout fails. A test's own failure is never repeated.
+    // The nested bed (QEMU/TCG with emulated SVM) stops running now and then
+    // whatever the command does: L1's console, heartbeat included, goes
+    // silent and QEMU spins. kvm-run notices the silence and exits
+    // KVM_RUN_L1_STOPPED; that says nothing about the code under test, so
+    // such a run is repeated, up to L1_STOPPED_ATTEMPTS in all. A test's own
+    // failure, or a run past its time limit while L1 still runs, is never
+    // repeated.
+    let mut attempt = 1;
     let mut status = run();
-    if matches!(&status, Ok(s) if s.code() == Some(KVM_RUN_TIMED_OUT)) {
+    while matches!(&status, Ok(s) if s.code() == Some(KVM_RUN_L1_STOPPED))
+        && attempt < L1_STOPPED_ATTEMPTS
+    {
+        attempt += 1;
         eprintln!(
-            "testbed: the bed ran into its {timeout} s limit (console above); \
-             running {} once more",
+            "testbed: the bed's L1 stopped running (console above); running {} again \
+             (attempt {attempt} of {L1_STOPPED_ATTEMPTS})",
             exe.display()
         );
         status = run();
@@ -271,8 +277,11 @@ pub fn run_tests(tests: Vec<Trial>) -> ! {
     }
 }
 
-/// kvm-run's exit status when its time limit ended the run.
-const KVM_RUN_TIMED_OUT: i32 = 124;
+/// kvm-run's exit status when L1's console went silent (L1 stopped running).
+const KVM_RUN_L1_STOPPED: i32 = 123;
+
+/// How many times a test binary runs through the bed when L1 keeps stopping.
+const L1_STOPPED_ATTEMPTS: u32 = 3;
 
 /// The last `n` lines of a text file (empty when it cannot be read).
 pub fn tail_lines(path: &Path, n: usize) -> String {
