@@ -14,9 +14,8 @@ pub mod vmm;
 use std::path::PathBuf;
 
 use futures_util::future::BoxFuture;
-use tine_proto::vmm::SnapshotInfo;
-use tine_proto::vmm::StopReason;
 use tine_proto::vmm::{Request as VmmRequest, Response as VmmResponse};
+use tine_proto::vmm::{RunState, SnapshotInfo, StopReason};
 use tokio::io::{AsyncRead, AsyncWrite};
 
 /// What to boot.
@@ -242,6 +241,19 @@ pub trait Launcher: Send + Sync + std::fmt::Debug + 'static {
     ) -> BoxFuture<'a, Result<Box<dyn GuestStream>, LaunchError>>;
 }
 
+/// What a VMM answered to a request it carried out.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Done {
+    /// Run state after the request, when a VM exists.
+    pub state: Option<RunState>,
+    /// Snapshot details, for `snapshot`.
+    pub snapshot: Option<SnapshotInfo>,
+    /// Why the VM stopped, if it did.
+    pub stop_reason: Option<StopReason>,
+    /// Microseconds the request took inside the VMM.
+    pub duration_us: u64,
+}
+
 /// The requests every VMM answers, as calls: what the core uses.
 pub trait LauncherExt: Launcher {
     /// Sends `request`; a refusal is an error.
@@ -249,7 +261,7 @@ pub trait LauncherExt: Launcher {
         &'a self,
         hostname: &'a str,
         request: VmmRequest,
-    ) -> BoxFuture<'a, Result<VmmResponse, LaunchError>> {
+    ) -> BoxFuture<'a, Result<Done, LaunchError>> {
         Box::pin(async move {
             match self.control(hostname, &request).await? {
                 VmmResponse::Error { error } => Err(LaunchError::Refused {
@@ -257,7 +269,17 @@ pub trait LauncherExt: Launcher {
                     request: format!("{request:?}"),
                     error,
                 }),
-                ok => Ok(ok),
+                VmmResponse::Ok {
+                    state,
+                    snapshot,
+                    stop_reason,
+                    duration_us,
+                } => Ok(Done {
+                    state,
+                    snapshot,
+                    stop_reason,
+                    duration_us,
+                }),
             }
         })
     }
@@ -284,11 +306,7 @@ pub trait LauncherExt: Launcher {
                 state_path: state,
                 mem_path: memory,
             };
-            Ok(match self.request(hostname, request).await? {
-                VmmResponse::Ok { snapshot, .. } => snapshot,
-                // `request` turns refusals into errors.
-                VmmResponse::Error { .. } => None,
-            })
+            Ok(self.request(hostname, request).await?.snapshot)
         })
     }
 
