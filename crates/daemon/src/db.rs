@@ -2,9 +2,10 @@
 //!
 //! Every change is one transaction (WAL journal, `synchronous=FULL`), so a
 //! `kill -9` of the daemon leaves either the state before a change or the
-//! state after it. The daemon records intent first (a VM row in state
-//! `creating`) and creates files after; start-up reconciliation
-//! (`crate::reconcile`) removes what an interrupted change left.
+//! state after it. A new VM's files are made inside the transaction that
+//! records it (`Store::insert_vm_with`); other changes record intent first
+//! and change files after. Start-up reconciliation (`core::reconcile`)
+//! removes or finishes what an interrupted change left.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -423,56 +424,30 @@ impl Store {
         Ok(out)
     }
 
-    /// Records a new VM in state `creating` with the next free `GROUP-N`
-    /// hostname; `disk_for` names its disk from the hostname.
+    /// Records a new VM with the next free `GROUP-N` hostname, queued for
+    /// its first boot (`starting`, no process); `disk_for` names its disk
+    /// from the hostname.
     pub fn insert_vm(&self, new: &NewVm, disk_for: impl Fn(&str) -> String) -> Result<VmRecord> {
-        self.transaction(|tx| {
-            if let Some(name) = &new.name {
-                let taken: Option<String> = tx
-                    .prepare_cached("SELECT hostname FROM vms WHERE name = ?1")?
-                    .query_row([name], |r| r.get(0))
-                    .optional()?;
-                if let Some(h) = taken {
-                    return Err(DbError::Conflict(format!(
-                        "the name `{name}` is already used by {h}"
-                    )));
-                }
-            }
-            let idx: u32 = tx
-                .prepare_cached("SELECT COALESCE(MAX(idx), 0) + 1 FROM vms WHERE host_group = ?1")?
-                .query_row([&new.host_group], |r| r.get(0))?;
-            let hostname = format!("{}-{idx}", new.host_group);
-            let disk = disk_for(&hostname);
-            tx.prepare_cached(
-                "INSERT INTO vms (hostname, host_group, idx, state, cpus, ram_bytes, persistent, \
-                 managed, tags, name, userdata, disk, policy, created_ms, booted_once, \
-                 parent_commit_id, fixups) \
-                 VALUES (?1, ?2, ?3, 'creating', ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, \
-                 ?15, ?16)",
-            )?
-            .execute(params![
-                hostname,
-                new.host_group,
-                idx,
-                new.cpus,
-                new.ram_bytes as i64,
-                new.persistent,
-                new.managed,
-                to_json(&new.tags),
-                new.name,
-                new.userdata,
-                disk,
-                new.policy.as_ref().map(to_json),
-                now_ms() as i64,
-                new.booted_once,
-                new.parent_commit_id,
-                new.fixups.as_ref().map(to_json),
-            ])?;
-            get_vm_tx(tx, &hostname)?.ok_or_else(|| DbError::Corrupt {
-                what: "vms",
-                detail: format!("{hostname} vanished after insert"),
-            })
-        })
+        self.insert_vm_with(new, disk_for, |_| Ok::<(), DbError>(()))
+    }
+
+    /// [`Store::insert_vm`], with `prepare` making the VM's files inside
+    /// the transaction, before it commits: a crash leaves either no record
+    /// (and files that start-up reconciliation removes) or the record with
+    /// its files, and a failed `prepare` records nothing. The store is
+    /// locked meanwhile, so `prepare` must be quick.
+    pub fn insert_vm_with<E: From<DbError>>(
+        &self,
+        new: &NewVm,
+        disk_for: impl Fn(&str) -> String,
+        prepare: impl FnOnce(&VmRecord) -> std::result::Result<(), E>,
+    ) -> std::result::Result<VmRecord, E> {
+        let mut conn = self.lock();
+        let tx = conn.transaction().map_err(DbError::from)?;
+        let vm = insert_vm_tx(&tx, new, &disk_for)?;
+        prepare(&vm)?;
+        tx.commit().map_err(DbError::from)?;
+        Ok(vm)
     }
 
     /// The VM with this hostname, or with this friendly name.
@@ -792,6 +767,59 @@ impl Store {
     }
 }
 
+/// Inserts a new VM's row (see [`Store::insert_vm`]).
+fn insert_vm_tx(
+    tx: &Transaction<'_>,
+    new: &NewVm,
+    disk_for: &dyn Fn(&str) -> String,
+) -> Result<VmRecord> {
+    if let Some(name) = &new.name {
+        let taken: Option<String> = tx
+            .prepare_cached("SELECT hostname FROM vms WHERE name = ?1")?
+            .query_row([name], |r| r.get(0))
+            .optional()?;
+        if let Some(h) = taken {
+            return Err(DbError::Conflict(format!(
+                "the name `{name}` is already used by {h}"
+            )));
+        }
+    }
+    let idx: u32 = tx
+        .prepare_cached("SELECT COALESCE(MAX(idx), 0) + 1 FROM vms WHERE host_group = ?1")?
+        .query_row([&new.host_group], |r| r.get(0))?;
+    let hostname = format!("{}-{idx}", new.host_group);
+    let disk = disk_for(&hostname);
+    tx.prepare_cached(
+        "INSERT INTO vms (hostname, host_group, idx, state, cpus, ram_bytes, persistent, \
+             managed, tags, name, userdata, disk, policy, created_ms, booted_once, \
+             parent_commit_id, fixups) \
+             VALUES (?1, ?2, ?3, 'starting', ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, \
+             ?15, ?16)",
+    )?
+    .execute(params![
+        hostname,
+        new.host_group,
+        idx,
+        new.cpus,
+        new.ram_bytes as i64,
+        new.persistent,
+        new.managed,
+        to_json(&new.tags),
+        new.name,
+        new.userdata,
+        disk,
+        new.policy.as_ref().map(to_json),
+        now_ms() as i64,
+        new.booted_once,
+        new.parent_commit_id,
+        new.fixups.as_ref().map(to_json),
+    ])?;
+    get_vm_tx(tx, &hostname)?.ok_or_else(|| DbError::Corrupt {
+        what: "vms",
+        detail: format!("{hostname} vanished after insert"),
+    })
+}
+
 fn get_vm_tx(tx: &Transaction<'_>, hostname: &str) -> Result<Option<VmRecord>> {
     let sql = format!("SELECT {VM_COLUMNS} FROM vms WHERE hostname = ?1");
     tx.prepare_cached(&sql)?
@@ -831,7 +859,8 @@ mod tests {
             ),
             ("dev-1", "dev-2", "ci-1")
         );
-        assert_eq!(a.state, VmState::Creating);
+        assert_eq!(a.state, VmState::Starting);
+        assert_eq!(a.pid, None);
         assert_eq!(b.disk, "/d/dev-2.qcow2");
         assert_eq!(s.list_vms(Some("dev")).expect("list").len(), 2);
         assert_eq!(s.list_vms(None).expect("list").len(), 3);

@@ -17,12 +17,14 @@ pub const ENV: &str = "TINE_FAILPOINT";
 /// A place where the daemon can be made to crash.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Failpoint {
-    /// A new VM (create or fork) is recorded as `creating`; no folder yet.
-    ProvisionRecorded,
-    /// The new VM's disk exists; the VM is still `creating`.
+    /// A new VM's (create or fork) folder and disk exist; the transaction
+    /// recording it has not committed.
     ProvisionDiskMade,
-    /// The VM is `starting`, queued for a boot slot, with no process.
-    BootQueued,
+    /// The new VM is recorded `starting`, queued for a boot slot, with no
+    /// process; a fork's disk is not synced yet.
+    ProvisionRecorded,
+    /// A boot slot is taken and the disk synced; no process yet.
+    BootDiskSynced,
     /// Its tine-vmm runs, but no record names the process yet.
     BootSpawned,
     /// The process is recorded; the agent has not answered.
@@ -44,9 +46,9 @@ pub enum Failpoint {
 impl Failpoint {
     /// Every point, in the order an operation reaches them.
     pub const ALL: &'static [Failpoint] = &[
-        Failpoint::ProvisionRecorded,
         Failpoint::ProvisionDiskMade,
-        Failpoint::BootQueued,
+        Failpoint::ProvisionRecorded,
+        Failpoint::BootDiskSynced,
         Failpoint::BootSpawned,
         Failpoint::BootRecorded,
         Failpoint::BootSetUp,
@@ -60,9 +62,9 @@ impl Failpoint {
     /// The name `TINE_FAILPOINT` takes.
     pub fn name(self) -> &'static str {
         match self {
-            Failpoint::ProvisionRecorded => "provision-recorded",
             Failpoint::ProvisionDiskMade => "provision-disk-made",
-            Failpoint::BootQueued => "boot-queued",
+            Failpoint::ProvisionRecorded => "provision-recorded",
+            Failpoint::BootDiskSynced => "boot-disk-synced",
             Failpoint::BootSpawned => "boot-spawned",
             Failpoint::BootRecorded => "boot-recorded",
             Failpoint::BootSetUp => "boot-set-up",
@@ -146,6 +148,6 @@ mod tests {
     #[test]
     fn an_unarmed_point_returns() {
         // Nothing in the test environment arms a point.
-        hit(Failpoint::BootQueued);
+        hit(Failpoint::BootDiskSynced);
     }
 }

@@ -142,9 +142,32 @@ fn create_disk_on(parent: &Path, dest: &Path) -> Result<(), DiskError> {
         .map_err(|e| err(&format!("chmod {}", dest.display()), &e))
 }
 
-/// Creates a fork's disk: an overlay on the commit.
+/// Creates a fork's disk: an overlay on the commit, not yet synced (a
+/// fork answers before its disk reaches stable storage; [`sync_disk`] runs
+/// before its first boot, and start-up reconciliation makes it again if a
+/// power loss took it before then: an empty overlay holds nothing else).
 pub fn fork_disk(commit_path: &Path, dest: &Path) -> Result<(), DiskError> {
-    create_disk_on(commit_path, dest)
+    vstore::create(
+        dest,
+        &vstore::CreateOptions {
+            backing: Some((commit_path.to_path_buf(), Format::Qcow2)),
+            durability: vstore::Durability::Deferred,
+            ..vstore::CreateOptions::default()
+        },
+    )
+    .map_err(|e| err(&format!("create {}", dest.display()), &e))?;
+    std::fs::set_permissions(dest, std::fs::Permissions::from_mode(0o600))
+        .map_err(|e| err(&format!("chmod {}", dest.display()), &e))
+}
+
+/// Brings a disk and the directory entry naming it to stable storage.
+pub fn sync_disk(path: &Path) -> Result<(), DiskError> {
+    vstore::sync_created(path).map_err(|e| err(&format!("sync {}", path.display()), &e))
+}
+
+/// Whether the disk exists and its image header reads.
+pub fn is_intact(path: &Path) -> bool {
+    vstore::open_disk(path, true).is_ok()
 }
 
 #[cfg(test)]

@@ -40,14 +40,15 @@ enum Op {
 
 /// Every crash point, with the operations that reach it.
 const SCENARIOS: &[(Op, Failpoint)] = &[
-    (Op::Create, Failpoint::ProvisionRecorded),
     (Op::Create, Failpoint::ProvisionDiskMade),
-    (Op::Create, Failpoint::BootQueued),
+    (Op::Create, Failpoint::ProvisionRecorded),
+    (Op::Create, Failpoint::BootDiskSynced),
     (Op::Create, Failpoint::BootSpawned),
     (Op::Create, Failpoint::BootRecorded),
     (Op::Create, Failpoint::BootSetUp),
-    (Op::Fork, Failpoint::ProvisionRecorded),
     (Op::Fork, Failpoint::ProvisionDiskMade),
+    (Op::Fork, Failpoint::ProvisionRecorded),
+    (Op::Fork, Failpoint::BootDiskSynced),
     (Op::Fork, Failpoint::BootSpawned),
     (Op::Fork, Failpoint::BootSetUp),
     (Op::Commit, Failpoint::CommitLinked),

@@ -31,7 +31,8 @@ use std::path::{Path, PathBuf};
 
 pub use backend::{check_range, BlockBackend};
 pub use qcow2::{
-    check, create, create_empty, create_overlay, flatten, CheckReport, CreateOptions, Qcow2,
+    check, create, create_empty, create_overlay, flatten, sync_created, CheckReport, CreateOptions,
+    Durability, Qcow2,
 };
 pub use raw::RawFile;
 

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use tine_disk::qcow2::{create, CreateOptions};
+use tine_disk::qcow2::{create, CreateOptions, Durability};
 use tine_disk::{
     backing_chain, check, create_empty, create_overlay, flatten, info, open_disk, BlockBackend,
     Format, Qcow2,
@@ -111,6 +111,7 @@ fn test_qemu_accepts_and_reads_our_images() {
                 virtual_size: Some(size),
                 cluster_size,
                 backing: None,
+                durability: Durability::Synced,
             },
         )
         .expect("create");
@@ -140,6 +141,7 @@ fn test_qemu_accepts_our_image_after_refcount_table_growth() {
             virtual_size: Some(24 << 20),
             cluster_size: 512,
             backing: None,
+            durability: Durability::Synced,
         },
     )
     .expect("create");

@@ -27,6 +27,15 @@ use crate::storage;
 /// How long a graceful shutdown waits before killing.
 pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(20);
 
+/// Removes a folder and what it holds, logging a failure.
+fn remove_dir_logged(dir: &Path) {
+    if let Err(e) = std::fs::remove_dir_all(dir) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            tracing::warn!("cannot remove {}: {e}", dir.display());
+        }
+    }
+}
+
 impl Daemon {
     /// Describes a VM for the API.
     pub fn describe(&self, vm: &VmRecord) -> api::VmInfo {
@@ -124,37 +133,45 @@ impl Daemon {
         })
     }
 
-    /// Records a new VM, makes its disk with `make_disk` and starts it; on
-    /// any failure it leaves nothing behind (no record, files or network).
+    /// Records a new VM and makes its folder and disk with `make_disk` in
+    /// one transaction (see `Store::insert_vm_with`), then queues its boot;
+    /// on any failure it leaves nothing behind (no record, files or
+    /// network). `make_disk` runs with the store locked: it writes a few
+    /// KiB (an overlay), never a copy of an image.
     pub(super) async fn provision(
         self: &Arc<Self>,
         new: &NewVm,
         make_disk: impl FnOnce(&Path) -> Result<()>,
     ) -> Result<String> {
         let data_dir = self.data_dir.clone();
-        let vm = self.store.insert_vm(new, |h| {
-            VmPaths::new(&data_dir, h)
-                .dir
-                .join("disk.qcow2")
-                .display()
-                .to_string()
-        })?;
-        self.notify();
+        let vm = self.store.insert_vm_with(
+            new,
+            |h| {
+                VmPaths::new(&data_dir, h)
+                    .dir
+                    .join("disk.qcow2")
+                    .display()
+                    .to_string()
+            },
+            |vm| {
+                let dir = VmPaths::new(&data_dir, &vm.hostname).dir;
+                let made = std::fs::create_dir_all(&dir)
+                    .map_err(|e| Error::io("create VM folder", e))
+                    .and_then(|()| make_disk(Path::new(&vm.disk)));
+                if made.is_err() {
+                    // Still under the store's lock: no other VM can have
+                    // been given this hostname (and folder) yet.
+                    remove_dir_logged(&dir);
+                }
+                made?;
+                failpoint::hit(Failpoint::ProvisionDiskMade);
+                Ok::<(), Error>(())
+            },
+        )?;
         failpoint::hit(Failpoint::ProvisionRecorded);
-        let hostname = vm.hostname.clone();
-        let result = async {
-            std::fs::create_dir_all(self.paths(&hostname).dir)
-                .map_err(|e| Error::io("create VM folder", e))?;
-            make_disk(Path::new(&vm.disk))?;
-            failpoint::hit(Failpoint::ProvisionDiskMade);
-            self.queue_boot(&hostname)
-        }
-        .await;
-        if let Err(e) = result {
-            self.discard(&hostname).await;
-            return Err(e);
-        }
-        Ok(hostname)
+        self.notify();
+        self.spawn_boot(&vm.hostname);
+        Ok(vm.hostname)
     }
 
     /// Removes every trace of a VM (record, files, network).
@@ -180,24 +197,45 @@ impl Daemon {
     pub(super) fn queue_boot(self: &Arc<Self>, hostname: &str) -> Result<()> {
         self.store.queue_start(hostname)?;
         self.notify();
-        failpoint::hit(Failpoint::BootQueued);
+        self.spawn_boot(hostname);
+        Ok(())
+    }
+
+    /// Launches a VM recorded `starting` without a process once a boot
+    /// slot is free, after its disk reached stable storage (a fork's disk
+    /// is made without syncs: see `storage::fork_disk`).
+    fn spawn_boot(self: &Arc<Self>, hostname: &str) {
         let this = self.clone();
         let h = hostname.to_owned();
         tokio::spawn(async move {
             let permit = this.boot_slots.clone().acquire_owned().await.ok();
             let _guard = this.lock_vm(&h).await;
-            match this.store.find_vm(&h) {
-                Ok(Some(vm)) if vm.state == VmState::Starting && vm.pid.is_none() => {}
+            let disk = match this.store.find_vm(&h) {
+                Ok(Some(vm)) if vm.state == VmState::Starting && vm.pid.is_none() => vm.disk,
                 // Deleted or stopped while it waited.
-                _ => return,
-            }
-            if let Err(e) = this.launch(&h, permit) {
+                Ok(_) => return,
+                Err(e) => {
+                    tracing::error!(vm = %h, "cannot read its record to boot it: {}", chain(&e));
+                    return;
+                }
+            };
+            let synced = tokio::task::spawn_blocking(move || storage::sync_disk(Path::new(&disk)))
+                .await
+                .map_err(|source| Error::Task {
+                    what: "sync disk",
+                    source,
+                })
+                .and_then(|r| r.map_err(|e| Error::disk("sync disk before boot", e)));
+            let launched = synced.and_then(|()| {
+                failpoint::hit(Failpoint::BootDiskSynced);
+                this.launch(&h, permit)
+            });
+            if let Err(e) = launched {
                 let reason = chain(&e);
                 tracing::warn!(vm = %h, "launch: {reason}");
                 this.launch_failed(&h, &reason);
             }
         });
-        Ok(())
     }
 
     /// A queued VM could not be launched: a fork is removed (its waiter

@@ -11,9 +11,11 @@ use std::time::Duration;
 use tine_proto::api::{CreateVmRequest, StopMode, VmState, Wait};
 
 use super::daemon::Daemon;
-use super::error::{chain, Result};
+use super::error::{chain, Error, Result};
 use crate::config::Reconcile;
+use crate::db::VmRecord;
 use crate::launcher::Instance;
+use crate::storage;
 
 /// What start-up reconciliation did.
 #[derive(Debug, Default, Clone, PartialEq, Eq, serde::Serialize)]
@@ -77,6 +79,14 @@ impl Daemon {
                 }
                 VmState::Starting if vm.pid.is_none() => {
                     // Queued for a boot slot when the daemon went down.
+                    if let Err(e) = self.remake_lost_fork_disk(vm) {
+                        let reason = chain(&e);
+                        tracing::error!(vm = %vm.hostname, "{reason}");
+                        self.store
+                            .set_state(&vm.hostname, VmState::Failed, Some(&reason))?;
+                        report.failed.push(vm.hostname.clone());
+                        continue;
+                    }
                     match self.queue_boot(&vm.hostname) {
                         Ok(()) => report.relaunched.push(vm.hostname.clone()),
                         Err(e) => {
@@ -202,6 +212,38 @@ impl Daemon {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// A fork is answered before its disk is synced (`storage::fork_disk`),
+    /// and synced before its first boot: if a power loss took the disk of a
+    /// fork that never booted, it held nothing but its commit, so it is
+    /// made again. Any other VM with its disk gone cannot boot.
+    fn remake_lost_fork_disk(&self, vm: &VmRecord) -> Result<()> {
+        let disk = Path::new(&vm.disk);
+        if storage::is_intact(disk) {
+            return Ok(());
+        }
+        let commit = match (&vm.parent_commit_id, vm.is_unborn_fork()) {
+            (Some(id), true) => self.store.get_commit(id)?,
+            _ => None,
+        };
+        let Some(commit) = commit else {
+            return Err(Error::Failed(format!(
+                "its disk {} is missing or unreadable",
+                disk.display()
+            )));
+        };
+        if let Err(e) = std::fs::remove_file(disk) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                return Err(Error::io("remove the lost disk of an unborn fork", e));
+            }
+        }
+        std::fs::create_dir_all(self.paths(&vm.hostname).dir)
+            .map_err(|e| Error::io("create VM folder", e))?;
+        storage::fork_disk(Path::new(&commit.disk), disk)
+            .map_err(|e| Error::disk("make an unborn fork's disk again", e))?;
+        tracing::warn!(vm = %vm.hostname, "its disk was lost before its first boot; made it again from {}", commit.id);
         Ok(())
     }
 

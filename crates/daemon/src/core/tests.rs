@@ -20,6 +20,7 @@ use crate::error::ApiError;
 use crate::launcher::fake::{FakeLauncher, Guest, Seen};
 use crate::launcher::Stop;
 use crate::network::NetworkManager;
+use crate::storage;
 
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -434,21 +435,29 @@ fn reconcile_after_a_kill_adopts_relaunches_and_removes() {
             .create_vm("dev", mk(false), Wait::Agent, WAIT, false)
             .await
             .expect("c");
-        // A create the kill interrupted: recorded, nothing made yet.
+        let lone = || crate::db::NewVm {
+            host_group: "dev".into(),
+            cpus: 1,
+            ram_bytes: 256 << 20,
+            ..crate::db::NewVm::default()
+        };
+        // A create an older daemon recorded `creating` and never finished.
         let d = first
             .store
-            .insert_vm(
-                &crate::db::NewVm {
-                    host_group: "dev".into(),
-                    cpus: 1,
-                    ram_bytes: 256 << 20,
-                    ..crate::db::NewVm::default()
-                },
-                |h| format!("/nowhere/{h}.qcow2"),
-            )
+            .insert_vm(&lone(), |h| format!("/nowhere/{h}.qcow2"))
             .expect("record");
-        (a.hostname, b.hostname, c.hostname, d.hostname)
+        first
+            .store
+            .set_state(&d.hostname, VmState::Creating, None)
+            .expect("creating");
+        // A queued VM whose disk is gone: it cannot boot.
+        let e = first
+            .store
+            .insert_vm(&lone(), |h| format!("/nowhere/{h}.qcow2"))
+            .expect("record");
+        (a.hostname, b.hostname, c.hostname, (d.hostname, e.hostname))
     });
+    let (creating, diskless) = creating;
     drop(first_runtime);
     let killed = || Stop::Signalled {
         signal: 9,
@@ -468,6 +477,11 @@ fn reconcile_after_a_kill_adopts_relaunches_and_removes() {
         assert_eq!(report.killed, vec![format!("dev-9 (pid {})", stray.pid)]);
         assert!(!fake.is_running("dev-9"));
         assert!(second.vm(&ephemeral).is_err() && second.vm(&creating).is_err());
+        assert_eq!(report.failed, vec![diskless.clone()]);
+        let failed = second.vm(&diskless).expect("diskless");
+        assert_eq!(failed.state, VmState::Failed);
+        let reason = failed.reason.unwrap_or_default();
+        assert!(reason.contains("missing or unreadable"), "{reason}");
         // The crashed persistent VM boots again.
         let vm = second
             .wait_running(&crashed, WAIT)
@@ -485,4 +499,51 @@ fn reconcile_after_a_kill_adopts_relaunches_and_removes() {
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
     });
+}
+
+#[tokio::test]
+async fn reconcile_remakes_the_disk_a_power_loss_took_from_an_unborn_fork() {
+    let b = bed(true);
+    let commit = b.commit().await;
+    // A fork is answered before its overlay is synced: a power loss then
+    // leaves its record (synced by SQLite) without its disk.
+    let paths = |h: &str| b.daemon.paths(h).dir.join("disk.qcow2");
+    let fork = b
+        .daemon
+        .store
+        .insert_vm(
+            &crate::db::NewVm {
+                host_group: "dev".into(),
+                cpus: 1,
+                ram_bytes: 256 << 20,
+                parent_commit_id: Some(commit.clone()),
+                fixups: Some(Vec::new()),
+                booted_once: true,
+                ..crate::db::NewVm::default()
+            },
+            |h| paths(h).display().to_string(),
+        )
+        .expect("record");
+    assert!(!paths(&fork.hostname).exists());
+    let report = b.daemon.reconcile().await.expect("reconcile");
+    assert!(report.relaunched.contains(&fork.hostname), "{report:?}");
+    assert!(report.failed.is_empty(), "{report:?}");
+    let vm = b
+        .daemon
+        .wait_running(&fork.hostname, WAIT)
+        .await
+        .expect("the fork boots");
+    assert!(storage::is_intact(Path::new(&vm.disk)));
+    let c = b
+        .daemon
+        .store
+        .get_commit(&commit)
+        .expect("get")
+        .expect("commit");
+    let chain = tine_disk::backing_chain(Path::new(&vm.disk)).expect("chain");
+    assert!(
+        chain.iter().any(|i| i.path == Path::new(&c.disk)),
+        "{chain:?} lacks {}",
+        c.disk
+    );
 }

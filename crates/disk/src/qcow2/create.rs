@@ -3,7 +3,10 @@
 //! A new image is written to a temporary name in the destination's
 //! directory, synced, and hard-linked to its name (which fails if the name
 //! exists: an image is never replaced), so a crash never leaves a partial
-//! image at the destination.
+//! image at the destination. An image created [`Durability::Deferred`]
+//! skips both syncs: a crash of the process still leaves it whole (the
+//! page cache holds it), and [`sync_created`] makes it survive a power loss
+//! before anything depends on that.
 
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::OpenOptionsExt;
@@ -28,6 +31,21 @@ pub struct CreateOptions {
     /// The backing file, stored as given (relative names are resolved
     /// against the new image's directory), and its format.
     pub backing: Option<(PathBuf, Format)>,
+    /// When the new image reaches stable storage.
+    pub durability: Durability,
+}
+
+/// When a new image (its contents and its name) reaches stable storage.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Durability {
+    /// Before `create` returns: the file and its directory are synced.
+    #[default]
+    Synced,
+    /// When the caller calls [`sync_created`]; until then a power loss may
+    /// take the image (never a process crash). For images the caller can
+    /// make again, on a path where the syncs would cost more than the
+    /// rest of the work.
+    Deferred,
 }
 
 impl Default for CreateOptions {
@@ -37,6 +55,7 @@ impl Default for CreateOptions {
             virtual_size: None,
             cluster_size: 1 << DEFAULT_CLUSTER_BITS,
             backing: None,
+            durability: Durability::Synced,
         }
     }
 }
@@ -79,7 +98,29 @@ pub fn create_empty(path: &Path, virtual_size: u64) -> Result<()> {
 /// exists.
 pub fn create(path: &Path, options: &CreateOptions) -> Result<()> {
     let layout = Layout::plan(path, options)?;
-    atomically(path, |tmp, file| layout.write(tmp, file))
+    atomically(path, options.durability, |tmp, file| {
+        layout.write(tmp, file)
+    })
+}
+
+/// Syncs an image made with [`Durability::Deferred`] and the directory
+/// entry that names it, so that it survives a power loss.
+pub fn sync_created(path: &Path) -> Result<()> {
+    File::open(path)
+        .and_then(|f| f.sync_all())
+        .map_err(io_err("sync", path))?;
+    let dir = parent_dir(path);
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io_err("sync", dir))
+}
+
+/// The directory holding `path` (`.` for a bare name).
+fn parent_dir(path: &Path) -> &Path {
+    match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    }
 }
 
 /// Writes a standalone qcow2 image at `dest` (64 KiB clusters, no backing
@@ -96,7 +137,7 @@ pub fn flatten(path: &Path, dest: &Path) -> Result<()> {
             ..CreateOptions::default()
         },
     )?;
-    atomically(dest, |tmp, file| {
+    atomically(dest, Durability::Synced, |tmp, file| {
         layout.write(tmp, file)?;
         let mut image = Qcow2::open(tmp, false)?;
         copy_data(&mut source, &mut image)?;
@@ -126,9 +167,14 @@ fn copy_data(source: &mut Backing, dest: &mut Qcow2) -> Result<()> {
 
 static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 
-/// Runs `write` on a new temporary file next to `path`, syncs it and gives
-/// it the name `path` (failing if that exists), removing it on failure.
-fn atomically(path: &Path, write: impl FnOnce(&Path, &mut File) -> Result<()>) -> Result<()> {
+/// Runs `write` on a new temporary file next to `path`, syncs it (unless
+/// deferred) and gives it the name `path` (failing if that exists),
+/// removing it on failure.
+fn atomically(
+    path: &Path,
+    durability: Durability,
+    write: impl FnOnce(&Path, &mut File) -> Result<()>,
+) -> Result<()> {
     let name = path
         .file_name()
         .ok_or_else(|| Error::InvalidArgument(format!("{} names no file", path.display())))?;
@@ -152,17 +198,23 @@ fn atomically(path: &Path, write: impl FnOnce(&Path, &mut File) -> Result<()>) -
         .custom_flags(libc::O_CLOEXEC)
         .open(&tmp)
         .map_err(io_err("create", &tmp))?;
-    let result = write(&tmp, &mut file)
-        .and_then(|()| file.sync_all().map_err(io_err("sync", &tmp)))
-        .and_then(|()| std::fs::hard_link(&tmp, path).map_err(io_err("create", path)));
-    let _ = std::fs::remove_file(&tmp);
-    result?;
-    let dir = match path.parent() {
-        Some(dir) if !dir.as_os_str().is_empty() => dir,
-        _ => Path::new("."),
+    let synced = |file: &mut File| match durability {
+        Durability::Synced => file.sync_all().map_err(io_err("sync", &tmp)),
+        Durability::Deferred => Ok(()),
     };
-    if let Ok(dir) = File::open(dir) {
-        let _ = dir.sync_all();
+    let result = write(&tmp, &mut file)
+        .and_then(|()| synced(&mut file))
+        .and_then(|()| std::fs::hard_link(&tmp, path).map_err(io_err("create", path)));
+    if let Err(e) = std::fs::remove_file(&tmp) {
+        // Only a name is left behind: the image (if any) is at `path`.
+        tracing::warn!("cannot remove the temporary {}: {e}", tmp.display());
+    }
+    result?;
+    if durability == Durability::Synced {
+        let dir = parent_dir(path);
+        File::open(dir)
+            .and_then(|d| d.sync_all())
+            .map_err(io_err("sync", dir))?;
     }
     Ok(())
 }

@@ -44,7 +44,9 @@ use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 pub use check::{check, CheckReport};
-pub use create::{create, create_empty, create_overlay, flatten, CreateOptions};
+pub use create::{
+    create, create_empty, create_overlay, flatten, sync_created, CreateOptions, Durability,
+};
 
 use self::cache::TableCache;
 use self::header::{unsupported_incompatible, Header, AUTOCLEAR_OFFSET};

@@ -46,6 +46,7 @@ fn new_image(path: &Path, size: u64, cluster_size: u64) {
             virtual_size: Some(size),
             cluster_size,
             backing: None,
+            durability: Durability::Synced,
         },
     )
     .expect("create");
@@ -193,6 +194,7 @@ fn test_create_refuses_existing_path_and_bad_arguments() {
                 virtual_size: Some(1 << 20),
                 cluster_size,
                 backing: None,
+                durability: Durability::Synced,
             },
         );
         assert!(result.is_err(), "cluster size {cluster_size}");
@@ -930,4 +932,37 @@ fn test_next_data_finds_data_and_the_end_of_the_file() {
     assert_eq!(next_data(&file, 2 << 20).expect("seek"), Some(2 << 20));
     assert_eq!(next_data(&file, 4 << 20).expect("seek"), None);
     assert_eq!(next_data(&file, 8 << 20).expect("seek"), None);
+}
+
+#[test]
+fn a_deferred_image_is_whole_at_once_and_syncs_later() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let base = dir.path().join("base.raw");
+    std::fs::write(&base, vec![5u8; 1 << 20]).expect("base");
+    let top = dir.path().join("top.qcow2");
+    create(
+        &top,
+        &CreateOptions {
+            backing: Some((base.clone(), Format::Raw)),
+            durability: Durability::Deferred,
+            ..CreateOptions::default()
+        },
+    )
+    .expect("create");
+    // Readable through its backing file before any sync, and no temporary
+    // name is left next to it.
+    let mut disk = open_disk(&top, true).expect("open");
+    let mut buf = [0u8; 4];
+    disk.read_at(&mut buf, 4096).expect("read");
+    assert_eq!(buf, [5u8; 4]);
+    let names: Vec<_> = std::fs::read_dir(dir.path())
+        .expect("list")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names.len(), 2, "{names:?}");
+    sync_created(&top).expect("sync");
+    let missing = dir.path().join("missing.qcow2");
+    let err = sync_created(&missing).expect_err("a missing image cannot be synced");
+    assert!(err.to_string().contains("missing.qcow2"), "{err}");
 }
