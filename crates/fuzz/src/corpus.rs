@@ -86,6 +86,7 @@ fn qcow2_images(dir: &Path) -> io::Result<Vec<Vec<u8>>> {
             virtual_size: Some(4096),
             cluster_size: 512,
             backing: Some(("base.raw".into(), tine_disk::Format::Raw)),
+            durability: tine_disk::Durability::Synced,
         },
     )
     .map_err(err)?;
