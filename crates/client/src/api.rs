@@ -310,8 +310,8 @@ impl fmt::Display for ForwardTarget {
 /// The filters of `GET /vm/commits`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct CommitQuery {
-    /// Only commits with this tag.
-    pub tag: Option<String>,
+    /// Only commits with all of these tags.
+    pub tags: Vec<String>,
     /// Only the commit with this cache key.
     pub cache_key: Option<String>,
     /// Only commits of this source VM.
@@ -783,7 +783,9 @@ impl TineClient {
             None => "/nodes".to_string(),
         };
         let mut q = Query::new();
-        q.opt("tag", query.tag.as_ref());
+        for tag in &query.tags {
+            q.add("tag", tag);
+        }
         q.opt("tag_prefix", query.tag_prefix.as_ref());
         self.get(&q.finish(path)).await
     }
@@ -1037,8 +1039,11 @@ impl TineClient {
 
     /// `GET /vm/commits`, filtered.
     pub async fn list_commits(&self, query: &CommitQuery) -> Result<Vec<CommitInfo>> {
-        let path = Query::new()
-            .opt("tag", query.tag.as_ref())
+        let mut q = Query::new();
+        for tag in &query.tags {
+            q.add("tag", tag);
+        }
+        let path = q
             .opt("cache_key", query.cache_key.as_ref())
             .opt("source", query.source.as_ref())
             .finish("/vm/commits".to_string());

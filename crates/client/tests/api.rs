@@ -42,7 +42,7 @@ async fn daemon_routes_decode() {
         .list_vms(
             Some("dev"),
             &ListQuery {
-                tag: Some("env=ci".into()),
+                tags: vec!["env=ci".into()],
                 tag_prefix: None,
             },
         )
@@ -165,7 +165,8 @@ async fn lifecycle_tags_logs_and_health() {
     assert_eq!(fake.last("/vm/dev-1/tags").method, "PATCH");
 
     let logs = c.logs("dev-1", Some(2)).await.expect("logs");
-    assert_eq!(logs.lines, vec!["console line 2", "console line 3"]);
+    assert_eq!(logs.lines, 2);
+    assert_eq!(logs.content, "console line 2\nconsole line 3\n");
     assert_eq!(fake.last("/vm/dev-1/logs").uri, "/vm/dev-1/logs?lines=2");
 
     let h = c.health("dev-1", Wait::None, None).await.expect("health");

@@ -57,6 +57,12 @@ impl ErrorCode {
 pub struct DaemonInfo {
     /// The daemon's version.
     pub version: String,
+    /// The commit it was built from (`unknown` outside a git checkout).
+    pub git_commit: String,
+    /// The host's operating system, as Go names it (`linux`).
+    pub platform: String,
+    /// The host's architecture, as Go names it (`amd64`, `arm64`).
+    pub arch: String,
     /// Its data directory.
     pub data_dir: String,
     /// Its process id.
@@ -94,6 +100,10 @@ pub struct HostGroupInfo {
     pub network: String,
     /// VMs of this group that exist now.
     pub nodes: usize,
+    /// Guest architecture, as Go names it (`amd64`, `arm64`).
+    pub arch: String,
+    /// GPUs per VM: always 0 (tine has no device passthrough).
+    pub gpu_count: u32,
 }
 
 /// How a VM's last run ended.
@@ -241,27 +251,63 @@ pub struct CreateVmRequest {
     pub network: Option<NetworkPolicy>,
 }
 
-/// The network a VM got.
+/// Allow/drop lists and what happens to traffic neither matches.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PolicyLists {
+    /// Destinations let through first.
+    #[serde(default)]
+    pub allow: Vec<String>,
+    /// Destinations dropped next.
+    #[serde(default)]
+    pub drop: Vec<String>,
+    /// What happens to the rest.
+    #[serde(default)]
+    pub default: DefaultAction,
+}
+
+/// A VM's network as `GET /vm/{hostname}` shows it: always an object,
+/// `mode: none` for a VM without a NIC.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VmNetworkInfo {
     /// How the VM is attached.
     pub mode: NetworkMode,
-    /// Host TAP device.
-    pub tap: String,
-    /// Guest MAC address.
-    pub mac: String,
-    /// Guest IPv4 address with prefix (`a.b.c.d/n`).
-    pub address: String,
-    /// Gateway (the host side).
-    pub gateway: String,
-    /// Effective allow list.
-    #[serde(default)]
-    pub allow: Vec<String>,
-    /// Effective drop list.
-    #[serde(default)]
-    pub drop: Vec<String>,
-    /// Where the policy came from.
+    /// Where the effective lists came from.
     pub policy_source: PolicySource,
+    /// The host group's lists.
+    pub host_group: PolicyLists,
+    /// The VM's own override, if it has one (a field left out inherits).
+    #[serde(rename = "override", default, skip_serializing_if = "Option::is_none")]
+    pub overrides: Option<NetworkPolicy>,
+    /// The lists in force.
+    pub effective: PolicyLists,
+    /// Host TAP device, once the VM has a NIC.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tap: Option<String>,
+    /// Guest MAC address, once the VM has a NIC.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mac: Option<String>,
+    /// Guest IPv4 address with prefix (`a.b.c.d/n`), once it has a NIC.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub address: Option<String>,
+    /// Gateway (the host side), once it has a NIC.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gateway: Option<String>,
+}
+
+/// An optional string that is `""` on the wire when absent (Slicer's
+/// `ip` is always a string).
+pub mod empty_is_none {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    /// Writes `None` as `""`.
+    pub fn serialize<S: Serializer>(v: &Option<String>, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(v.as_deref().unwrap_or(""))
+    }
+
+    /// Reads `""` or `null` as `None`.
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+        Ok(Option::<String>::deserialize(d)?.filter(|v| !v.is_empty()))
+    }
 }
 
 /// `GET /vm/{hostname}`: one VM.
@@ -269,9 +315,12 @@ pub struct VmNetworkInfo {
 pub struct VmInfo {
     /// Hostname, `GROUP-N`.
     pub hostname: String,
-    /// Host group.
+    /// Host group (`hostgroup`, as Slicer spells it).
+    #[serde(rename = "hostgroup")]
     pub host_group: String,
-    /// State.
+    /// Slicer's coarse status: `Running` or `Stopped`.
+    pub status: VmStatus,
+    /// tine's life-cycle state (finer than `status`).
     pub state: VmState,
     /// vCPUs.
     pub cpus: u32,
@@ -281,12 +330,15 @@ pub struct VmInfo {
     pub persistent: bool,
     /// Tags.
     pub tags: Vec<String>,
-    /// Guest IPv4 address, when it has a network.
-    #[serde(default)]
+    /// Guest IPv4 address; `""` without a network.
+    #[serde(default, with = "empty_is_none")]
     pub ip: Option<String>,
-    /// Network details, when it has a network.
-    #[serde(default)]
-    pub network: Option<VmNetworkInfo>,
+    /// Guest architecture, as Go names it (`amd64`).
+    pub arch: String,
+    /// The host group's root filesystem image.
+    pub image: String,
+    /// The network: mode, policy and, once attached, the NIC.
+    pub network: VmNetworkInfo,
     /// The tine-vmm process id while it runs.
     #[serde(default)]
     pub pid: Option<u32>,
@@ -311,8 +363,10 @@ pub struct VmInfo {
     /// The commit this VM was forked from, if any.
     #[serde(default)]
     pub parent_commit_id: Option<String>,
-    /// Disk file and format.
-    pub storage: StorageInfo,
+    /// The storage backend: `image` (a disk file per VM).
+    pub storage: StorageKind,
+    /// The disk file and its format.
+    pub disk: StorageInfo,
 }
 
 /// A VM's disk.
@@ -333,11 +387,18 @@ pub struct StorageInfo {
 pub struct CreateVmResponse {
     /// The new VM's hostname.
     pub hostname: String,
+    /// Its host group.
+    #[serde(rename = "hostgroup")]
+    pub host_group: String,
     /// Its state when the response was sent.
     pub state: VmState,
-    /// Guest IPv4 address, when it has a network.
-    #[serde(default)]
+    /// Guest IPv4 address; `""` without a network (or before it started).
+    #[serde(default, with = "empty_is_none")]
     pub ip: Option<String>,
+    /// Created (RFC 3339).
+    pub created_at: String,
+    /// Guest architecture, as Go names it (`amd64`).
+    pub arch: String,
     /// Milliseconds from the request to the answer.
     pub elapsed_ms: u64,
 }
@@ -375,6 +436,10 @@ pub struct VmHealth {
     pub agent_ready: bool,
     /// The agent's version.
     pub agent_version: String,
+    /// Nanoseconds since the agent started (a Go `time.Duration`).
+    pub agent_uptime: u64,
+    /// Nanoseconds since the guest booted (a Go `time.Duration`).
+    pub system_uptime: u64,
     /// Milliseconds since the agent started.
     pub agent_uptime_ms: u64,
     /// Milliseconds since the guest booted.
@@ -428,13 +493,25 @@ pub enum ExecFrame {
     },
 }
 
-/// `GET /vm/{hostname}/logs` response (also available as plain text).
+/// `GET /vm/{hostname}/logs` response.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LogsResponse {
     /// The VM.
     pub hostname: String,
-    /// The serial console's last lines.
-    pub lines: Vec<String>,
+    /// How many lines `content` holds.
+    pub lines: usize,
+    /// The serial console's last lines, each ending in a newline.
+    pub content: String,
+}
+
+/// `POST /vm/{hostname}/shutdown` body (optional; `action=` in the query
+/// does the same).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShutdownRequest {
+    /// How to stop the VM (default `shutdown`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub action: Option<ShutdownAction>,
 }
 
 /// `POST /vm/{hostname}/shutdown` response, also `relaunch` and `delete`.
@@ -475,10 +552,18 @@ pub struct CommitInfo {
     pub status: CommitStatus,
     /// What the commit holds.
     pub mode: CommitMode,
+    /// The VM it was committed from (Slicer's commit answer names it
+    /// `hostname`, its list `source_hostname`: both are sent).
+    pub hostname: String,
     /// The VM it was committed from.
+    #[serde(rename = "source_hostname")]
     pub source: String,
     /// The source's host group.
+    #[serde(rename = "source_host_group")]
     pub host_group: String,
+    /// The source's state now, when it still exists.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent_status: Option<VmState>,
     /// Tags.
     pub tags: Vec<String>,
     /// Labels.
@@ -527,8 +612,8 @@ pub struct ForkRequest {
     /// would otherwise be an option that does nothing.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub no_secrets: bool,
-    /// vCPUs (within the group's limits).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// vCPUs (within the group's limits); Slicer's SDKs send `vcpu`.
+    #[serde(default, alias = "vcpu", skip_serializing_if = "Option::is_none")]
     pub cpus: Option<u32>,
     /// RAM in bytes (within the group's limits).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -590,6 +675,8 @@ pub struct ForkResponse {
     pub commit_id: String,
     /// Always `forked`.
     pub status: ForkStatus,
+    /// What the commit holds.
+    pub mode: CommitMode,
     /// The fork's state.
     pub child_status: VmState,
     /// Whether the fork keeps its disk when it stops.
@@ -634,9 +721,9 @@ pub mod shell {
 /// Query of the VM list routes.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ListQuery {
-    /// Only VMs with this exact tag.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tag: Option<String>,
+    /// Only VMs with all of these exact tags (`tag=` repeated).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tags: Vec<String>,
     /// Only VMs with a tag starting with this.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tag_prefix: Option<String>,
@@ -905,6 +992,8 @@ wire_enum! {
 wire_enum! {
     /// How a VM with a NIC is attached to the host.
     NetworkMode, "network mode" {
+        /// No NIC.
+        None = "none",
         /// On the group's bridge, with the host's LAN.
         Bridge = "bridge",
         /// Its own /30 behind the host, with allow/drop rules.
@@ -932,5 +1021,58 @@ wire_enum! {
         Shutdown = "shutdown",
         /// Kill at once.
         Poweroff = "poweroff",
+        /// Slicer's default (its Go SDK always sends it): a guest reboot
+        /// ends a microVM, so this is the graceful stop of `shutdown`.
+        Reboot = "reboot",
+    }
+}
+
+wire_enum! {
+    /// Slicer's coarse VM status, next to tine's finer [`VmState`].
+    VmStatus, "status" {
+        /// Being created, booting, running or stopping.
+        Running = "Running",
+        /// Stopped or failed.
+        Stopped = "Stopped",
+    }
+}
+
+impl From<VmState> for VmStatus {
+    fn from(s: VmState) -> Self {
+        match s {
+            VmState::Creating | VmState::Starting | VmState::Running | VmState::Stopping => {
+                VmStatus::Running
+            }
+            VmState::Stopped | VmState::Failed => VmStatus::Stopped,
+        }
+    }
+}
+
+wire_enum! {
+    /// Where a VM's disk lives.
+    StorageKind, "storage" {
+        /// A disk file per VM (qcow2 over the image, or a raw reflink copy).
+        Image = "image",
+    }
+}
+
+wire_enum! {
+    /// What happens to traffic that no allow/drop entry matches.
+    #[derive(Default)]
+    DefaultAction, "default" {
+        /// Let through (no allow list, or both lists given).
+        #[default]
+        Allow = "allow",
+        /// Dropped (only an allow list given).
+        Deny = "deny",
+    }
+}
+
+/// Go's name for this machine's architecture (`runtime.GOARCH`).
+pub fn go_arch() -> &'static str {
+    match std::env::consts::ARCH {
+        "x86_64" => "amd64",
+        "aarch64" => "arm64",
+        other => other,
     }
 }

@@ -126,6 +126,8 @@ async fn health_answer(client: &AgentClient, hostname: String) -> ApiResult<VmHe
         hostname,
         agent_ready: true,
         agent_version: h.agent_version,
+        agent_uptime: h.agent_uptime_ms.saturating_mul(1_000_000),
+        system_uptime: h.system_uptime_ms.saturating_mul(1_000_000),
         agent_uptime_ms: h.agent_uptime_ms,
         system_uptime_ms: h.system_uptime_ms,
         userdata_ran: h.userdata.ran || !h.userdata.present,

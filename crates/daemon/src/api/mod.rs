@@ -2,6 +2,8 @@
 //! methods, errors as `{error, code}`, the bearer token on TCP.
 
 mod commits;
+#[cfg(test)]
+mod contract;
 mod guest;
 mod params;
 mod vms;

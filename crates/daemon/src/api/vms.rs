@@ -6,12 +6,12 @@ use axum::http::{StatusCode, Uri};
 use axum::Json;
 use tine_proto::api::{
     self, CreateVmRequest, DaemonInfo, HostGroupInfo, ListQuery, LogsResponse, ShutdownAction,
-    TagsPatch, Wait,
+    ShutdownRequest, TagsPatch, Wait,
 };
 
 use super::params::{
-    parse_json, parse_query_enum, parse_timeout, query_get, query_num, query_only, query_pairs,
-    AppState, DEFAULT_WAIT,
+    parse_json, parse_query_enum, parse_timeout, query_all, query_get, query_num, query_only,
+    query_pairs, AppState, DEFAULT_WAIT,
 };
 use crate::core::DEFAULT_SHUTDOWN_TIMEOUT;
 use crate::error::{ApiError, ApiResult};
@@ -19,6 +19,9 @@ use crate::error::{ApiError, ApiResult};
 pub(super) async fn info(State(d): State<AppState>) -> ApiResult<Json<DaemonInfo>> {
     Ok(Json(DaemonInfo {
         version: env!("CARGO_PKG_VERSION").into(),
+        git_commit: env!("TINE_GIT_COMMIT").into(),
+        platform: std::env::consts::OS.into(),
+        arch: api::go_arch().into(),
         data_dir: d.data_dir().display().to_string(),
         pid: std::process::id(),
         started_at: api::rfc3339_millis(d.started_ms()),
@@ -51,6 +54,8 @@ pub(super) async fn host_groups(State(d): State<AppState>) -> ApiResult<Json<Vec
             persistent: g.persistent,
             network: g.network.mode.to_string(),
             nodes: d.vm_count(Some(&g.name))?,
+            arch: api::go_arch().into(),
+            gpu_count: 0,
         });
     }
     Ok(Json(out))
@@ -60,7 +65,7 @@ fn list_query(uri: &Uri) -> ApiResult<ListQuery> {
     let q = query_pairs(uri);
     query_only(&q, &["tag", "tag_prefix"])?;
     Ok(ListQuery {
-        tag: query_get(&q, "tag").map(str::to_owned),
+        tags: query_all(&q, "tag"),
         tag_prefix: query_get(&q, "tag_prefix").map(str::to_owned),
     })
 }
@@ -159,9 +164,15 @@ pub(super) async fn logs(
     let lines = tokio::task::spawn_blocking(move || crate::process::last_lines(&path, lines))
         .await
         .map_err(|e| ApiError::internal(format!("read log: {e}")))?;
+    let mut content = String::new();
+    for line in &lines {
+        content.push_str(line);
+        content.push('\n');
+    }
     Ok(Json(LogsResponse {
         hostname: vm.hostname,
-        lines,
+        lines: lines.len(),
+        content,
     }))
 }
 
@@ -169,10 +180,20 @@ pub(super) async fn shutdown(
     State(d): State<AppState>,
     Path(hostname): Path<String>,
     uri: Uri,
+    body: Bytes,
 ) -> ApiResult<Json<api::LifecycleResponse>> {
     let q = query_pairs(&uri);
     query_only(&q, &["action", "timeout"])?;
-    let action: ShutdownAction = parse_query_enum(&q, "action")?.unwrap_or_default();
+    let in_query: Option<ShutdownAction> = parse_query_enum(&q, "action")?;
+    let in_body = parse_json::<ShutdownRequest>(&body)?.action;
+    let action = match (in_query, in_body) {
+        (Some(a), Some(b)) if a != b => {
+            return Err(ApiError::bad_request(format!(
+                "action `{a}` in the query and `{b}` in the body disagree; give one"
+            )))
+        }
+        (a, b) => a.or(b).unwrap_or_default(),
+    };
     let timeout = parse_timeout(query_get(&q, "timeout"), DEFAULT_SHUTDOWN_TIMEOUT)?;
     Ok(Json(d.shutdown(&hostname, action, timeout).await?))
 }

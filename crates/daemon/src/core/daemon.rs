@@ -178,14 +178,14 @@ impl Daemon {
         Ok(self.store.get_image(name)?)
     }
 
-    /// Commits, filtered by tag, cache key and source VM.
+    /// Commits, filtered by tags (all of them), cache key and source VM.
     pub fn commits(
         &self,
-        tag: Option<&str>,
+        tags: &[&str],
         cache_key: Option<&str>,
         source: Option<&str>,
     ) -> Result<Vec<CommitRecord>> {
-        Ok(self.store.list_commits(tag, cache_key, source)?)
+        Ok(self.store.list_commits(tags, cache_key, source)?)
     }
 
     pub(super) fn notify(&self) {

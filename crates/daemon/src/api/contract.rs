@@ -1,0 +1,632 @@
+//! Contract tests with Slicer's SDKs: for each method of its Go SDK
+//! (`github.com/slicervm/sdk`) and TypeScript SDK (`@slicervm/sdk`), the
+//! request it sends (path, method, query, body) goes through the real
+//! router to a daemon on the fake launcher, and the answer must carry the
+//! status the SDK accepts and every field it reads, with the type it
+//! decodes. The `Sdk*` types below are written from the SDKs' documented
+//! types: a field the SDK reads is required here, so a missing or retyped
+//! field fails the test.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::http::{Method, Request, StatusCode};
+use axum::Router;
+use http_body_util::BodyExt;
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+
+use crate::config::{Config, HostGroup};
+use crate::core::{Daemon, Deadlines, Parts};
+use crate::db::Store;
+use crate::launcher::fake::FakeLauncher;
+use crate::network::NetworkManager;
+
+/// A daemon on the fake launcher behind the real router.
+struct Sdk {
+    _dir: tempfile::TempDir,
+    app: Router,
+    fake: FakeLauncher,
+}
+
+/// One answer: status, content type, body.
+struct Answer {
+    status: StatusCode,
+    content_type: String,
+    body: Vec<u8>,
+}
+
+impl Answer {
+    /// Decodes the body as the SDK does, failing with the body shown.
+    fn decode<T: DeserializeOwned>(&self) -> T {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| {
+            panic!(
+                "the SDK cannot decode {} ({e}): {}",
+                std::any::type_name::<T>(),
+                String::from_utf8_lossy(&self.body)
+            )
+        })
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+impl Sdk {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().expect("tmp");
+        let image = dir.path().join("base.img");
+        std::fs::write(&image, vec![0u8; 1 << 20]).expect("image");
+        let mut config = Config::embedded_default();
+        config.host_groups = vec![HostGroup {
+            name: "dev".into(),
+            image: image.display().to_string(),
+            persistent: true,
+            ram_mb: 256,
+            ..config.host_groups[0].clone()
+        }];
+        let data_dir = dir.path().join("data");
+        std::fs::create_dir_all(data_dir.join("vms")).expect("data dir");
+        let fake = FakeLauncher::new();
+        let daemon = Daemon::from_parts(Parts {
+            config,
+            store: Store::open(&data_dir.join("tine.db")).expect("store"),
+            data_dir,
+            kernel: PathBuf::from("/fake/vmlinux"),
+            launcher: Arc::new(fake.clone()),
+            network: NetworkManager::default(),
+            deadlines: Deadlines::default(),
+        });
+        Sdk {
+            app: super::app(daemon),
+            fake,
+            _dir: dir,
+        }
+    }
+
+    /// Sends one request as an SDK would.
+    async fn send(&self, method: Method, uri: &str, body: Option<(&str, Vec<u8>)>) -> Answer {
+        use tower::ServiceExt;
+        let mut req = Request::builder().method(method).uri(uri);
+        if let Some((content_type, _)) = &body {
+            req = req.header("content-type", *content_type);
+        }
+        let req = req
+            .body(body.map(|(_, b)| Body::from(b)).unwrap_or_else(Body::empty))
+            .expect("request");
+        let response = self.app.clone().oneshot(req).await.expect("infallible");
+        let status = response.status();
+        let content_type = response
+            .headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned();
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .expect("body")
+            .to_bytes()
+            .to_vec();
+        Answer {
+            status,
+            content_type,
+            body,
+        }
+    }
+
+    async fn get(&self, uri: &str) -> Answer {
+        self.send(Method::GET, uri, None).await
+    }
+
+    /// A JSON request as the SDKs send it (`Content-Type: application/json`).
+    async fn json(&self, method: Method, uri: &str, body: serde_json::Value) -> Answer {
+        let bytes = serde_json::to_vec(&body).expect("json");
+        self.send(method, uri, Some(("application/json", bytes)))
+            .await
+    }
+
+    /// `CreateVMWithOptions(ctx, "dev", req, {Wait: agent})`: a running VM.
+    async fn create(&self, body: serde_json::Value) -> SdkCreateResponse {
+        let a = self
+            .json(
+                Method::POST,
+                "/hostgroup/dev/nodes?timeout=30s&wait=agent",
+                body,
+            )
+            .await;
+        assert!(
+            a.status == StatusCode::OK || a.status == StatusCode::CREATED,
+            "create: {} {}",
+            a.status,
+            a.text()
+        );
+        a.decode()
+    }
+
+    /// `Shutdown(ctx, h, nil)`: the Go SDK's default `action=reboot`.
+    async fn shutdown(&self, hostname: &str) {
+        let a = self
+            .send(
+                Method::POST,
+                &format!("/vm/{hostname}/shutdown?action=reboot"),
+                None,
+            )
+            .await;
+        assert_eq!(a.status, StatusCode::OK, "shutdown: {}", a.text());
+    }
+
+    /// A stopped persistent VM committed with `CommitVMWithOptions`.
+    async fn committed(&self, tags: &[&str], cache_key: &str) -> (String, SdkCommitResponse) {
+        let vm = self.create(serde_json::json!({"persistent": true})).await;
+        self.shutdown(&vm.hostname).await;
+        let a = self
+            .json(
+                Method::POST,
+                &format!("/vm/{}/commit", vm.hostname),
+                serde_json::json!({"tags": tags, "labels": {"team": "ci"}, "cache_key": cache_key}),
+            )
+            .await;
+        assert_eq!(a.status, StatusCode::OK, "commit: {}", a.text());
+        (vm.hostname, a.decode())
+    }
+}
+
+/// An RFC 3339 time, as Go's `time.Time` decodes it.
+fn rfc3339(value: &str) {
+    humantime::parse_rfc3339(value)
+        .unwrap_or_else(|e| panic!("`{value}` is not an RFC 3339 time ({e})"));
+}
+
+/// Go `SlicerHostGroup`, TS `WireHostGroup`.
+#[derive(Debug, Deserialize)]
+#[allow(dead_code)]
+struct SdkHostGroup {
+    name: String,
+    count: i64,
+    ram_bytes: i64,
+    cpus: i64,
+    arch: String,
+    gpu_count: i64,
+}
+
+/// Go `SlicerNode`, TS `WireVM`.
+#[derive(Debug, Deserialize)]
+#[allow(dead_code)]
+struct SdkNode {
+    hostname: String,
+    hostgroup: String,
+    ip: String,
+    ram_bytes: i64,
+    cpus: i64,
+    created_at: String,
+    arch: String,
+    tags: Vec<String>,
+    status: String,
+    persistent: bool,
+}
+
+/// Go `SlicerVMNetworkPolicy`.
+#[derive(Debug, Deserialize)]
+#[allow(dead_code)]
+struct SdkPolicy {
+    allow: Vec<String>,
+    drop: Vec<String>,
+}
+
+/// Go `SlicerVMNetworkDescription`.
+#[derive(Debug, Deserialize)]
+#[allow(dead_code)]
+struct SdkNetwork {
+    mode: String,
+    policy_source: String,
+    host_group: SdkPolicy,
+    #[serde(rename = "override")]
+    overrides: Option<serde_json::Map<String, serde_json::Value>>,
+    effective: SdkPolicy,
+}
+
+/// Go `SlicerVMDescription`: the node plus storage, lineage, network.
+#[derive(Debug, Deserialize)]
+#[allow(dead_code)]
+struct SdkDescription {
+    #[serde(flatten)]
+    node: SdkNode,
+    storage: String,
+    image: String,
+    commit_id: Option<String>,
+    parent_commit_id: Option<String>,
+    network: SdkNetwork,
+}
+
+/// Go `SlicerCreateNodeResponse`, TS `WireCreateVMResponse`.
+#[derive(Debug, Deserialize)]
+#[allow(dead_code)]
+struct SdkCreateResponse {
+    hostname: String,
+    hostgroup: String,
+    ip: String,
+    created_at: String,
+    arch: String,
+}
+
+/// Go `SlicerVMTags`.
+#[derive(Debug, Deserialize)]
+struct SdkTags {
+    hostname: String,
+    tags: Vec<String>,
+}
+
+/// Go `SlicerAgentHealthResponse` (durations are integer nanoseconds),
+/// TS `WireAgentHealth`.
+#[derive(Debug, Deserialize)]
+#[allow(dead_code)]
+struct SdkHealth {
+    hostname: String,
+    agent_uptime: u64,
+    agent_version: String,
+    system_uptime: u64,
+    userdata_ran: bool,
+}
+
+/// Go `SlicerLogsResponse`, TS `VMLogs`.
+#[derive(Debug, Deserialize)]
+struct SdkLogs {
+    hostname: String,
+    lines: i64,
+    content: String,
+}
+
+/// Go `SlicerDeleteResponse` (an `error` that is not empty fails it).
+#[derive(Debug, Deserialize)]
+struct SdkDelete {
+    #[serde(default)]
+    error: Option<String>,
+}
+
+/// Go `SlicerInfo`, TS `SlicerInfo`.
+#[derive(Debug, Deserialize)]
+struct SdkInfo {
+    version: String,
+    git_commit: String,
+    platform: String,
+    arch: String,
+}
+
+/// Go `SlicerCommitVMResponse`.
+#[derive(Debug, Deserialize)]
+#[allow(dead_code)]
+struct SdkCommitResponse {
+    hostname: String,
+    commit_id: String,
+    status: String,
+    parent_status: String,
+    mode: String,
+    tags: Vec<String>,
+    labels: std::collections::BTreeMap<String, String>,
+    cache_key: String,
+}
+
+/// Go `SlicerCommitInfo`.
+#[derive(Debug, Deserialize)]
+#[allow(dead_code)]
+struct SdkCommitInfo {
+    commit_id: String,
+    source_hostname: String,
+    source_host_group: String,
+    created_at: String,
+    mode: String,
+    tags: Vec<String>,
+    labels: std::collections::BTreeMap<String, String>,
+    cache_key: Option<String>,
+}
+
+/// Go `SlicerCommitDeleteResponse`.
+#[derive(Debug, Deserialize)]
+struct SdkCommitDelete {
+    commit_id: String,
+    status: String,
+}
+
+/// Go `SlicerForkVMResponse`.
+#[derive(Debug, Deserialize)]
+#[allow(dead_code)]
+struct SdkFork {
+    hostname: String,
+    source_hostname: String,
+    commit_id: String,
+    status: String,
+    child_status: String,
+    mode: String,
+    persistent: bool,
+}
+
+/// `{error, code}`: what both SDKs put in their API errors.
+#[derive(Debug, Deserialize)]
+struct SdkError {
+    error: String,
+    code: String,
+}
+
+#[tokio::test]
+async fn get_host_groups_and_info() {
+    let sdk = Sdk::new();
+    // Go GetHostGroups, TS hostGroups.list(): GET /hostgroup.
+    let a = sdk.get("/hostgroup").await;
+    assert_eq!(a.status, StatusCode::OK);
+    let groups: Vec<SdkHostGroup> = a.decode();
+    assert_eq!(groups.len(), 1);
+    assert_eq!((groups[0].name.as_str(), groups[0].cpus), ("dev", 1));
+    assert_eq!(groups[0].ram_bytes, 256 << 20);
+    assert_eq!(groups[0].arch, tine_proto::api::go_arch());
+    // Go GetInfo: GET /info.
+    let a = sdk.get("/info").await;
+    assert_eq!(a.status, StatusCode::OK);
+    let info: SdkInfo = a.decode();
+    assert_eq!(info.version, env!("CARGO_PKG_VERSION"));
+    assert_eq!(info.platform, "linux");
+    assert_eq!(info.arch, tine_proto::api::go_arch());
+    assert!(!info.git_commit.is_empty());
+}
+
+#[tokio::test]
+async fn create_list_describe_and_delete_a_vm() {
+    let sdk = Sdk::new();
+    // Go CreateVMWithOptions with Wait agent and a timeout; TS
+    // vms.create('dev', {...}, {wait: 'agent', waitTimeoutSec: 30}).
+    let vm = sdk
+        .create(serde_json::json!({
+            "ram_bytes": 256u64 << 20,
+            "cpus": 1,
+            "persistent": true,
+            "tags": ["env=ci", "team=a"],
+        }))
+        .await;
+    assert_eq!(vm.hostname, "dev-1");
+    assert_eq!(vm.hostgroup, "dev");
+    assert_eq!(vm.ip, "", "no network in this group");
+    rfc3339(&vm.created_at);
+
+    // Go GetHostGroupNodes(ctx, "dev", ListOptions{Tag}), TS
+    // hostGroups.listVMs('dev', {tag}); Go ListVMs, TS vms.list({tagPrefix}).
+    for uri in [
+        "/hostgroup/dev/nodes?tag=env%3Dci",
+        "/nodes?tag_prefix=team%3D",
+        "/nodes",
+    ] {
+        let a = sdk.get(uri).await;
+        assert_eq!(a.status, StatusCode::OK, "{uri}");
+        let nodes: Vec<SdkNode> = a.decode();
+        assert_eq!(nodes.len(), 1, "{uri}");
+        let n = &nodes[0];
+        // TS vms.get() builds its handle from `hostgroup`: its delete()
+        // needs the real group.
+        assert_eq!(
+            (n.hostname.as_str(), n.hostgroup.as_str()),
+            ("dev-1", "dev")
+        );
+        assert_eq!(n.status, "Running");
+        assert_eq!(n.tags, ["env=ci", "team=a"]);
+        assert!(n.persistent);
+        rfc3339(&n.created_at);
+    }
+    // Several tags are ANDed.
+    let a = sdk.get("/nodes?tag=env%3Dci&tag=team%3Db").await;
+    assert!(a.decode::<Vec<SdkNode>>().is_empty());
+    let a = sdk.get("/nodes?tag=env%3Dci&tag=team%3Da").await;
+    assert_eq!(a.decode::<Vec<SdkNode>>().len(), 1);
+
+    // Go DescribeVM: GET /vm/{h}; `network` is an object even without one.
+    let a = sdk.get("/vm/dev-1").await;
+    assert_eq!(a.status, StatusCode::OK);
+    let d: SdkDescription = a.decode();
+    assert_eq!(d.storage, "image");
+    assert_eq!(d.network.mode, "none");
+    assert_eq!(d.network.policy_source, "host_group");
+    assert!(d.network.effective.allow.is_empty() && d.network.overrides.is_none());
+    assert_eq!(d.node.status, "Running");
+
+    // Go DescribeVM of an unknown VM: an APIError with status 404 and
+    // the `{error, code}` body.
+    let a = sdk.get("/vm/nope-9").await;
+    assert_eq!(a.status, StatusCode::NOT_FOUND);
+    assert_eq!(a.content_type, "application/json");
+    let e: SdkError = a.decode();
+    assert_eq!(e.code, "not_found");
+    assert!(e.error.contains("nope-9"), "{}", e.error);
+
+    // Go DeleteVM(ctx, group, h), TS vm.delete(): DELETE
+    // /hostgroup/{group}/nodes/{h}, 200 without an `error`.
+    let a = sdk
+        .send(Method::DELETE, "/hostgroup/dev/nodes/dev-1", None)
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    let del: SdkDelete = a.decode();
+    assert!(del.error.unwrap_or_default().is_empty());
+    assert!(sdk.get("/nodes").await.decode::<Vec<SdkNode>>().is_empty());
+}
+
+#[tokio::test]
+async fn tags_health_logs_and_shutdown() {
+    let sdk = Sdk::new();
+    let vm = sdk.create(serde_json::json!({"tags": ["a"]})).await;
+    let h = vm.hostname.as_str();
+    // Go GetVMTags, AddVMTags, RemoveVMTags, ReplaceVMTags.
+    let tags: SdkTags = sdk.get(&format!("/vm/{h}/tags")).await.decode();
+    assert_eq!(
+        (tags.hostname.as_str(), tags.tags.clone()),
+        (h, vec!["a".into()])
+    );
+    let uri = format!("/vm/{h}/tags");
+    for (body, want) in [
+        (serde_json::json!({"add": ["b"]}), vec!["a", "b"]),
+        (serde_json::json!({"remove": ["a"]}), vec!["b"]),
+        (serde_json::json!({"replace": ["c"]}), vec!["c"]),
+        (serde_json::json!({"replace": []}), vec![]),
+    ] {
+        let a = sdk.json(Method::PATCH, &uri, body).await;
+        assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+        assert_eq!(a.decode::<SdkTags>().tags, want);
+    }
+
+    // Go GetAgentHealth(ctx, h, true), TS vm.health(): GET; Go
+    // GetAgentHealth(ctx, h, false): HEAD, status only.
+    let a = sdk.get(&format!("/vm/{h}/health")).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    let health: SdkHealth = a.decode();
+    assert_eq!(health.hostname, h);
+    assert_eq!(health.agent_uptime, 1_000_000, "1 ms in nanoseconds");
+    assert!(health.userdata_ran);
+    let a = sdk
+        .send(Method::HEAD, &format!("/vm/{h}/health"), None)
+        .await;
+    assert_eq!(a.status, StatusCode::OK);
+
+    // Go GetVMLogs(ctx, h, 10); TS vm.logs() (no `lines`).
+    for uri in [format!("/vm/{h}/logs?lines=10"), format!("/vm/{h}/logs")] {
+        let a = sdk.get(&uri).await;
+        assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+        let logs: SdkLogs = a.decode();
+        assert_eq!(logs.hostname, h);
+        assert_eq!(logs.lines as usize, logs.content.lines().count());
+    }
+
+    // TS vm.shutdown({action: 'shutdown'}): the action in a JSON body.
+    let a = sdk
+        .json(
+            Method::POST,
+            &format!("/vm/{h}/shutdown"),
+            serde_json::json!({"action": "shutdown"}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    let d: SdkDescription = sdk.get(&format!("/vm/{h}")).await.decode();
+    assert_eq!(d.node.status, "Stopped");
+    assert!(!sdk.fake.is_running(h));
+
+    // Go RelaunchVM: POST /vm/{h}/relaunch, 200.
+    let a = sdk
+        .send(Method::POST, &format!("/vm/{h}/relaunch?wait=agent"), None)
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    // Go Shutdown(ctx, h, nil): `action=reboot`, the graceful stop.
+    sdk.shutdown(h).await;
+    assert!(!sdk.fake.is_running(h));
+    // A body and a query that disagree are refused, naming both.
+    sdk.send(Method::POST, &format!("/vm/{h}/relaunch?wait=agent"), None)
+        .await;
+    let a = sdk
+        .json(
+            Method::POST,
+            &format!("/vm/{h}/shutdown?action=poweroff"),
+            serde_json::json!({"action": "reboot"}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST);
+    let e: SdkError = a.decode();
+    assert!(
+        e.error.contains("`poweroff`") && e.error.contains("`reboot`"),
+        "{}",
+        e.error
+    );
+}
+
+#[tokio::test]
+async fn commit_list_fork_and_delete_commits() {
+    let sdk = Sdk::new();
+    // Go CommitVMWithOptions: 200 (the SDK refuses any other status).
+    let (source, c) = sdk.committed(&["base", "py"], "deps-v1").await;
+    assert_eq!(c.hostname, source);
+    assert_eq!((c.status.as_str(), c.mode.as_str()), ("committed", "disk"));
+    assert_eq!(c.parent_status, "stopped");
+    assert_eq!(c.tags, ["base", "py"]);
+    assert_eq!(c.cache_key, "deps-v1");
+    let (_, other) = sdk.committed(&["base"], "deps-v2").await;
+
+    // Go ListCommits with two tags (ANDed), a cache key, a source, a mode.
+    let a = sdk.get("/vm/commits?tag=base&tag=py").await;
+    assert_eq!(a.status, StatusCode::OK);
+    let list: Vec<SdkCommitInfo> = a.decode();
+    assert_eq!(list.len(), 1);
+    assert_eq!(list[0].commit_id, c.commit_id);
+    assert_eq!(list[0].source_hostname, source);
+    assert_eq!(list[0].source_host_group, "dev");
+    rfc3339(&list[0].created_at);
+    let uri = "/vm/commits?cache_key=deps-v2&source=dev-2&mode=disk";
+    let list: Vec<SdkCommitInfo> = sdk.get(uri).await.decode();
+    assert_eq!(list.len(), 1);
+    assert_eq!(list[0].commit_id, other.commit_id);
+    assert_eq!(
+        sdk.get("/vm/commits?tag=base")
+            .await
+            .decode::<Vec<SdkCommitInfo>>()
+            .len(),
+        2
+    );
+
+    // Go ForkCommittedVM(id, WithTags, WithVCPU, WithRAMBytes,
+    // WithPersistent(false), WithFixups()): 200.
+    let uri = format!("/vm/commits/{}/fork?timeout=30s&wait=agent", c.commit_id);
+    let a = sdk
+        .json(
+            Method::POST,
+            &uri,
+            serde_json::json!({
+                "tags": ["job=7"],
+                "vcpu": 1,
+                "ram_bytes": 128u64 << 20,
+                "persistent": false,
+                "fixups": [],
+            }),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    let fork: SdkFork = a.decode();
+    assert_eq!(fork.source_hostname, source);
+    assert_eq!(
+        (fork.status.as_str(), fork.mode.as_str()),
+        ("forked", "disk")
+    );
+    assert_eq!(fork.child_status, "running");
+    assert!(!fork.persistent);
+    let d: SdkDescription = sdk.get(&format!("/vm/{}", fork.hostname)).await.decode();
+    assert_eq!(d.parent_commit_id.as_deref(), Some(c.commit_id.as_str()));
+    assert_eq!((d.node.cpus, d.node.ram_bytes), (1, 128 << 20));
+    assert!(
+        d.node.tags.contains(&"job=7".to_string()),
+        "{:?}",
+        d.node.tags
+    );
+
+    // Go DeleteCommit while the source exists: 409 with `{error, code}`.
+    let a = sdk
+        .send(
+            Method::DELETE,
+            &format!("/vm/commits/{}", c.commit_id),
+            None,
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::CONFLICT);
+    assert_eq!(a.decode::<SdkError>().code, "conflict");
+    // Once nothing depends on it: 200 `{commit_id, status}`.
+    for h in [fork.hostname.as_str(), source.as_str()] {
+        let a = sdk.send(Method::DELETE, &format!("/vm/{h}"), None).await;
+        assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    }
+    let a = sdk
+        .send(
+            Method::DELETE,
+            &format!("/vm/commits/{}", c.commit_id),
+            None,
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    let del: SdkCommitDelete = a.decode();
+    assert_eq!(
+        (del.commit_id, del.status.as_str()),
+        (c.commit_id, "deleted")
+    );
+}
