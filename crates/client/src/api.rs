@@ -30,7 +30,7 @@ use serde::Serialize;
 use tine_proto::api::{
     CommitInfo, CommitRequest, CreateVmRequest, CreateVmResponse, DaemonInfo, ErrorBody, ErrorCode,
     ExecFrame, ForkRequest, ForkResponse, HostGroupInfo, LifecycleResponse, ListQuery,
-    LogsResponse, TagsPatch, TagsResponse, VmHealth, VmInfo,
+    LogsResponse, StdioEncoding, TagsPatch, TagsResponse, VmHealth, VmInfo,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpStream, UnixStream};
@@ -219,7 +219,7 @@ impl CpMode {
 /// Owner and mode of an uploaded file (`POST /vm/{hostname}/cp`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct UploadOptions {
-    /// Permission bits, sent in octal (`mode_bits=0644`).
+    /// Permission bits, sent in octal (`permissions=0644`).
     pub mode_bits: Option<u32>,
     /// Owner.
     pub uid: Option<u32>,
@@ -910,8 +910,10 @@ impl TineClient {
         q.opt("uid", options.uid)
             .opt("gid", options.gid)
             .opt("cwd", options.cwd.as_ref())
-            .opt("shell", options.shell)
-            .opt("timeout", options.timeout.map(format_duration));
+            .opt("shell", options.shell.filter(|s| *s).map(|_| "/bin/sh"))
+            .opt("timeout", options.timeout.map(format_duration))
+            // Any bytes, not only UTF-8.
+            .add("stdio", StdioEncoding::Base64.as_str());
         let (ct, body) = match stdin {
             Some(reader) => {
                 q.add("stdin", "true");
@@ -953,7 +955,7 @@ impl TineClient {
         let query = Query::new()
             .add("path", path)
             .add("mode", mode.as_str())
-            .opt("mode_bits", options.mode_bits.map(|m| format!("{m:04o}")))
+            .opt("permissions", options.mode_bits.map(|m| format!("{m:04o}")))
             .opt("uid", options.uid)
             .opt("gid", options.gid)
             .finish(format!("/vm/{}/cp", seg(vm)));
@@ -1113,6 +1115,14 @@ pub fn decode_data(data: &str) -> Result<Vec<u8>> {
         .map_err(|e| ApiError::Protocol(format!("exec output is not base64: {e}")))
 }
 
+/// The bytes of a `stdout` or `stderr` frame's `data`, per its `encoding`.
+pub fn output_bytes(data: &str, encoding: StdioEncoding) -> Result<Vec<u8>> {
+    match encoding {
+        StdioEncoding::Base64 => decode_data(data),
+        StdioEncoding::Text => Ok(data.as_bytes().to_vec()),
+    }
+}
+
 fn decode_frame(line: &[u8]) -> Result<ExecFrame> {
     serde_json::from_slice(line).map_err(|source| ApiError::Decode {
         what: "an exec frame".into(),
@@ -1157,16 +1167,20 @@ impl ExecStream {
         while let Some(frame) = self.next_frame().await {
             match frame? {
                 ExecFrame::Started { .. } => {}
-                ExecFrame::Stdout { data } => out.stdout.extend(decode_data(&data)?),
-                ExecFrame::Stderr { data } => out.stderr.extend(decode_data(&data)?),
+                ExecFrame::Stdout { data, encoding } => {
+                    out.stdout.extend(output_bytes(&data, encoding)?)
+                }
+                ExecFrame::Stderr { data, encoding } => {
+                    out.stderr.extend(output_bytes(&data, encoding)?)
+                }
                 ExecFrame::Exit {
-                    code,
-                    signal,
+                    exit_code,
+                    signal_number,
                     timed_out,
                     ..
                 } => {
-                    out.code = code;
-                    out.signal = signal;
+                    out.code = signal_number.is_none().then_some(exit_code);
+                    out.signal = signal_number;
                     out.timed_out = timed_out;
                     return Ok(out);
                 }

@@ -68,7 +68,7 @@ fn lifecycle() -> R {
             .map_err(|e| fail(e.to_string()))?;
         let mut got = Vec::new();
         while let Some(f) = stream.next_frame().await {
-            if let tine_proto::api::ExecFrame::Stdout { data } =
+            if let tine_proto::api::ExecFrame::Stdout { data, .. } =
                 f.map_err(|e| fail(e.to_string()))?
             {
                 got.extend(tine_client::api::decode_data(&data).map_err(|e| fail(e.to_string()))?);

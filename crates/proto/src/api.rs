@@ -450,7 +450,7 @@ pub struct VmHealth {
     pub rtt_ms: f64,
 }
 
-/// One NDJSON line of `POST /vm/{hostname}/exec`.
+/// One NDJSON line of `POST /vm/{hostname}/exec`, in Slicer's shape.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ExecFrame {
@@ -459,24 +459,31 @@ pub enum ExecFrame {
         /// Its pid in the guest.
         pid: u32,
     },
-    /// Bytes on its stdout, base64.
+    /// Bytes on its stdout.
     Stdout {
-        /// Base64 (standard alphabet, padded).
+        /// The bytes: UTF-8 text, or base64 with `encoding: base64`.
         data: String,
+        /// How `data` is encoded (`stdio=` of the request).
+        encoding: StdioEncoding,
     },
-    /// Bytes on its stderr, base64.
+    /// Bytes on its stderr.
     Stderr {
-        /// Base64 (standard alphabet, padded).
+        /// The bytes: UTF-8 text, or base64 with `encoding: base64`.
         data: String,
+        /// How `data` is encoded (`stdio=` of the request).
+        encoding: StdioEncoding,
     },
     /// It ended.
     Exit {
-        /// Exit code, when it exited.
-        #[serde(default)]
-        code: Option<i32>,
-        /// Signal, when one killed it.
-        #[serde(default)]
-        signal: Option<i32>,
+        /// Its exit code; 128+N when signal N killed it (so it is never 0
+        /// for a killed process).
+        exit_code: i32,
+        /// The signal that killed it (`SIGKILL`), if one did.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        signal: Option<String>,
+        /// That signal's number.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        signal_number: Option<i32>,
         /// Whether its timeout killed it.
         #[serde(default)]
         timed_out: bool,
@@ -492,6 +499,39 @@ pub enum ExecFrame {
         code: ErrorCode,
     },
 }
+
+/// `POST /vm/{hostname}/exec?buffered=true`: the whole run in one answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExecResult {
+    /// Everything written to stdout (encoded as `encoding` says).
+    pub stdout: String,
+    /// Everything written to stderr (encoded as `encoding` says).
+    pub stderr: String,
+    /// How `stdout` and `stderr` are encoded.
+    pub encoding: StdioEncoding,
+    /// Its pid in the guest.
+    pub pid: u32,
+    /// Its exit code; 128+N when signal N killed it.
+    pub exit_code: i32,
+    /// The signal that killed it (`SIGKILL`), if one did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signal: Option<String>,
+    /// That signal's number.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signal_number: Option<i32>,
+    /// Whether its timeout killed it.
+    #[serde(default)]
+    pub timed_out: bool,
+    /// Milliseconds from start to exit.
+    #[serde(default)]
+    pub duration_ms: u64,
+    /// Whether output past [`MAX_BUFFERED_OUTPUT`] per stream was dropped.
+    #[serde(default)]
+    pub truncated: bool,
+}
+
+/// Most bytes of each of stdout and stderr a buffered exec keeps: 16 MiB.
+pub const MAX_BUFFERED_OUTPUT: usize = 16 << 20;
 
 /// `GET /vm/{hostname}/logs` response.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -768,13 +808,17 @@ mod tests {
     #[test]
     fn exec_frames_are_tagged_ndjson() {
         let f = ExecFrame::Exit {
-            code: Some(3),
+            exit_code: 3,
             signal: None,
+            signal_number: None,
             timed_out: false,
             duration_ms: 5,
         };
         let line = serde_json::to_string(&f).expect("encode");
-        assert!(line.starts_with(r#"{"type":"exit","code":3"#), "{line}");
+        assert!(
+            line.starts_with(r#"{"type":"exit","exit_code":3"#),
+            "{line}"
+        );
         let back: ExecFrame = serde_json::from_str(&line).expect("decode");
         assert_eq!(back, f);
     }
@@ -1024,6 +1068,19 @@ wire_enum! {
         /// Slicer's default (its Go SDK always sends it): a guest reboot
         /// ends a microVM, so this is the graceful stop of `shutdown`.
         Reboot = "reboot",
+    }
+}
+
+wire_enum! {
+    /// How exec output is carried in JSON (`stdio=`).
+    #[derive(Default)]
+    StdioEncoding, "stdio" {
+        /// UTF-8 text (Slicer's default); bytes that are not UTF-8 become
+        /// U+FFFD.
+        #[default]
+        Text = "text",
+        /// Base64 (standard alphabet, padded): any bytes.
+        Base64 = "base64",
     }
 }
 

@@ -51,8 +51,8 @@ use tine_proto::api::{
     CommitInfo, CommitRequest, CpResponse, CreateVmRequest, CreateVmResponse, DaemonInfo,
     DeleteCommitResponse, DeleteStatus, ErrorBody, ErrorCode, ExecFrame, ForkRequest, ForkResponse,
     HostGroupInfo, LifecycleResponse, LogsResponse, NetworkMode, PolicyLists, PolicySource,
-    StopMode, StorageInfo, StorageKind, TagsPatch, TagsResponse, VmHealth, VmInfo, VmNetworkInfo,
-    VmState,
+    StdioEncoding, StopMode, StorageInfo, StorageKind, TagsPatch, TagsResponse, VmHealth, VmInfo,
+    VmNetworkInfo, VmState,
 };
 use tokio::sync::mpsc;
 
@@ -733,8 +733,9 @@ fn b64(data: &[u8]) -> String {
 
 fn exit(code: Option<i32>, signal: Option<i32>) -> ExecFrame {
     ExecFrame::Exit {
-        code,
-        signal,
+        exit_code: code.unwrap_or(128 + signal.unwrap_or(0)),
+        signal: signal.map(|_| "SIGKILL".to_string()),
+        signal_number: signal,
         timed_out: false,
         duration_ms: 3,
     }
@@ -787,6 +788,7 @@ async fn exec(Path(h): Path<String>, RawQuery(q): RawQuery, body: Body) -> Respo
                 let text = format!("{}\n", args.join(" "));
                 send(ExecFrame::Stdout {
                     data: b64(text.as_bytes()),
+                    encoding: StdioEncoding::Base64,
                 })
                 .await;
                 send(exit(Some(0), None)).await;
@@ -805,6 +807,7 @@ async fn exec(Path(h): Path<String>, RawQuery(q): RawQuery, body: Body) -> Respo
                 send(ExecFrame::Started { pid: 7 }).await;
                 send(ExecFrame::Stderr {
                     data: b64(b"oops\n"),
+                    encoding: StdioEncoding::Base64,
                 })
                 .await;
                 send(exit(Some(2), None)).await;
@@ -813,7 +816,11 @@ async fn exec(Path(h): Path<String>, RawQuery(q): RawQuery, body: Body) -> Respo
                 send(ExecFrame::Started { pid: 7 }).await;
                 let mut stream = body.into_data_stream();
                 while let Some(Ok(chunk)) = stream.next().await {
-                    send(ExecFrame::Stdout { data: b64(&chunk) }).await;
+                    send(ExecFrame::Stdout {
+                        data: b64(&chunk),
+                        encoding: StdioEncoding::Base64,
+                    })
+                    .await;
                 }
                 send(exit(Some(0), None)).await;
             }
@@ -822,9 +829,11 @@ async fn exec(Path(h): Path<String>, RawQuery(q): RawQuery, body: Body) -> Respo
                 all.extend_from_slice(&frame_line(&ExecFrame::Started { pid: 7 }));
                 all.extend_from_slice(&frame_line(&ExecFrame::Stdout {
                     data: b64(b"one\n"),
+                    encoding: StdioEncoding::Base64,
                 }));
                 all.extend_from_slice(&frame_line(&ExecFrame::Stdout {
                     data: b64(b"two\n"),
+                    encoding: StdioEncoding::Base64,
                 }));
                 all.extend_from_slice(&frame_line(&exit(Some(5), None)));
                 for piece in all.chunks(7) {

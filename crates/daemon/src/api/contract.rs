@@ -630,3 +630,275 @@ async fn commit_list_fork_and_delete_commits() {
         (c.commit_id, "deleted")
     );
 }
+
+/// Go `SlicerExecWriteResult`, TS `WireExecFrame`: one NDJSON line.
+#[derive(Debug, Deserialize)]
+struct SdkExecFrame {
+    #[serde(rename = "type")]
+    kind: String,
+    #[serde(default)]
+    pid: Option<i64>,
+    #[serde(default)]
+    encoding: Option<String>,
+    #[serde(default)]
+    data: Option<String>,
+    #[serde(default)]
+    exit_code: Option<i64>,
+    #[serde(default)]
+    signal: Option<String>,
+    #[serde(default)]
+    error: Option<String>,
+}
+
+/// Go `ExecResult`, TS's buffered answer.
+#[derive(Debug, Deserialize)]
+#[allow(dead_code)]
+struct SdkExecResult {
+    stdout: String,
+    stderr: String,
+    encoding: String,
+    pid: i64,
+    exit_code: i64,
+    #[serde(default)]
+    signal: Option<String>,
+}
+
+/// What a streamed exec gave, decoded as the SDKs decode it.
+#[derive(Debug, Default)]
+struct Streamed {
+    pid: i64,
+    stdout: Vec<u8>,
+    stderr: Vec<u8>,
+    exit_code: Option<i64>,
+    signal: Option<String>,
+    error: Option<String>,
+}
+
+fn decode_output(data: &str, encoding: Option<&str>) -> Vec<u8> {
+    use base64::Engine;
+    match encoding {
+        Some("base64") => base64::engine::general_purpose::STANDARD
+            .decode(data)
+            .expect("base64 data"),
+        _ => data.as_bytes().to_vec(),
+    }
+}
+
+impl Sdk {
+    /// A streamed exec (`Exec`, `exec()`), its frames decoded.
+    async fn exec(&self, hostname: &str, query: &str, stdin: Option<&[u8]>) -> Streamed {
+        let uri = format!("/vm/{hostname}/exec?{query}");
+        let a = self
+            .send(
+                Method::POST,
+                &uri,
+                stdin.map(|b| ("application/octet-stream", b.to_vec())),
+            )
+            .await;
+        assert_eq!(a.status, StatusCode::OK, "{uri}: {}", a.text());
+        assert_eq!(a.content_type, "application/x-ndjson");
+        let mut out = Streamed::default();
+        for line in a.text().lines() {
+            let f: SdkExecFrame = serde_json::from_str(line).expect("an exec frame");
+            match f.kind.as_str() {
+                "started" => out.pid = f.pid.expect("started has pid"),
+                "stdout" => out.stdout.extend(decode_output(
+                    f.data.as_deref().unwrap_or_default(),
+                    f.encoding.as_deref(),
+                )),
+                "stderr" => out.stderr.extend(decode_output(
+                    f.data.as_deref().unwrap_or_default(),
+                    f.encoding.as_deref(),
+                )),
+                "exit" => {
+                    out.exit_code = Some(f.exit_code.expect("exit has exit_code"));
+                    out.signal = f.signal;
+                }
+                "error" => out.error = f.error,
+                other => panic!("frame type {other}"),
+            }
+        }
+        out
+    }
+
+    /// A buffered exec (`ExecBuffered`, `execBuffered()`).
+    async fn exec_buffered(&self, hostname: &str, query: &str) -> SdkExecResult {
+        let uri = format!("/vm/{hostname}/exec?{query}&buffered=true");
+        let a = self.send(Method::POST, &uri, None).await;
+        assert_eq!(a.status, StatusCode::OK, "{uri}: {}", a.text());
+        a.decode()
+    }
+}
+
+#[tokio::test]
+async fn exec_streamed_and_buffered_in_both_encodings() {
+    let sdk = Sdk::new();
+    let h = sdk.create(serde_json::json!({})).await.hostname;
+    // Go Exec: always `stdio=base64`; uid and gid 0 unless NonRootUser.
+    let r = sdk
+        .exec(
+            &h,
+            "cmd=printf&stdio=base64&args=a%5Cnb%20%25s&args=%C3%A9&uid=0&gid=0",
+            None,
+        )
+        .await;
+    assert!(r.pid > 0);
+    assert_eq!(r.stdout, "a\nb é".as_bytes());
+    assert_eq!((r.exit_code, r.error), (Some(0), None));
+    // TS exec() without `stdio`: text frames.
+    let r = sdk.exec(&h, "cmd=echo&args=hello", None).await;
+    assert_eq!(
+        (r.stdout.as_slice(), r.exit_code),
+        (&b"hello\n"[..], Some(0))
+    );
+    // Bytes that are not UTF-8 survive base64 only.
+    let r = sdk
+        .exec(&h, "cmd=printf&args=%5C377%5C376&stdio=base64", None)
+        .await;
+    assert_eq!(r.stdout, [0xff, 0xfe]);
+    // `shell` is a path (Slicer's form): `$VAR` expands.
+    let r = sdk
+        .exec(
+            &h,
+            "cmd=echo%20%24GREETING&env=GREETING%3Dhi&shell=%2Fbin%2Fsh",
+            None,
+        )
+        .await;
+    assert_eq!(r.stdout, b"hi\n");
+    // A failing command: the Go SDK treats exit_code != 0 as an error.
+    let r = sdk
+        .exec(
+            &h,
+            "cmd=sh&args=-c&args=echo%20no%20%3E%262%3B%20exit%203",
+            None,
+        )
+        .await;
+    assert_eq!((r.stderr.as_slice(), r.exit_code), (&b"no\n"[..], Some(3)));
+    // A killed one is never exit 0: 128+N, and the signal by name.
+    let r = sdk
+        .exec(&h, "cmd=sh&args=-c&args=kill%20-9%20%24%24", None)
+        .await;
+    assert_eq!(
+        (r.exit_code, r.signal.as_deref()),
+        (Some(137), Some("SIGKILL"))
+    );
+    // Go ExecWithReader, TS exec({stdin}): the body is stdin.
+    let r = sdk
+        .exec(
+            &h,
+            "cmd=cat&stdin=true&stdio=base64",
+            Some(b"piped\x00bytes"),
+        )
+        .await;
+    assert_eq!(r.stdout, b"piped\x00bytes");
+
+    // Go ExecBuffered (base64), TS execBuffered (text): one JSON answer.
+    let b = sdk
+        .exec_buffered(&h, "cmd=sh&args=-c&args=printf%20out%3B%20printf%20err%20%3E%262%3B%20exit%205&stdio=base64")
+        .await;
+    assert_eq!(b.encoding, "base64");
+    assert_eq!(decode_output(&b.stdout, Some("base64")), b"out");
+    assert_eq!(decode_output(&b.stderr, Some("base64")), b"err");
+    assert_eq!(b.exit_code, 5);
+    assert!(b.pid > 0);
+    let b = sdk.exec_buffered(&h, "cmd=echo&args=plain").await;
+    assert_eq!(
+        (b.encoding.as_str(), b.stdout.as_str()),
+        ("text", "plain\n")
+    );
+}
+
+#[tokio::test]
+async fn exec_refuses_what_it_cannot_do_naming_it() {
+    let sdk = Sdk::new();
+    let h = sdk.create(serde_json::json!({})).await.hostname;
+    for (query, says) in [
+        (
+            "cmd=true&stdio=hex",
+            "stdio `hex` is not one of text, base64",
+        ),
+        (
+            "cmd=true&permissions=0755",
+            "`permissions=0755` on exec is not supported",
+        ),
+        (
+            "cmd=true&buffered=true&stdin=true",
+            "a buffered exec takes no stdin",
+        ),
+        (
+            "cmd=true&shell=bash",
+            "shell `bash` is not an absolute path",
+        ),
+        (
+            "cmd=true&buffered=maybe",
+            "`buffered=maybe` is not true or false",
+        ),
+    ] {
+        let a = sdk
+            .send(Method::POST, &format!("/vm/{h}/exec?{query}"), None)
+            .await;
+        assert_eq!(a.status, StatusCode::BAD_REQUEST, "{query}");
+        let e: SdkError = a.decode();
+        assert!(e.error.contains(says), "{query}: {}", e.error);
+    }
+}
+
+#[tokio::test]
+async fn cp_v1_modes_get_the_answer_the_go_sdk_falls_back_on() {
+    let sdk = Sdk::new();
+    let h = sdk.create(serde_json::json!({})).await.hostname;
+    // CpToVM and CpFromVM ask for `cp-v1-*` first, with its extra keys,
+    // and retry the plain mode when the 400 says `invalid mode: <mode>`.
+    let v1 = "copy_semantics=cp-v1&source_name=a.txt&source_type=file";
+    for (method, mode) in [
+        (Method::POST, "cp-v1-binary"),
+        (Method::POST, "cp-v1-tar"),
+        (Method::GET, "cp-v1-binary"),
+        (Method::GET, "cp-v1-tar"),
+        (Method::GET, "cp-v1-recursive"),
+    ] {
+        let uri = format!("/vm/{h}/cp?path=%2Ftmp%2Fa.txt&mode={mode}&{v1}&uid=0&gid=0");
+        let a = sdk.send(method.clone(), &uri, None).await;
+        assert_eq!(a.status, StatusCode::BAD_REQUEST, "{method} {mode}");
+        assert!(
+            a.text().contains(&format!("invalid mode: {mode}")),
+            "{method} {mode}: {}",
+            a.text()
+        );
+    }
+    // Its legacy retry keeps `uid`, `gid` and `permissions`: all known.
+    let uri = format!("/vm/{h}/cp?path=%2Ftmp%2Fa.txt&mode=binary&uid=0&gid=0&permissions=0600");
+    let a = sdk
+        .send(
+            Method::POST,
+            &uri,
+            Some(("application/octet-stream", b"x".to_vec())),
+        )
+        .await;
+    assert!(
+        !a.text().contains("query parameter") && !a.text().contains("permissions"),
+        "{}",
+        a.text()
+    );
+    // Permissions on a tar, and server-side excludes, are refused by name.
+    for (query, says) in [
+        (
+            "mode=tar&permissions=0600",
+            "`permissions` applies to one file",
+        ),
+        (
+            "mode=binary&permissions=rw",
+            "permissions `rw` is not octal",
+        ),
+        ("mode=tar&exclude=*.log", "`exclude=*.log` is not supported"),
+    ] {
+        let uri = format!("/vm/{h}/cp?path=%2Ftmp&{query}");
+        let a = sdk.send(Method::POST, &uri, None).await;
+        assert_eq!(a.status, StatusCode::BAD_REQUEST, "{query}");
+        assert!(
+            a.decode::<SdkError>().error.contains(says),
+            "{query}: {}",
+            a.text()
+        );
+    }
+}

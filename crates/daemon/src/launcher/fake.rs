@@ -2,7 +2,9 @@
 //! tasks, and its agent speaks the real agent protocol over an in-memory
 //! pipe. Tests and benchmarks run the daemon's whole core on it without KVM,
 //! and tell each VM's guest how to behave ([`Guest`]): healthy, crashing,
-//! silent, hanging, deaf to shutdown requests.
+//! silent, hanging, deaf to shutdown requests. A healthy agent runs an
+//! exec as a process on the host (no uid/gid change), so exec's wire can be
+//! tested end to end.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -396,6 +398,9 @@ impl FakeAgent {
         if self.guest == Guest::Hangs {
             std::future::pending::<()>().await;
         }
+        if let Request::Exec(req) = request {
+            return run_exec(stream, req).await;
+        }
         let reply = match request {
             Request::Health => Response::Health(Health {
                 agent_version: "fake".into(),
@@ -432,4 +437,125 @@ impl FakeAgent {
             tracing::debug!("fake agent: {e}");
         }
     }
+}
+
+/// Runs an exec as a host process: its stdout and stderr as data frames,
+/// stdin from the stream's data channel, then its exit status.
+async fn run_exec(stream: Stream, req: tine_proto::agent::ExecRequest) {
+    use tine_proto::agent::{Channel, Command, ExitStatus};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut cmd = match &req.command {
+        Command::Argv(argv) if !argv.is_empty() => {
+            let mut c = tokio::process::Command::new(&argv[0]);
+            c.args(&argv[1..]);
+            c
+        }
+        Command::Argv(_) => {
+            let reply = Response::error(ErrorCode::BadRequest, "empty argv");
+            let _ = stream.send_msg(&reply).await;
+            return;
+        }
+        Command::Shell {
+            script,
+            interpreter,
+        } => {
+            let mut c = tokio::process::Command::new(interpreter.as_deref().unwrap_or("/bin/sh"));
+            c.arg("-c").arg(script);
+            c
+        }
+    };
+    cmd.envs(&req.options.env)
+        .stdin(if req.stdin {
+            std::process::Stdio::piped()
+        } else {
+            std::process::Stdio::null()
+        })
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true);
+    if let Some(cwd) = &req.options.cwd {
+        cmd.current_dir(cwd);
+    }
+    let began = std::time::Instant::now();
+    let mut child = match cmd.spawn() {
+        Ok(child) => child,
+        Err(e) => {
+            let reply = Response::error(ErrorCode::SpawnFailed, format!("spawn: {e}"));
+            let _ = stream.send_msg(&reply).await;
+            return;
+        }
+    };
+    let pid = child.id().unwrap_or_default();
+    if stream.send_msg(&Response::Started { pid }).await.is_err() {
+        return;
+    }
+    let (tx, mut rx) = stream.split();
+    let mut stdin = child.stdin.take();
+    let feed = async move {
+        while let Some(inbound) = rx.recv().await {
+            match inbound {
+                Inbound::Data(Channel::Data, chunk) => {
+                    if let Some(w) = stdin.as_mut() {
+                        if w.write_all(&chunk.into_vec()).await.is_err() {
+                            stdin = None;
+                        }
+                    }
+                }
+                Inbound::Eof(Channel::Data) => stdin = None,
+                _ => {}
+            }
+        }
+    };
+    let feeder = tokio::spawn(feed);
+    let pump = |mut r: Box<dyn tokio::io::AsyncRead + Send + Unpin>, channel: Channel| {
+        let tx = tx.clone();
+        async move {
+            let mut buf = vec![0u8; 64 << 10];
+            while let Ok(n @ 1..) = r.read(&mut buf).await {
+                if tx.send_data(channel, &buf[..n]).await.is_err() {
+                    break;
+                }
+            }
+        }
+    };
+    let out = child
+        .stdout
+        .take()
+        .map(|r| pump(Box::new(r), Channel::Stdout));
+    let err = child
+        .stderr
+        .take()
+        .map(|r| pump(Box::new(r), Channel::Stderr));
+    let (_, _, status) = tokio::join!(
+        async {
+            if let Some(f) = out {
+                f.await
+            }
+        },
+        async {
+            if let Some(f) = err {
+                f.await
+            }
+        },
+        child.wait()
+    );
+    feeder.abort();
+    let status = match status {
+        Ok(s) => {
+            use std::os::unix::process::ExitStatusExt;
+            ExitStatus {
+                code: s.code(),
+                signal: s.signal(),
+                duration_ms: began.elapsed().as_millis() as u64,
+                ..ExitStatus::default()
+            }
+        }
+        Err(e) => {
+            let _ = tx
+                .send_msg(&Response::error(ErrorCode::Other, format!("wait: {e}")))
+                .await;
+            return;
+        }
+    };
+    let _ = tx.send_msg(&Response::Exited(status)).await;
 }
