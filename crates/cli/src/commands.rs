@@ -248,6 +248,7 @@ async fn add(g: &GlobalArgs, c: &TineClient, args: AddArgs) -> anyhow::Result<i3
         tags: args.tag,
         name: args.name,
         network: None,
+        ..CreateVmRequest::default()
     };
     let wait = wait_of(&args.wait);
     let created = {
@@ -527,6 +528,7 @@ pub fn fork_request(args: &ForkArgs) -> ForkRequest {
             Some(args.fixup.clone())
         },
         no_secrets: args.no_secrets,
+        secrets: None,
         cpus: args.cpu,
         ram_bytes: args.ram_mb.map(mib),
         network,

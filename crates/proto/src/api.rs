@@ -249,6 +249,26 @@ pub struct CreateVmRequest {
     /// Network policy override (isolated mode).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network: Option<NetworkPolicy>,
+    /// Slicer's GPUs per VM: only 0 (tine has no device passthrough).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_count: Option<u32>,
+    /// Slicer's per-VM image: refused (a VM boots its host group's image).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_image: Option<String>,
+    /// Slicer's user whose SSH keys to import: refused until tine installs
+    /// keys.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub import_user: Option<String>,
+    /// Slicer's authorized keys: refused until tine installs keys.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ssh_keys: Vec<String>,
+    /// Slicer's fixed address: refused (tine allocates each VM's address).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ip: Option<String>,
+    /// Slicer's secret grants: refused until tine has secrets (an empty
+    /// list, no grants, is accepted).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub secrets: Vec<String>,
 }
 
 /// Allow/drop lists and what happens to traffic neither matches.
@@ -530,6 +550,50 @@ pub struct ExecResult {
     pub truncated: bool,
 }
 
+/// One path in the guest, as `GET /vm/{hostname}/fs/stat` and `fs/readdir`
+/// show it (Slicer's `SlicerFSInfo`, plus owner and link target).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FsEntry {
+    /// The file name (`readdir`) or the last part of the path (`stat`).
+    pub name: String,
+    /// What it is.
+    #[serde(rename = "type")]
+    pub kind: FsKind,
+    /// Size in bytes.
+    pub size: u64,
+    /// Modification time (RFC 3339).
+    pub mtime: String,
+    /// Permission bits in octal (`0644`).
+    pub mode: String,
+    /// Owner user id.
+    pub uid: u32,
+    /// Owner group id.
+    pub gid: u32,
+    /// Where a symlink points.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub link_target: Option<String>,
+}
+
+/// `POST /vm/{hostname}/fs/mkdir` body.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FsMkdirRequest {
+    /// Absolute path.
+    pub path: String,
+    /// Create missing parents, and succeed when it exists (`mkdir -p`).
+    #[serde(default)]
+    pub recursive: bool,
+    /// Permission bits in octal (`0755`); the agent's default without.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<String>,
+    /// Owner user id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uid: Option<u32>,
+    /// Owner group id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gid: Option<u32>,
+}
+
 /// Most bytes of each of stdout and stderr a buffered exec keeps: 16 MiB.
 pub const MAX_BUFFERED_OUTPUT: usize = 16 << 20;
 
@@ -652,6 +716,10 @@ pub struct ForkRequest {
     /// would otherwise be an option that does nothing.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub no_secrets: bool,
+    /// Slicer's secret grants for the fork (`[]` clears): refused until
+    /// tine has secrets.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secrets: Option<Vec<String>>,
     /// vCPUs (within the group's limits); Slicer's SDKs send `vcpu`.
     #[serde(default, alias = "vcpu", skip_serializing_if = "Option::is_none")]
     pub cpus: Option<u32>,
@@ -977,6 +1045,21 @@ wire_enum! {
 }
 
 wire_enum! {
+    /// What a create waits for (`wait=` of `POST /hostgroup/{group}/nodes`).
+    #[derive(Default)]
+    CreateWait, "wait" {
+        /// Answer at once.
+        #[default]
+        None = "none",
+        /// Answer once the agent answered and the boot's set-up is done.
+        Agent = "agent",
+        /// Answer once, in addition, the userdata script has run (at once
+        /// when there is none); 408 after the timeout.
+        Userdata = "userdata",
+    }
+}
+
+wire_enum! {
     /// How a fork's `tags` combine with the tags it inherits.
     #[derive(Default)]
     TagMode, "tag_mode" {
@@ -1131,5 +1214,19 @@ pub fn go_arch() -> &'static str {
         "x86_64" => "amd64",
         "aarch64" => "arm64",
         other => other,
+    }
+}
+
+wire_enum! {
+    /// What a path in the guest is.
+    FsKind, "type" {
+        /// A regular file.
+        File = "file",
+        /// A directory.
+        Directory = "directory",
+        /// A symbolic link.
+        Symlink = "symlink",
+        /// Anything else: a device, FIFO or socket.
+        Other = "other",
     }
 }

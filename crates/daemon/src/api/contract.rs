@@ -902,3 +902,169 @@ async fn cp_v1_modes_get_the_answer_the_go_sdk_falls_back_on() {
         );
     }
 }
+
+/// Go `SlicerFSInfo`, TS `WireFSInfo`.
+#[derive(Debug, Deserialize)]
+struct SdkFsInfo {
+    name: String,
+    #[serde(rename = "type")]
+    kind: String,
+    size: i64,
+    mtime: String,
+    mode: String,
+}
+
+#[tokio::test]
+async fn create_fields_the_sdks_send_work_or_are_refused_by_name() {
+    let sdk = Sdk::new();
+    // TS vms.create(..., {wait: 'userdata'}), Go Wait userdata: the answer
+    // comes once userdata has run (this VM has none).
+    let a = sdk
+        .json(
+            Method::POST,
+            "/hostgroup/dev/nodes?wait=userdata&timeout=30s",
+            serde_json::json!({"gpu_count": 0, "secrets": []}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.text());
+    let vm: SdkCreateResponse = a.decode();
+    assert!(sdk.fake.is_running(&vm.hostname));
+    for (body, says) in [
+        (
+            serde_json::json!({"gpu_count": 1}),
+            "gpu_count 1 is not supported",
+        ),
+        (
+            serde_json::json!({"disk_image": "ubuntu"}),
+            "disk_image `ubuntu` is not supported",
+        ),
+        (
+            serde_json::json!({"ip": "192.168.137.9"}),
+            "ip `192.168.137.9` is not supported",
+        ),
+        (
+            serde_json::json!({"ssh_keys": ["ssh-ed25519 AAAA"]}),
+            "ssh_keys and import_user",
+        ),
+        (
+            serde_json::json!({"import_user": "alex"}),
+            "ssh_keys and import_user",
+        ),
+        (
+            serde_json::json!({"secrets": ["db"]}),
+            "secrets [\"db\"] are not supported",
+        ),
+    ] {
+        let a = sdk
+            .json(Method::POST, "/hostgroup/dev/nodes", body.clone())
+            .await;
+        assert_eq!(a.status, StatusCode::BAD_REQUEST, "{body}");
+        let e: SdkError = a.decode();
+        assert!(e.error.contains(says), "{body}: {}", e.error);
+    }
+    let a = sdk
+        .send(Method::POST, "/hostgroup/dev/nodes?wait=later", None)
+        .await;
+    let e: SdkError = a.decode();
+    assert!(
+        e.error.contains("not one of none, agent, userdata"),
+        "{}",
+        e.error
+    );
+    // Go WithSecrets(...) on a fork: refused until tine has secrets.
+    let (_, c) = sdk.committed(&[], "k").await;
+    let a = sdk
+        .json(
+            Method::POST,
+            &format!("/vm/commits/{}/fork?wait=agent", c.commit_id),
+            serde_json::json!({"secrets": []}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST);
+    assert!(
+        a.decode::<SdkError>().error.contains("no secret store"),
+        "{}",
+        a.text()
+    );
+}
+
+#[tokio::test]
+async fn fs_stat_readdir_mkdir_and_remove() {
+    let sdk = Sdk::new();
+    let h = sdk.create(serde_json::json!({})).await.hostname;
+    // The fake agent's file calls work on the host's paths.
+    let root = tempfile::tempdir().expect("tmp");
+    let base = root.path().display().to_string();
+    let enc = |p: &str| p.replace('/', "%2F");
+    std::fs::write(root.path().join("a.txt"), b"hello").expect("write");
+    // Go Mkdir / TS fs.mkdir({path, recursive, mode}).
+    let dir = format!("{base}/x/y");
+    let a = sdk
+        .json(
+            Method::POST,
+            &format!("/vm/{h}/fs/mkdir"),
+            serde_json::json!({"path": dir, "recursive": true, "mode": "0750"}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    // Go ReadDir / TS fs.readDir(path).
+    let a = sdk
+        .get(&format!("/vm/{h}/fs/readdir?path={}", enc(&base)))
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    let list: Vec<SdkFsInfo> = a.decode();
+    let names: Vec<(&str, &str)> = list
+        .iter()
+        .map(|e| (e.name.as_str(), e.kind.as_str()))
+        .collect();
+    assert_eq!(names, [("a.txt", "file"), ("x", "directory")]);
+    assert_eq!(list[0].size, 5);
+    rfc3339(&list[0].mtime);
+    // Go Stat / TS fs.stat(path): the mode in octal; 404 when missing
+    // (TS `exists()` turns it into false).
+    let a = sdk
+        .get(&format!("/vm/{h}/fs/stat?path={}", enc(&dir)))
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    let st: SdkFsInfo = a.decode();
+    assert_eq!((st.name.as_str(), st.mode.as_str()), ("y", "0750"));
+    let a = sdk
+        .get(&format!(
+            "/vm/{h}/fs/stat?path={}",
+            enc(&format!("{base}/nope"))
+        ))
+        .await;
+    assert_eq!(a.status, StatusCode::NOT_FOUND);
+    assert_eq!(a.decode::<SdkError>().code, "not_found");
+    // Go Remove(path, recursive) / TS fs.remove(path, recursive).
+    let x = enc(&format!("{base}/x"));
+    let a = sdk
+        .send(
+            Method::DELETE,
+            &format!("/vm/{h}/fs/remove?path={x}&recursive=false"),
+            None,
+        )
+        .await;
+    assert_eq!(
+        a.status,
+        StatusCode::BAD_REQUEST,
+        "a non-empty dir without recursive"
+    );
+    let a = sdk
+        .send(
+            Method::DELETE,
+            &format!("/vm/{h}/fs/remove?path={x}&recursive=true"),
+            None,
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    assert!(!root.path().join("x").exists());
+    let a = sdk
+        .send(
+            Method::DELETE,
+            &format!("/vm/{h}/fs/remove?path=rel&recursive=true"),
+            None,
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST);
+}

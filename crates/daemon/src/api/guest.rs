@@ -72,7 +72,7 @@ impl Deadlines {
 }
 
 /// A handler's agent connection, with [`DEADLINES`] on its calls.
-async fn agent(d: &AppState, hostname: &str) -> ApiResult<AgentClient> {
+pub(super) async fn agent(d: &AppState, hostname: &str) -> ApiResult<AgentClient> {
     let (_vm, client) = d.agent(hostname).await?;
     Ok(client.with_limits(DEADLINES.limits()))
 }
@@ -83,7 +83,7 @@ fn agent_err(e: impl std::fmt::Display) -> ApiError {
 
 /// An error from a call: a deadline or a lost connection as 503, any
 /// other as `other` makes it.
-fn call_err(e: ClientError, other: impl FnOnce(String) -> ApiError) -> ApiError {
+pub(super) fn call_err(e: ClientError, other: impl FnOnce(String) -> ApiError) -> ApiError {
     match e {
         ClientError::Timeout { .. } | ClientError::ConnectionLost(_) | ClientError::StreamEnded => {
             agent_err(e)

@@ -4,6 +4,7 @@
 mod commits;
 #[cfg(test)]
 mod contract;
+mod fs;
 mod guest;
 mod params;
 mod vms;
@@ -82,6 +83,10 @@ pub fn routes() -> Routes {
         .add(M::POST, "/vm/{hostname}/exec", guest::exec)
         .add(M::GET, "/vm/{hostname}/cp", guest::download)
         .add(M::POST, "/vm/{hostname}/cp", guest::upload)
+        .add(M::GET, "/vm/{hostname}/fs/stat", fs::stat)
+        .add(M::GET, "/vm/{hostname}/fs/readdir", fs::readdir)
+        .add(M::POST, "/vm/{hostname}/fs/mkdir", fs::mkdir)
+        .add(M::DELETE, "/vm/{hostname}/fs/remove", fs::remove)
         .add(M::GET, "/vm/{hostname}/shell", guest::shell)
         .add(M::GET, "/vm/{hostname}/forward", guest::forward)
         .add(M::POST, "/vm/{hostname}/commit", commits::commit)

@@ -5,8 +5,8 @@ use axum::extract::{Path, State};
 use axum::http::{StatusCode, Uri};
 use axum::Json;
 use tine_proto::api::{
-    self, CreateVmRequest, DaemonInfo, HostGroupInfo, ListQuery, LogsResponse, ShutdownAction,
-    ShutdownRequest, TagsPatch, Wait,
+    self, CreateVmRequest, CreateWait, DaemonInfo, HostGroupInfo, ListQuery, LogsResponse,
+    ShutdownAction, ShutdownRequest, TagsPatch, Wait,
 };
 
 use super::params::{
@@ -93,12 +93,57 @@ pub(super) async fn create(
 ) -> ApiResult<(StatusCode, Json<api::CreateVmResponse>)> {
     let q = query_pairs(&uri);
     query_only(&q, &["wait", "timeout"])?;
-    let wait: Wait = parse_query_enum(&q, "wait")?.unwrap_or_default();
+    let wait: CreateWait = parse_query_enum(&q, "wait")?.unwrap_or_default();
     let timeout = parse_timeout(query_get(&q, "timeout"), DEFAULT_WAIT)?;
     d.group(&group)?;
     let req: CreateVmRequest = parse_json(&body)?;
-    let r = d.create_vm(&group, req, wait, timeout, false).await?;
+    let began = tokio::time::Instant::now();
+    let agent_wait = match wait {
+        CreateWait::None => Wait::None,
+        CreateWait::Agent | CreateWait::Userdata => Wait::Agent,
+    };
+    let mut r = d.create_vm(&group, req, agent_wait, timeout, false).await?;
+    if wait == CreateWait::Userdata {
+        wait_userdata(&d, &r.hostname, began + timeout).await?;
+        r.elapsed_ms = began.elapsed().as_millis() as u64;
+    }
     Ok((StatusCode::CREATED, Json(r)))
+}
+
+/// Polls the agent until the VM's userdata has run (or there is none);
+/// 408 at `deadline`, naming the VM.
+async fn wait_userdata(
+    d: &AppState,
+    hostname: &str,
+    deadline: tokio::time::Instant,
+) -> ApiResult<()> {
+    loop {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let status = tokio::time::timeout(left, async {
+            let (_vm, client) = d.agent(hostname).await?;
+            client
+                .userdata_status()
+                .await
+                .map_err(|e| ApiError::agent(e.to_string()))
+        })
+        .await;
+        match status {
+            Ok(Ok(s)) if s.ran || !s.present => return Ok(()),
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => return Err(e),
+            Err(_) => {
+                return Err(ApiError::timeout(format!(
+                    "the userdata of {hostname} had not finished when the wait timed out (the VM keeps running)"
+                )))
+            }
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        if tokio::time::Instant::now() >= deadline {
+            return Err(ApiError::timeout(format!(
+                "the userdata of {hostname} had not finished when the wait timed out (the VM keeps running)"
+            )));
+        }
+    }
 }
 
 pub(super) async fn describe(

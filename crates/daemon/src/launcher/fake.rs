@@ -4,7 +4,8 @@
 //! and tell each VM's guest how to behave ([`Guest`]): healthy, crashing,
 //! silent, hanging, deaf to shutdown requests. A healthy agent runs an
 //! exec as a process on the host (no uid/gid change), so exec's wire can be
-//! tested end to end.
+//! tested end to end, and its file calls (stat, list, mkdir, remove) on
+//! the host's paths.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -401,6 +402,23 @@ impl FakeAgent {
         if let Request::Exec(req) = request {
             return run_exec(stream, req).await;
         }
+        if let Request::List(req) = &request {
+            let reply = match host_list(&req.path) {
+                Ok(entries) => {
+                    if stream
+                        .send_msg(&Response::Entries { entries })
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                    Response::Ok
+                }
+                Err(e) => io_reply(e),
+            };
+            let _ = stream.send_msg(&reply).await;
+            return;
+        }
         let reply = match request {
             Request::Health => Response::Health(Health {
                 agent_version: "fake".into(),
@@ -417,6 +435,19 @@ impl FakeAgent {
                 ..FixupReport::default()
             }),
             Request::Network(_) | Request::UserdataRun(_) => Response::Ok,
+            Request::Stat(req) => host_stat(std::path::Path::new(&req.path), req.follow)
+                .map_or_else(io_reply, Response::Stat),
+            Request::Mkdir(req) => host_mkdir(&req).map_or_else(io_reply, |()| Response::Ok),
+            Request::Remove(req) => {
+                let path = std::path::Path::new(&req.path);
+                let done = match std::fs::symlink_metadata(path) {
+                    Ok(m) if m.is_dir() && req.recursive => std::fs::remove_dir_all(path),
+                    Ok(m) if m.is_dir() => std::fs::remove_dir(path),
+                    Ok(_) => std::fs::remove_file(path),
+                    Err(e) => Err(e),
+                };
+                done.map_or_else(io_reply, |()| Response::Ok)
+            }
             Request::UserdataStatus => Response::Userdata(UserdataStatus::default()),
             Request::Shutdown(_) => {
                 if self.guest != Guest::Deaf {
@@ -558,4 +589,72 @@ async fn run_exec(stream: Stream, req: tine_proto::agent::ExecRequest) {
         }
     };
     let _ = tx.send_msg(&Response::Exited(status)).await;
+}
+
+/// An I/O error as the agent reports it.
+fn io_reply(e: std::io::Error) -> Response {
+    let code = match e.kind() {
+        std::io::ErrorKind::NotFound => ErrorCode::NotFound,
+        std::io::ErrorKind::AlreadyExists => ErrorCode::AlreadyExists,
+        std::io::ErrorKind::PermissionDenied => ErrorCode::PermissionDenied,
+        _ => ErrorCode::Io,
+    };
+    Response::error(code, e.to_string())
+}
+
+fn host_stat(path: &std::path::Path, follow: bool) -> std::io::Result<tine_proto::agent::FileStat> {
+    use std::os::unix::fs::MetadataExt;
+    use tine_proto::agent::FileKind;
+    let m = if follow {
+        std::fs::metadata(path)?
+    } else {
+        std::fs::symlink_metadata(path)?
+    };
+    let kind = if m.file_type().is_symlink() {
+        FileKind::Symlink
+    } else if m.is_dir() {
+        FileKind::Dir
+    } else if m.is_file() {
+        FileKind::File
+    } else {
+        FileKind::Other
+    };
+    Ok(tine_proto::agent::FileStat {
+        kind,
+        size: m.len(),
+        mode: m.mode() & 0o7777,
+        uid: m.uid(),
+        gid: m.gid(),
+        mtime_secs: m.mtime(),
+        mtime_nanos: u32::try_from(m.mtime_nsec()).unwrap_or(0),
+        symlink_target: std::fs::read_link(path)
+            .ok()
+            .map(|t| t.display().to_string()),
+    })
+}
+
+fn host_list(path: &str) -> std::io::Result<Vec<tine_proto::agent::DirEntry>> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(path)? {
+        let e = e?;
+        out.push(tine_proto::agent::DirEntry {
+            name: e.file_name().to_string_lossy().into_owned(),
+            stat: host_stat(&e.path(), false)?,
+        });
+    }
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(out)
+}
+
+fn host_mkdir(req: &tine_proto::agent::MkdirRequest) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    if req.parents {
+        std::fs::create_dir_all(&req.path)?;
+    } else {
+        std::fs::create_dir(&req.path)?;
+    }
+    if let Some(mode) = req.attrs.mode {
+        std::fs::set_permissions(&req.path, std::fs::Permissions::from_mode(mode))?;
+    }
+    Ok(())
 }
