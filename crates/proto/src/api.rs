@@ -1172,6 +1172,8 @@ wire_enum! {
     VmStatus, "status" {
         /// Being created, booting, running or stopping.
         Running = "Running",
+        /// Running with its vCPUs parked (`POST /vm/{hostname}/pause`).
+        Paused = "Paused",
         /// Stopped or failed.
         Stopped = "Stopped",
     }

@@ -1068,3 +1068,85 @@ async fn fs_stat_readdir_mkdir_and_remove() {
         .await;
     assert_eq!(a.status, StatusCode::BAD_REQUEST);
 }
+
+#[tokio::test]
+async fn pause_resume_suspend_restore_and_daemon_shutdown() {
+    let sdk = Sdk::new();
+    let h = sdk.create(serde_json::json!({})).await.hostname;
+    let status = |d: SdkDescription| d.node.status;
+    // Go PauseVM / TS vm.pause(): 200, the list says Paused.
+    let a = sdk
+        .send(Method::POST, &format!("/vm/{h}/pause"), None)
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    assert!(sdk.fake.seen(&h).iter().any(|s| matches!(
+        s,
+        crate::launcher::fake::Seen::Control(tine_proto::vmm::Request::Pause)
+    )));
+    let nodes: Vec<SdkNode> = sdk.get("/nodes").await.decode();
+    assert_eq!(nodes[0].status, "Paused");
+    let a = sdk
+        .send(Method::POST, &format!("/vm/{h}/pause"), None)
+        .await;
+    assert_eq!(
+        a.status,
+        StatusCode::OK,
+        "pausing a paused VM: {}",
+        a.text()
+    );
+    // Go ResumeVM / TS vm.resume().
+    let a = sdk
+        .send(Method::POST, &format!("/vm/{h}/resume"), None)
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    assert_eq!(
+        status(sdk.get(&format!("/vm/{h}")).await.decode()),
+        "Running"
+    );
+    let a = sdk
+        .send(Method::POST, &format!("/vm/{h}/resume"), None)
+        .await;
+    assert_eq!(a.status, StatusCode::CONFLICT);
+    assert!(a.decode::<SdkError>().error.contains("is not paused"));
+    // A paused VM is resumed before a graceful stop (its guest must hear it).
+    sdk.send(Method::POST, &format!("/vm/{h}/pause"), None)
+        .await;
+    sdk.shutdown(&h).await;
+    let seen = sdk.fake.seen(&h);
+    let last_pause = seen.iter().rposition(|s| {
+        matches!(
+            s,
+            crate::launcher::fake::Seen::Control(tine_proto::vmm::Request::Pause)
+        )
+    });
+    let last_resume = seen.iter().rposition(|s| {
+        matches!(
+            s,
+            crate::launcher::fake::Seen::Control(tine_proto::vmm::Request::Resume)
+        )
+    });
+    assert!(last_resume > last_pause, "{seen:?}");
+    assert_eq!(
+        status(sdk.get(&format!("/vm/{h}")).await.decode()),
+        "Stopped"
+    );
+    let a = sdk
+        .send(Method::POST, &format!("/vm/{h}/pause"), None)
+        .await;
+    assert_eq!(a.status, StatusCode::CONFLICT, "a stopped VM: {}", a.text());
+    // Go SuspendVM / RestoreVM(WithOptions): refused, saying why.
+    for (what, uri) in [
+        ("suspend", format!("/vm/{h}/suspend")),
+        ("restore", format!("/vm/{h}/restore?wait=agent&timeout=30s")),
+    ] {
+        let a = sdk.send(Method::POST, &uri, None).await;
+        assert_eq!(a.status, StatusCode::BAD_REQUEST, "{what}");
+        assert!(
+            a.decode::<SdkError>().error.contains("not supported yet"),
+            "{what}"
+        );
+    }
+    // POST /daemon/shutdown answers, then the server is asked to stop.
+    let a = sdk.send(Method::POST, "/daemon/shutdown", None).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+}

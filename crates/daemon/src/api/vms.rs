@@ -254,3 +254,54 @@ pub(super) async fn relaunch(
     let timeout = parse_timeout(query_get(&q, "timeout"), DEFAULT_WAIT)?;
     Ok(Json(d.relaunch(&hostname, wait, timeout).await?))
 }
+
+pub(super) async fn pause(
+    State(d): State<AppState>,
+    Path(hostname): Path<String>,
+) -> ApiResult<Json<api::VmInfo>> {
+    let vm = d.pause(&hostname).await?;
+    Ok(Json(d.describe(&d.vm(&vm.hostname)?)))
+}
+
+pub(super) async fn resume(
+    State(d): State<AppState>,
+    Path(hostname): Path<String>,
+) -> ApiResult<Json<api::VmInfo>> {
+    let vm = d.resume(&hostname).await?;
+    Ok(Json(d.describe(&d.vm(&vm.hostname)?)))
+}
+
+/// `suspend` and `restore` (a VM's memory to disk and back): refused until
+/// tine can snapshot a VM to its own disk, naming what exists instead.
+pub(super) async fn suspend(
+    State(d): State<AppState>,
+    Path(hostname): Path<String>,
+) -> ApiResult<Json<api::VmInfo>> {
+    let vm = d.vm(&hostname)?;
+    Err(ApiError::bad_request(format!(
+        "suspend of {} is not supported yet: tine cannot save a VM's memory to disk; use pause (vCPUs parked, memory kept) or shutdown and relaunch",
+        vm.hostname
+    )))
+}
+
+pub(super) async fn restore(
+    State(d): State<AppState>,
+    Path(hostname): Path<String>,
+) -> ApiResult<Json<api::VmInfo>> {
+    let vm = d.vm(&hostname)?;
+    Err(ApiError::bad_request(format!(
+        "restore of {} is not supported yet: tine has no suspended VMs (suspend is not supported); relaunch a stopped persistent VM",
+        vm.hostname
+    )))
+}
+
+/// `POST /daemon/shutdown`: the daemon exits; VMs keep running (as on
+/// SIGTERM) and the next `tine up` finds them.
+pub(super) async fn daemon_shutdown(State(d): State<AppState>) -> Json<serde_json::Value> {
+    // After the answer is out.
+    tokio::spawn(async move {
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        d.request_stop();
+    });
+    Json(serde_json::json!({"status": "shutting down"}))
+}

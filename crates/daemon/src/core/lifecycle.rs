@@ -36,7 +36,11 @@ impl Daemon {
         api::VmInfo {
             hostname: vm.hostname.clone(),
             host_group: vm.host_group.clone(),
-            status: vm.state.into(),
+            status: if self.is_paused(vm) {
+                api::VmStatus::Paused
+            } else {
+                vm.state.into()
+            },
             state: vm.state,
             cpus: vm.cpus,
             ram_bytes: vm.ram_bytes,
@@ -253,6 +257,10 @@ impl Daemon {
                     "{hostname} is already {}",
                     vm.state
                 )));
+            }
+            if !poweroff {
+                // A paused guest cannot take the request to stop.
+                self.unpause_for_stop(&vm).await;
             }
             if vm.pid.is_none() {
                 // Still waiting for a boot slot: it never ran.
