@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use axum::body::{Body, Bytes};
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
 use axum::extract::{Path, State};
-use axum::http::{header, Uri};
+use axum::http::{header, HeaderMap, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use base64::Engine;
@@ -916,17 +916,55 @@ pub fn parse_target(t: &str) -> ApiResult<ForwardTarget> {
     }
 }
 
+/// Parses Slicer's `X-Inlets-Upstream` value: `HOST:PORT`, `PORT` or
+/// `unix:PATH`.
+pub fn parse_upstream(value: &str) -> ApiResult<ForwardTarget> {
+    let target = if value.starts_with("unix:") {
+        parse_target(value)
+    } else {
+        parse_target(&format!("tcp:{value}"))
+    };
+    target.map_err(|_| {
+        ApiError::bad_request(format!(
+            "X-Inlets-Upstream `{value}` is not HOST:PORT, PORT or unix:/PATH"
+        ))
+    })
+}
+
+/// Where a forward goes: `target=` (tine's form) or the `X-Inlets-Upstream`
+/// header (Slicer's SDKs); both must agree when both are given.
+fn forward_target(q: &[(String, String)], headers: &HeaderMap) -> ApiResult<ForwardTarget> {
+    let header = headers
+        .get("x-inlets-upstream")
+        .map(|v| {
+            v.to_str()
+                .map_err(|_| ApiError::bad_request("X-Inlets-Upstream is not text"))
+        })
+        .transpose()?
+        .map(parse_upstream)
+        .transpose()?;
+    let query = query_get(q, "target").map(parse_target).transpose()?;
+    match (query, header) {
+        (Some(a), Some(b)) if a != b => Err(ApiError::bad_request(
+            "`target` and X-Inlets-Upstream name different targets; give one",
+        )),
+        (Some(t), _) | (None, Some(t)) => Ok(t),
+        (None, None) => Err(ApiError::bad_request(
+            "`target` (or an X-Inlets-Upstream header) is required",
+        )),
+    }
+}
+
 pub(super) async fn forward(
     State(d): State<AppState>,
     Path(hostname): Path<String>,
     uri: Uri,
+    headers: HeaderMap,
     ws: WebSocketUpgrade,
 ) -> ApiResult<Response> {
     let q = query_pairs(&uri);
     query_only(&q, &["target"])?;
-    let target = parse_target(
-        query_get(&q, "target").ok_or_else(|| ApiError::bad_request("`target` is required"))?,
-    )?;
+    let target = forward_target(&q, &headers)?;
     let client = agent(&d, &hostname).await?;
     let mut fwd = client
         .forward(target)
@@ -1231,6 +1269,45 @@ mod tests {
         );
         // A number that is no signal keeps its number, with no name.
         assert_eq!(exit_fields(&status(None, Some(99))), (227, None, Some(99)));
+    }
+
+    #[test]
+    fn forward_takes_slicers_upstream_header() {
+        let headers = |v: &str| {
+            let mut h = HeaderMap::new();
+            h.insert("x-inlets-upstream", v.parse().expect("header"));
+            h
+        };
+        let tcp = |host: &str, port| ForwardTarget::Tcp {
+            port,
+            host: Some(host.into()),
+        };
+        let none: Vec<(String, String)> = Vec::new();
+        assert_eq!(
+            forward_target(&none, &headers("127.0.0.1:8080")).expect("tcp"),
+            tcp("127.0.0.1", 8080)
+        );
+        assert_eq!(
+            forward_target(&none, &headers("unix:/var/run/docker.sock")).expect("unix"),
+            ForwardTarget::Unix {
+                path: "/var/run/docker.sock".into()
+            }
+        );
+        let q = vec![("target".to_string(), "tcp:127.0.0.1:8080".to_string())];
+        assert_eq!(
+            forward_target(&q, &headers("127.0.0.1:8080")).expect("agree"),
+            tcp("127.0.0.1", 8080)
+        );
+        let e = forward_target(&q, &headers("127.0.0.1:9090")).expect_err("disagree");
+        assert!(e.message.contains("different targets"), "{}", e.message);
+        let e = forward_target(&none, &headers("nowhere")).expect_err("bad");
+        assert!(
+            e.message.contains("X-Inlets-Upstream `nowhere`"),
+            "{}",
+            e.message
+        );
+        let e = forward_target(&none, &HeaderMap::new()).expect_err("none");
+        assert!(e.message.contains("X-Inlets-Upstream header) is required"));
     }
 
     #[test]
