@@ -594,6 +594,149 @@ pub struct FsMkdirRequest {
     pub gid: Option<u32>,
 }
 
+/// `POST /vm/{hostname}/exec?background=true`: a detached process.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BgExecResponse {
+    /// Its id for `/vm/{hostname}/exec/{id}/...` (a decimal string).
+    pub exec_id: String,
+    /// Its pid in the guest.
+    pub pid: u32,
+    /// When it started (RFC 3339).
+    pub started_at: String,
+    /// Bytes kept per stream (the oldest go first).
+    pub ring_bytes: u64,
+}
+
+/// `GET /vm/{hostname}/exec[/{id}]`: one background exec.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BgExecInfo {
+    /// Its id.
+    pub exec_id: String,
+    /// Its pid in the guest.
+    pub pid: u32,
+    /// What runs, for display.
+    pub command: String,
+    /// When it started (RFC 3339).
+    pub started_at: String,
+    /// Whether it still runs.
+    pub running: bool,
+    /// Its exit code once it ended (128+N for signal N).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+    /// The signal that killed it, if one did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signal: Option<String>,
+    /// Bytes it wrote, stdout and stderr together.
+    pub bytes_written: u64,
+    /// Of those, bytes the rings no longer hold.
+    pub bytes_dropped: u64,
+    /// Bytes kept per stream.
+    pub ring_bytes: u64,
+    /// Stdout bytes written (where a later read of new stdout starts).
+    pub stdout_bytes: u64,
+    /// Stderr bytes written.
+    pub stderr_bytes: u64,
+}
+
+/// `POST /vm/{hostname}/exec/{id}/kill` body.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BgKillRequest {
+    /// Signal name (`TERM`, `SIGTERM`, `KILL`, `HUP`...); default `TERM`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signal: Option<String>,
+    /// Milliseconds before `SIGKILL` follows if it still runs (default
+    /// 5000; 0 never escalates).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grace_ms: Option<u64>,
+}
+
+/// `POST /vm/{hostname}/exec/{id}/kill` response.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BgKillResponse {
+    /// Its id.
+    pub exec_id: String,
+    /// Its pid.
+    pub pid: u32,
+    /// Whether it still runs after the signal (and the grace).
+    pub running: bool,
+    /// The signal sent first (`SIGTERM`).
+    pub signal_sent: String,
+}
+
+/// `GET /vm/{hostname}/exec/{id}/wait-exit` response.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BgWaitResponse {
+    /// Its id.
+    pub exec_id: String,
+    /// Whether it still runs (the wait timed out).
+    pub running: bool,
+    /// Its exit code once it ended (128+N for signal N).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+    /// The signal that killed it, if one did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signal: Option<String>,
+    /// Whether `timeout` passed before it ended.
+    pub timed_out: bool,
+}
+
+/// `DELETE /vm/{hostname}/exec/{id}` response.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BgDeleteResponse {
+    /// Its id.
+    pub exec_id: String,
+    /// Always true: its rings are freed.
+    pub reaped: bool,
+}
+
+/// One NDJSON line of `GET /vm/{hostname}/exec/{id}/logs`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum BgLogFrame {
+    /// Stdout bytes, base64.
+    Stdout {
+        /// Frame number in this answer, from 1.
+        id: u64,
+        /// The bytes, base64.
+        data: String,
+        /// Always `base64`.
+        encoding: StdioEncoding,
+    },
+    /// Stderr bytes, base64.
+    Stderr {
+        /// Frame number in this answer, from 1.
+        id: u64,
+        /// The bytes, base64.
+        data: String,
+        /// Always `base64`.
+        encoding: StdioEncoding,
+    },
+    /// The end of what the rings hold (still running), with what was lost.
+    End {
+        /// Frame number.
+        id: u64,
+        /// Requested bytes the rings had already dropped.
+        dropped_bytes: u64,
+        /// Stdout offset to resume from (`stdout_from=`).
+        stdout_to: u64,
+        /// Stderr offset to resume from (`stderr_from=`).
+        stderr_to: u64,
+    },
+    /// It ended; the last frame.
+    Exit {
+        /// Frame number.
+        id: u64,
+        /// Its exit code (128+N for signal N).
+        exit_code: i32,
+        /// The signal that killed it, if one did.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        signal: Option<String>,
+        /// Requested bytes the rings had already dropped.
+        dropped_bytes: u64,
+    },
+}
+
 /// Most bytes of each of stdout and stderr a buffered exec keeps: 16 MiB.
 pub const MAX_BUFFERED_OUTPUT: usize = 16 << 20;
 

@@ -1150,3 +1150,264 @@ async fn pause_resume_suspend_restore_and_daemon_shutdown() {
     let a = sdk.send(Method::POST, "/daemon/shutdown", None).await;
     assert_eq!(a.status, StatusCode::OK, "{}", a.text());
 }
+
+/// Go `ExecBackgroundResponse`, TS `BgExecResponse`.
+#[derive(Debug, Deserialize)]
+#[allow(dead_code)]
+struct SdkBgStarted {
+    exec_id: String,
+    pid: i64,
+    started_at: String,
+    ring_bytes: i64,
+}
+
+/// Go `ExecBackgroundInfo`, TS `BgExecInfo`.
+#[derive(Debug, Deserialize)]
+#[allow(dead_code)]
+struct SdkBgInfo {
+    exec_id: String,
+    pid: i64,
+    command: String,
+    started_at: String,
+    running: bool,
+    #[serde(default)]
+    exit_code: Option<i64>,
+    #[serde(default)]
+    signal: Option<String>,
+    bytes_written: i64,
+    bytes_dropped: i64,
+    ring_bytes: i64,
+}
+
+/// Go `ExecBackgroundWaitExitResponse`.
+#[derive(Debug, Deserialize)]
+struct SdkBgWait {
+    exec_id: String,
+    running: bool,
+    #[serde(default)]
+    exit_code: Option<i64>,
+    timed_out: bool,
+}
+
+/// Go `ExecBackgroundKillResponse`.
+#[derive(Debug, Deserialize)]
+#[allow(dead_code)]
+struct SdkBgKill {
+    exec_id: String,
+    pid: i64,
+    running: bool,
+    signal_sent: String,
+}
+
+/// Go `ExecBackgroundDeleteResponse`.
+#[derive(Debug, Deserialize)]
+struct SdkBgDelete {
+    exec_id: String,
+    reaped: bool,
+}
+
+impl Sdk {
+    /// Go ExecBackground: `background=true`, `ring_bytes`, `stdio=base64`.
+    async fn bg_exec(&self, h: &str, query: &str) -> SdkBgStarted {
+        let uri = format!("/vm/{h}/exec?background=true&stdio=base64&{query}");
+        let a = self.send(Method::POST, &uri, None).await;
+        assert!(
+            a.status == StatusCode::OK || a.status == StatusCode::CREATED,
+            "{uri}: {}",
+            a.text()
+        );
+        a.decode()
+    }
+}
+
+#[tokio::test]
+async fn background_exec_logs_wait_kill_and_remove() {
+    let sdk = Sdk::new();
+    let h = sdk.create(serde_json::json!({})).await.hostname;
+    // A job that writes more than its ring holds, then exits 4.
+    let script = "printf 0123456789; printf err >&2; exit 4";
+    let q = format!(
+        "cmd={}&shell=%2Fbin%2Fsh&ring_bytes=4",
+        script
+            .replace(' ', "%20")
+            .replace(';', "%3B")
+            .replace('>', "%3E")
+            .replace('&', "%26")
+    );
+    let started = sdk.bg_exec(&h, &q).await;
+    assert!(started.pid > 0);
+    assert_eq!(started.ring_bytes, 4);
+    rfc3339(&started.started_at);
+    let id = started.exec_id.clone();
+
+    // Go ExecWaitExit(timeout): GET .../wait-exit?timeout=N (seconds).
+    let a = sdk
+        .get(&format!("/vm/{h}/exec/{id}/wait-exit?timeout=10"))
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    let w: SdkBgWait = a.decode();
+    assert_eq!(
+        (w.exec_id.as_str(), w.running, w.exit_code, w.timed_out),
+        (id.as_str(), false, Some(4), false)
+    );
+
+    // Go ExecList / ExecInfo.
+    let list: Vec<SdkBgInfo> = sdk.get(&format!("/vm/{h}/exec")).await.decode();
+    assert_eq!(list.len(), 1);
+    let info: SdkBgInfo = sdk.get(&format!("/vm/{h}/exec/{id}")).await.decode();
+    assert!(!info.running);
+    assert_eq!(
+        (info.exit_code, info.bytes_written, info.bytes_dropped),
+        (Some(4), 13, 6)
+    );
+
+    // Go ExecLogs: NDJSON frames with ids, base64 data, then the exit; the
+    // ring kept the last 4 bytes of each stream.
+    let a = sdk
+        .get(&format!("/vm/{h}/exec/{id}/logs?follow=true"))
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    let mut stdout = Vec::new();
+    let mut stderr = Vec::new();
+    let mut last = None;
+    for line in a.text().lines() {
+        let f: serde_json::Value = serde_json::from_str(line).expect("frame");
+        assert!(f["id"].as_u64().is_some_and(|n| n > 0), "{f}");
+        let data = f["data"].as_str().unwrap_or_default();
+        match f["type"].as_str() {
+            Some("stdout") => stdout.extend(decode_output(data, f["encoding"].as_str())),
+            Some("stderr") => stderr.extend(decode_output(data, f["encoding"].as_str())),
+            _ => last = Some(f),
+        }
+    }
+    assert_eq!(
+        (stdout.as_slice(), stderr.as_slice()),
+        (&b"6789"[..], &b"err"[..])
+    );
+    let last = last.expect("an exit frame");
+    assert_eq!(
+        (last["type"].as_str(), last["exit_code"].as_i64()),
+        (Some("exit"), Some(4))
+    );
+    assert_eq!(
+        last["dropped_bytes"], 0,
+        "the default start is the oldest byte kept"
+    );
+    // Asking from offset 0 counts what the ring had already dropped.
+    let a = sdk
+        .get(&format!(
+            "/vm/{h}/exec/{id}/logs?stdout_from=0&stderr_from=0"
+        ))
+        .await;
+    let end = a
+        .text()
+        .lines()
+        .last()
+        .map(str::to_owned)
+        .unwrap_or_default();
+    let end: serde_json::Value = serde_json::from_str(&end).expect("frame");
+    assert_eq!(
+        (end["type"].as_str(), end["dropped_bytes"].as_u64()),
+        (Some("exit"), Some(6))
+    );
+    let a = sdk.get(&format!("/vm/{h}/exec/{id}/logs?from_id=3")).await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST);
+
+    // Go ExecKill with a grace: TERM, then KILL if it stays.
+    let long = sdk
+        .bg_exec(
+            &h,
+            "cmd=sh&args=-c&args=trap%20%27%27%20TERM%3B%20echo%20ready%3B%20sleep%2030",
+        )
+        .await;
+    // Once it says ready, its trap is set.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let i: SdkBgInfo = sdk
+            .get(&format!("/vm/{h}/exec/{}", long.exec_id))
+            .await
+            .decode();
+        if i.bytes_written > 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the job never said ready"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    let a = sdk
+        .json(
+            Method::POST,
+            &format!("/vm/{h}/exec/{}/kill", long.exec_id),
+            serde_json::json!({"signal": "TERM", "grace_ms": 200}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    let k: SdkBgKill = a.decode();
+    assert_eq!((k.signal_sent.as_str(), k.running), ("SIGTERM", false));
+    let w: SdkBgWait = sdk
+        .get(&format!(
+            "/vm/{h}/exec/{}/wait-exit?timeout=5",
+            long.exec_id
+        ))
+        .await
+        .decode();
+    assert_eq!(w.exit_code, Some(137), "the grace ran out: SIGKILL");
+
+    // A wait that times out says so.
+    let sleeper = sdk.bg_exec(&h, "cmd=sleep&args=30").await;
+    let w: SdkBgWait = sdk
+        .get(&format!(
+            "/vm/{h}/exec/{}/wait-exit?timeout=200ms",
+            sleeper.exec_id
+        ))
+        .await
+        .decode();
+    assert!(w.running && w.timed_out);
+    // Removing a running job is refused; once killed it goes.
+    let uri = format!("/vm/{h}/exec/{}", sleeper.exec_id);
+    assert_eq!(
+        sdk.send(Method::DELETE, &uri, None).await.status,
+        StatusCode::CONFLICT
+    );
+    let a = sdk
+        .json(
+            Method::POST,
+            &format!("{uri}/kill"),
+            serde_json::json!({"signal": "KILL"}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    sdk.get(&format!("{uri}/wait-exit?timeout=5")).await;
+    let a = sdk.send(Method::DELETE, &uri, None).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    let del: SdkBgDelete = a.decode();
+    assert!(del.reaped && del.exec_id == sleeper.exec_id);
+    assert_eq!(sdk.get(&uri).await.status, StatusCode::NOT_FOUND);
+    // Bad input is named.
+    for (query, says) in [
+        (
+            "cmd=true&background=true&stdin=true",
+            "a background exec takes no stdin",
+        ),
+        (
+            "cmd=true&ring_bytes=9",
+            "`ring_bytes` needs `background=true`",
+        ),
+    ] {
+        let a = sdk
+            .send(Method::POST, &format!("/vm/{h}/exec?{query}"), None)
+            .await;
+        assert_eq!(a.status, StatusCode::BAD_REQUEST, "{query}");
+        assert!(a.decode::<SdkError>().error.contains(says), "{query}");
+    }
+    let a = sdk
+        .json(
+            Method::POST,
+            &format!("{uri}/kill"),
+            serde_json::json!({"signal": "NOPE"}),
+        )
+        .await;
+    assert!(a.decode::<SdkError>().error.contains("signal `NOPE`"));
+}

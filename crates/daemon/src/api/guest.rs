@@ -270,7 +270,9 @@ fn incomplete_tail(data: &[u8]) -> usize {
 
 /// The exit frame's fields: the code (128+N for signal N), the signal's
 /// name and number.
-fn exit_fields(status: &tine_proto::agent::ExitStatus) -> (i32, Option<String>, Option<i32>) {
+pub(super) fn exit_fields(
+    status: &tine_proto::agent::ExitStatus,
+) -> (i32, Option<String>, Option<i32>) {
     let signal = status.code.is_none().then_some(status.signal).flatten();
     let name = signal.and_then(|n| {
         nix::sys::signal::Signal::try_from(n)
@@ -286,6 +288,9 @@ struct ExecQuery {
     timeout: Option<Duration>,
     encoding: StdioEncoding,
     buffered: bool,
+    /// `background=true`: detached, with rings of this size (`None`: the
+    /// agent's default).
+    background: Option<Option<u64>>,
 }
 
 fn exec_query(uri: &Uri) -> ApiResult<ExecQuery> {
@@ -305,6 +310,8 @@ fn exec_query(uri: &Uri) -> ApiResult<ExecQuery> {
             "stdio",
             "buffered",
             "permissions",
+            "background",
+            "ring_bytes",
         ],
     )?;
     if let Some(p) = query_get(&q, "permissions").filter(|p| !p.is_empty()) {
@@ -342,6 +349,19 @@ fn exec_query(uri: &Uri) -> ApiResult<ExecQuery> {
         ));
     }
     let encoding: StdioEncoding = super::params::parse_query_enum(&q, "stdio")?.unwrap_or_default();
+    let ring_bytes: Option<u64> = query_num(&q, "ring_bytes")?;
+    let background = match query_bool(&q, "background")?.unwrap_or(false) {
+        true if stdin || buffered => {
+            return Err(ApiError::bad_request(
+                "a background exec takes no stdin and is not buffered; read its output from /exec/{id}/logs",
+            ))
+        }
+        true => Some(ring_bytes.filter(|r| *r > 0)),
+        false if ring_bytes.is_some() => {
+            return Err(ApiError::bad_request("`ring_bytes` needs `background=true`"))
+        }
+        false => None,
+    };
     let timeout = query_get(&q, "timeout")
         .map(|t| parse_timeout(Some(t), Duration::ZERO))
         .transpose()?;
@@ -374,6 +394,7 @@ fn exec_query(uri: &Uri) -> ApiResult<ExecQuery> {
         timeout,
         encoding,
         buffered,
+        background,
     })
 }
 
@@ -385,6 +406,9 @@ pub(super) async fn exec(
 ) -> ApiResult<Response> {
     let q = exec_query(&uri)?;
     let client = agent(&d, &hostname).await?;
+    if let Some(ring_bytes) = q.background {
+        return super::bg::start(client, q.req, ring_bytes).await;
+    }
     if q.buffered {
         let result = exec_buffered(client, q.req, q.timeout, q.encoding, DEADLINES).await?;
         return Ok(Json(result).into_response());

@@ -1,6 +1,7 @@
 //! The REST API (docs/api.md, docs/openapi.yaml): routes onto [`Daemon`]
 //! methods, errors as `{error, code}`, the bearer token on TCP.
 
+mod bg;
 mod commits;
 #[cfg(test)]
 mod contract;
@@ -86,6 +87,12 @@ pub fn routes() -> Routes {
         .add(M::POST, "/vm/{hostname}/restore", vms::restore)
         .add(M::POST, "/daemon/shutdown", vms::daemon_shutdown)
         .add(M::POST, "/vm/{hostname}/exec", guest::exec)
+        .add(M::GET, "/vm/{hostname}/exec", bg::list)
+        .add(M::GET, "/vm/{hostname}/exec/{id}", bg::get)
+        .add(M::DELETE, "/vm/{hostname}/exec/{id}", bg::remove)
+        .add(M::GET, "/vm/{hostname}/exec/{id}/logs", bg::logs)
+        .add(M::POST, "/vm/{hostname}/exec/{id}/kill", bg::kill)
+        .add(M::GET, "/vm/{hostname}/exec/{id}/wait-exit", bg::wait_exit)
         .add(M::GET, "/vm/{hostname}/cp", guest::download)
         .add(M::POST, "/vm/{hostname}/cp", guest::upload)
         .add(M::GET, "/vm/{hostname}/fs/stat", fs::stat)
