@@ -56,7 +56,7 @@ pub const ENV_TOKEN_FILE: &str = "TINE_TOKEN_FILE";
 /// Largest error body read from a failed response.
 const ERROR_BODY_LIMIT: usize = 64 << 10;
 
-use tine_proto::api::shell::{DATA as SHELL_DATA, EXIT as SHELL_EXIT, RESIZE as SHELL_RESIZE};
+use tine_proto::api::shell as shell_frames;
 pub use tine_proto::api::{CpResponse, DeleteCommitResponse};
 
 /// Bytes per WebSocket message when bridging a forward.
@@ -1324,18 +1324,16 @@ pub struct ShellWriter {
 impl ShellWriter {
     /// Sends terminal input.
     pub async fn send_input(&mut self, data: &[u8]) -> Result<()> {
-        let mut msg = Vec::with_capacity(data.len() + 1);
-        msg.push(SHELL_DATA);
-        msg.extend_from_slice(data);
+        let msg = shell_frames::encode(shell_frames::DATA, data);
         Ok(self.sink.send(Message::Binary(msg.into())).await?)
     }
 
     /// Tells the guest the terminal's new size.
     pub async fn resize(&mut self, rows: u16, cols: u16) -> Result<()> {
-        let mut msg = Vec::with_capacity(5);
-        msg.push(SHELL_RESIZE);
-        msg.extend_from_slice(&rows.to_be_bytes());
-        msg.extend_from_slice(&cols.to_be_bytes());
+        let mut size = Vec::with_capacity(8);
+        size.extend_from_slice(&u32::from(cols).to_be_bytes());
+        size.extend_from_slice(&u32::from(rows).to_be_bytes());
+        let msg = shell_frames::encode(shell_frames::WINDOW_SIZE, &size);
         Ok(self.sink.send(Message::Binary(msg.into())).await?)
     }
 
@@ -1363,19 +1361,27 @@ impl ShellReader {
                 Err(e) if closed_without_handshake(&e) => return Ok(None),
                 Err(e) => return Err(e.into()),
             };
-            match data.first() {
-                Some(&SHELL_DATA) => return Ok(Some(ShellEvent::Output(data.slice(1..)))),
-                Some(&SHELL_EXIT) if data.len() >= 5 => {
-                    let code = i32::from_be_bytes([data[1], data[2], data[3], data[4]]);
+            match shell_frames::decode(&data) {
+                Some((shell_frames::DATA, _)) => {
+                    return Ok(Some(ShellEvent::Output(data.slice(5..))))
+                }
+                Some((shell_frames::SESSION_CLOSE, code)) => {
+                    let code = <[u8; 4]>::try_from(code).map_or(0, i32::from_be_bytes);
                     return Ok(Some(ShellEvent::Exit(code)));
                 }
-                Some(other) => {
+                Some((shell_frames::HEARTBEAT, _)) => continue,
+                Some((other, _)) => {
                     return Err(ApiError::Protocol(format!(
-                        "shell message of unknown type {other} ({} bytes)",
+                        "shell frame of unknown type {other} ({} bytes)",
                         data.len()
                     )))
                 }
-                None => continue,
+                None => {
+                    return Err(ApiError::Protocol(format!(
+                        "shell message of {} bytes is not a frame (type, u32 length, payload)",
+                        data.len()
+                    )))
+                }
             }
         }
         Ok(None)

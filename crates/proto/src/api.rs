@@ -958,15 +958,55 @@ pub struct DeleteCommitResponse {
     pub status: DeleteStatus,
 }
 
-/// Message types of the shell WebSocket (`GET /vm/{hostname}/shell`): each
-/// binary message is one type byte, then its payload.
+/// Frames of the shell WebSocket (`GET /vm/{hostname}/shell`), Slicer's
+/// protocol: each binary message is one type byte, the payload's length
+/// (u32 BE), then the payload.
 pub mod shell {
     /// Terminal bytes, both ways.
-    pub const DATA: u8 = 0;
-    /// Client to daemon: rows (u16 BE), cols (u16 BE).
-    pub const RESIZE: u8 = 1;
-    /// Daemon to client: the shell's exit code (i32 BE), then a close.
-    pub const EXIT: u8 = 2;
+    pub const DATA: u8 = 1;
+    /// Client to daemon: cols (u32 BE), rows (u32 BE).
+    pub const WINDOW_SIZE: u8 = 2;
+    /// Client to daemon: end the session (the shell is hung up).
+    pub const SHUTDOWN: u8 = 3;
+    /// Either way: keep-alive, no payload; ignored.
+    pub const HEARTBEAT: u8 = 4;
+    /// Daemon to client: the shell ended; the payload is its exit code
+    /// (i32 BE; tine's addition), then a close.
+    pub const SESSION_CLOSE: u8 = 5;
+
+    /// One frame: its type and payload.
+    pub fn encode(frame_type: u8, payload: &[u8]) -> Vec<u8> {
+        let mut msg = Vec::with_capacity(payload.len() + 5);
+        msg.push(frame_type);
+        msg.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+        msg.extend_from_slice(payload);
+        msg
+    }
+
+    /// A frame's type and payload; `None` when the header is short or its
+    /// length does not match the message.
+    pub fn decode(msg: &[u8]) -> Option<(u8, &[u8])> {
+        let (&frame_type, rest) = msg.split_first()?;
+        let len_bytes: [u8; 4] = rest.get(..4)?.try_into().ok()?;
+        let payload = &rest[4..];
+        (u32::from_be_bytes(len_bytes) as usize == payload.len()).then_some((frame_type, payload))
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn frames_round_trip_and_bad_lengths_are_refused() {
+            let f = encode(DATA, b"ls\r");
+            assert_eq!(f, [1, 0, 0, 0, 3, b'l', b's', b'\r']);
+            assert_eq!(decode(&f), Some((DATA, &b"ls\r"[..])));
+            assert_eq!(decode(&encode(HEARTBEAT, b"")), Some((HEARTBEAT, &b""[..])));
+            assert_eq!(decode(&[1, 0, 0, 0, 9, b'x']), None, "length past the end");
+            assert_eq!(decode(&[1, 0, 0]), None, "short header");
+            assert_eq!(decode(&[]), None);
+        }
+    }
 }
 
 /// Query of the VM list routes.

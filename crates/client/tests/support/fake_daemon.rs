@@ -955,30 +955,26 @@ async fn shell(Path(h): Path<String>, ws: WebSocketUpgrade) -> Response {
         return *e;
     }
     ws.on_upgrade(|mut socket: WebSocket| async move {
-        let data = |bytes: &[u8]| {
-            let mut m = vec![0u8];
-            m.extend_from_slice(bytes);
-            Message::Binary(m.into())
-        };
+        use tine_proto::api::shell as frames;
+        let data = |bytes: &[u8]| Message::Binary(frames::encode(frames::DATA, bytes).into());
         let _ = socket.send(data(b"welcome\r\n")).await;
         while let Some(Ok(msg)) = socket.recv().await {
             let Message::Binary(m) = msg else { continue };
-            match m.first() {
-                Some(0) if &m[1..] == b"exit\r" => {
-                    let mut e = vec![2u8];
-                    e.extend_from_slice(&3i32.to_be_bytes());
+            match frames::decode(&m) {
+                Some((frames::DATA, b"exit\r")) => {
+                    let e = frames::encode(frames::SESSION_CLOSE, &3i32.to_be_bytes());
                     let _ = socket.send(Message::Binary(e.into())).await;
                     let _ = socket.send(Message::Close(None)).await;
                     return;
                 }
                 // Goes away without the exit message.
-                Some(0) if &m[1..] == b"drop\r" => return,
-                Some(0) => {
-                    let _ = socket.send(data(&m[1..])).await;
+                Some((frames::DATA, b"drop\r")) => return,
+                Some((frames::DATA, bytes)) => {
+                    let _ = socket.send(data(bytes)).await;
                 }
-                Some(1) if m.len() == 5 => {
-                    let rows = u16::from_be_bytes([m[1], m[2]]);
-                    let cols = u16::from_be_bytes([m[3], m[4]]);
+                Some((frames::WINDOW_SIZE, size)) if size.len() == 8 => {
+                    let cols = u32::from_be_bytes([size[0], size[1], size[2], size[3]]);
+                    let rows = u32::from_be_bytes([size[4], size[5], size[6], size[7]]);
                     let _ = socket
                         .send(data(format!("resized {rows} {cols}").as_bytes()))
                         .await;

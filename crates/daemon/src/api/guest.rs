@@ -21,7 +21,7 @@ use tine_proto::agent::{
     Command, ExecRequest, FileAttrs, ForwardTarget, ProcessOptions, ShellRequest, UploadRequest,
     UploadTarRequest,
 };
-use tine_proto::api::shell::{DATA as SHELL_DATA, EXIT as SHELL_EXIT, RESIZE as SHELL_RESIZE};
+use tine_proto::api::shell as shell_frames;
 use tine_proto::api::{
     CpResponse, ErrorCode, ExecFrame, ExecResult, StdioEncoding, VmHealth, MAX_BUFFERED_OUTPUT,
 };
@@ -832,10 +832,11 @@ pub(super) async fn shell(
     ws: WebSocketUpgrade,
 ) -> ApiResult<Response> {
     let q = query_pairs(&uri);
-    query_only(&q, &["rows", "cols", "cwd", "uid", "shell", "term"])?;
+    query_only(&q, &["rows", "cols", "cwd", "uid", "gid", "shell", "term"])?;
     let options = ProcessOptions {
         cwd: query_get(&q, "cwd").map(str::to_owned),
         uid: query_num(&q, "uid")?,
+        gid: query_num(&q, "gid")?,
         ..ProcessOptions::default()
     };
     let req = ShellRequest {
@@ -864,14 +865,17 @@ async fn pump_shell(socket: WebSocket, mut session: tine_client::agent::ShellSes
                 }
                 continue;
             };
-            match data.first() {
-                Some(&SHELL_DATA) if control.write(&data[1..]).await.is_err() => break,
-                Some(&SHELL_DATA) => {}
-                Some(&SHELL_RESIZE) if data.len() >= 5 => {
-                    let rows = u16::from_be_bytes([data[1], data[2]]);
-                    let cols = u16::from_be_bytes([data[3], data[4]]);
-                    let _ = control.resize(rows, cols).await;
+            // A frame that does not parse is dropped, not fatal.
+            match shell_frames::decode(&data) {
+                Some((shell_frames::DATA, bytes)) if control.write(bytes).await.is_err() => break,
+                Some((shell_frames::DATA, _)) => {}
+                Some((shell_frames::WINDOW_SIZE, size)) if size.len() == 8 => {
+                    let cols = u32::from_be_bytes([size[0], size[1], size[2], size[3]]);
+                    let rows = u32::from_be_bytes([size[4], size[5], size[6], size[7]]);
+                    let clamp = |n: u32| u16::try_from(n).unwrap_or(u16::MAX);
+                    let _ = control.resize(clamp(rows), clamp(cols)).await;
                 }
+                Some((shell_frames::SHUTDOWN, _)) => break,
                 _ => {}
             }
         }
@@ -881,17 +885,14 @@ async fn pump_shell(socket: WebSocket, mut session: tine_client::agent::ShellSes
     loop {
         match session.next_event().await {
             Ok(Some(ShellEvent::Output(data))) => {
-                let mut msg = Vec::with_capacity(data.len() + 1);
-                msg.push(SHELL_DATA);
-                msg.extend_from_slice(&data);
+                let msg = shell_frames::encode(shell_frames::DATA, &data);
                 if sink.send(Message::Binary(msg.into())).await.is_err() {
                     break;
                 }
             }
             Ok(Some(ShellEvent::Exit(s))) => {
-                let code = shell_exit_code(&s);
-                let mut msg = vec![SHELL_EXIT];
-                msg.extend_from_slice(&code.to_be_bytes());
+                let code = shell_exit_code(&s).to_be_bytes();
+                let msg = shell_frames::encode(shell_frames::SESSION_CLOSE, &code);
                 let _ = sink.send(Message::Binary(msg.into())).await;
                 break;
             }
