@@ -309,9 +309,9 @@ pub struct ListArgs {
     /// Only VMs of this host group
     #[arg(long, short = 'g')]
     pub group: Option<String>,
-    /// Only VMs with this exact tag
+    /// Only VMs with this exact tag (repeat: all of them)
     #[arg(long)]
-    pub tag: Option<String>,
+    pub tag: Vec<String>,
     /// Only VMs with a tag starting with this
     #[arg(long)]
     pub tag_prefix: Option<String>,
@@ -549,9 +549,9 @@ pub enum CommitCommand {
 /// `tine vm commit list`
 #[derive(Debug, Args)]
 pub struct CommitListArgs {
-    /// Only commits with this tag
+    /// Only commits with this tag (repeat: all of them)
     #[arg(long)]
-    pub tag: Option<String>,
+    pub tag: Vec<String>,
     /// Only the commit with this cache key
     #[arg(long)]
     pub cache_key: Option<String>,

@@ -190,7 +190,7 @@ async fn groups(g: &GlobalArgs) -> anyhow::Result<i32> {
 
 async fn list(g: &GlobalArgs, args: &ListArgs) -> anyhow::Result<i32> {
     let query = ListQuery {
-        tag: args.tag.clone(),
+        tags: args.tag.clone(),
         tag_prefix: args.tag_prefix.clone(),
     };
     let vms = client(g)?.list_vms(args.group.as_deref(), &query).await?;
@@ -248,6 +248,7 @@ async fn add(g: &GlobalArgs, c: &TineClient, args: AddArgs) -> anyhow::Result<i3
         tags: args.tag,
         name: args.name,
         network: None,
+        ..CreateVmRequest::default()
     };
     let wait = wait_of(&args.wait);
     let created = {
@@ -288,7 +289,7 @@ async fn logs(g: &GlobalArgs, c: &TineClient, args: &LogsArgs) -> anyhow::Result
     } else {
         // The serial console is the guest's: its escapes must not reach
         // the terminal. A console's line ends are CRLF.
-        for line in &logs.lines {
+        for line in logs.content.lines() {
             println!("{}", output::sanitize(line.trim_end_matches('\r'), true));
         }
     }
@@ -444,7 +445,7 @@ async fn commit(g: &GlobalArgs, c: &TineClient, args: CommitArgs) -> anyhow::Res
         Some(CommitCommand::List(l)) => {
             let commits = c
                 .list_commits(&CommitQuery {
-                    tag: l.tag,
+                    tags: l.tag,
                     cache_key: l.cache_key,
                     source: l.source,
                 })
@@ -527,6 +528,7 @@ pub fn fork_request(args: &ForkArgs) -> ForkRequest {
             Some(args.fixup.clone())
         },
         no_secrets: args.no_secrets,
+        secrets: None,
         cpus: args.cpu,
         ram_bytes: args.ram_mb.map(mib),
         network,

@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 use std::time::{Duration, SystemTime};
 
 use serde::Serialize;
-use tine_proto::api::{CommitInfo, ErrorCode, HostGroupInfo, StopMode, VmInfo};
+use tine_proto::api::{CommitInfo, ErrorCode, HostGroupInfo, NetworkMode, StopMode, VmInfo};
 
 /// Columns are separated by this many spaces.
 const GAP: usize = 3;
@@ -289,21 +289,24 @@ pub fn describe(v: &VmInfo, now: SystemTime) -> String {
         "disk",
         format!(
             "{} ({}, {} used of {})",
-            v.storage.path,
-            v.storage.format,
-            size(v.storage.allocated_bytes),
-            size(v.storage.size_bytes)
+            v.disk.path,
+            v.disk.format,
+            size(v.disk.allocated_bytes),
+            size(v.disk.size_bytes)
         ),
     ));
     pairs.push(("commit", or_dash(&v.commit_id)));
     pairs.push(("forked from", or_dash(&v.parent_commit_id)));
-    if let Some(n) = &v.network {
+    let n = &v.network;
+    if n.mode != NetworkMode::None {
         pairs.push((
             "network",
-            format!(
-                "{} {} via {} (tap {}, mac {})",
-                n.mode, n.address, n.gateway, n.tap, n.mac
-            ),
+            match (&n.address, &n.gateway, &n.tap, &n.mac) {
+                (Some(address), Some(gateway), Some(tap), Some(mac)) => {
+                    format!("{} {address} via {gateway} (tap {tap}, mac {mac})", n.mode)
+                }
+                _ => format!("{} (no NIC yet)", n.mode),
+            },
         ));
         let list = |l: &Vec<String>| {
             if l.is_empty() {
@@ -316,8 +319,8 @@ pub fn describe(v: &VmInfo, now: SystemTime) -> String {
             "policy",
             format!(
                 "allow {}; drop {} (from {})",
-                list(&n.allow),
-                list(&n.drop),
+                list(&n.effective.allow),
+                list(&n.effective.drop),
                 n.policy_source
             ),
         ));
@@ -371,19 +374,34 @@ pub fn stop_mode_text(mode: StopMode) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tine_proto::api::{StorageInfo, VmState};
+    use tine_proto::api::{
+        PolicyLists, PolicySource, StorageInfo, StorageKind, VmNetworkInfo, VmState,
+    };
 
     fn vm(hostname: &str, state: VmState, tags: &[&str], ip: Option<&str>) -> VmInfo {
         VmInfo {
             hostname: hostname.into(),
             host_group: "dev".into(),
+            status: state.into(),
             state,
             cpus: 2,
             ram_bytes: 512 << 20,
             persistent: true,
             tags: tags.iter().map(|t| t.to_string()).collect(),
             ip: ip.map(str::to_string),
-            network: None,
+            arch: "amd64".into(),
+            image: "min".into(),
+            network: VmNetworkInfo {
+                mode: NetworkMode::None,
+                policy_source: PolicySource::HostGroup,
+                host_group: PolicyLists::default(),
+                overrides: None,
+                effective: PolicyLists::default(),
+                tap: None,
+                mac: None,
+                address: None,
+                gateway: None,
+            },
             pid: None,
             reason: None,
             stop_mode: None,
@@ -392,7 +410,8 @@ mod tests {
             boot_ms: None,
             commit_id: None,
             parent_commit_id: None,
-            storage: StorageInfo {
+            storage: StorageKind::Image,
+            disk: StorageInfo {
                 path: "/d".into(),
                 format: "qcow2".into(),
                 size_bytes: 4 << 30,

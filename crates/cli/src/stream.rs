@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, Context};
 use tine_client::api::{
-    decode_data, CpMode, ExecOptions, ForwardTarget, ShellEvent, ShellOptions, UploadOptions,
+    output_bytes, CpMode, ExecOptions, ForwardTarget, ShellEvent, ShellOptions, UploadOptions,
 };
 use tine_client::TineClient;
 use tine_proto::api::ExecFrame;
@@ -72,24 +72,25 @@ pub async fn exec(g: &GlobalArgs, c: &TineClient, args: ExecArgs) -> anyhow::Res
         }
         match frame {
             ExecFrame::Started { .. } => {}
-            ExecFrame::Stdout { data } => {
+            ExecFrame::Stdout { data, encoding } => {
                 if !g.json {
-                    stdout.write_all(&decode_data(&data)?).await?;
+                    stdout.write_all(&output_bytes(&data, encoding)?).await?;
                     stdout.flush().await?;
                 }
             }
-            ExecFrame::Stderr { data } => {
+            ExecFrame::Stderr { data, encoding } => {
                 if !g.json {
-                    stderr.write_all(&decode_data(&data)?).await?;
+                    stderr.write_all(&output_bytes(&data, encoding)?).await?;
                     stderr.flush().await?;
                 }
             }
             ExecFrame::Exit {
-                code,
-                signal,
+                exit_code,
+                signal_number,
                 timed_out,
                 ..
             } => {
+                let (code, signal) = (signal_number.is_none().then_some(exit_code), signal_number);
                 if timed_out && !g.json && !g.quiet {
                     eprintln!("tine: {}: the command ran past its timeout", args.vm);
                 }

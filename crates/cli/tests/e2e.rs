@@ -115,7 +115,7 @@ async fn exec_streams_output_and_propagates_exit_codes() {
     // Stdin is /dev/null here, not a terminal: it is sent (and ends at once).
     assert_eq!(
         fake.last("/vm/web/exec").uri,
-        "/vm/web/exec?cmd=exit&args=7&stdin=true"
+        "/vm/web/exec?cmd=exit&args=7&stdio=base64&stdin=true"
     );
 
     let r = run(&fake, &["vm", "exec", "dev-1", "--", "kill", "9"]).await;
@@ -155,7 +155,7 @@ async fn exec_streams_output_and_propagates_exit_codes() {
     assert_eq!(frames.len(), 2);
     assert_eq!(frames[0]["type"], "started");
     assert_eq!(frames[1]["type"], "exit");
-    assert_eq!(frames[1]["code"], 3);
+    assert_eq!(frames[1]["exit_code"], 3);
 
     let r = run(
         &fake,
@@ -173,7 +173,7 @@ async fn exec_streams_output_and_propagates_exit_codes() {
     );
     assert_eq!(
         fake.last("/vm/dev-1/exec").uri,
-        "/vm/dev-1/exec?cmd=echo+%24A&env=A%3D1&uid=0&shell=true&stdin=true"
+        "/vm/dev-1/exec?cmd=echo+%24A&env=A%3D1&uid=0&shell=%2Fbin%2Fsh&stdio=base64&stdin=true"
     );
 }
 
@@ -198,7 +198,10 @@ async fn exec_pipes_stdin_when_it_is_not_a_terminal() {
     )
     .await;
     assert_eq!((r.code, r.stdout.as_str()), (0, ""));
-    assert_eq!(fake.last("/vm/dev-1/exec").uri, "/vm/dev-1/exec?cmd=cat");
+    assert_eq!(
+        fake.last("/vm/dev-1/exec").uri,
+        "/vm/dev-1/exec?cmd=cat&stdio=base64"
+    );
 }
 
 #[tokio::test]
@@ -378,7 +381,7 @@ async fn cp_streams_files_and_trees() {
     assert_eq!(data, b"payload");
     assert_eq!(
         fake.last("/vm/dev-1/cp").uri,
-        "/vm/dev-1/cp?path=%2Ftmp%2Fa.txt&mode=binary&mode_bits=0600"
+        "/vm/dev-1/cp?path=%2Ftmp%2Fa.txt&mode=binary&permissions=0600"
     );
 
     let out = dir.path().join("hosts");

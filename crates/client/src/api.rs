@@ -30,7 +30,7 @@ use serde::Serialize;
 use tine_proto::api::{
     CommitInfo, CommitRequest, CreateVmRequest, CreateVmResponse, DaemonInfo, ErrorBody, ErrorCode,
     ExecFrame, ForkRequest, ForkResponse, HostGroupInfo, LifecycleResponse, ListQuery,
-    LogsResponse, TagsPatch, TagsResponse, VmHealth, VmInfo,
+    LogsResponse, StdioEncoding, TagsPatch, TagsResponse, VmHealth, VmInfo,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpStream, UnixStream};
@@ -56,7 +56,7 @@ pub const ENV_TOKEN_FILE: &str = "TINE_TOKEN_FILE";
 /// Largest error body read from a failed response.
 const ERROR_BODY_LIMIT: usize = 64 << 10;
 
-use tine_proto::api::shell::{DATA as SHELL_DATA, EXIT as SHELL_EXIT, RESIZE as SHELL_RESIZE};
+use tine_proto::api::shell as shell_frames;
 pub use tine_proto::api::{CpResponse, DeleteCommitResponse};
 
 /// Bytes per WebSocket message when bridging a forward.
@@ -219,7 +219,7 @@ impl CpMode {
 /// Owner and mode of an uploaded file (`POST /vm/{hostname}/cp`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct UploadOptions {
-    /// Permission bits, sent in octal (`mode_bits=0644`).
+    /// Permission bits, sent in octal (`permissions=0644`).
     pub mode_bits: Option<u32>,
     /// Owner.
     pub uid: Option<u32>,
@@ -310,8 +310,8 @@ impl fmt::Display for ForwardTarget {
 /// The filters of `GET /vm/commits`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct CommitQuery {
-    /// Only commits with this tag.
-    pub tag: Option<String>,
+    /// Only commits with all of these tags.
+    pub tags: Vec<String>,
     /// Only the commit with this cache key.
     pub cache_key: Option<String>,
     /// Only commits of this source VM.
@@ -783,7 +783,9 @@ impl TineClient {
             None => "/nodes".to_string(),
         };
         let mut q = Query::new();
-        q.opt("tag", query.tag.as_ref());
+        for tag in &query.tags {
+            q.add("tag", tag);
+        }
         q.opt("tag_prefix", query.tag_prefix.as_ref());
         self.get(&q.finish(path)).await
     }
@@ -908,8 +910,10 @@ impl TineClient {
         q.opt("uid", options.uid)
             .opt("gid", options.gid)
             .opt("cwd", options.cwd.as_ref())
-            .opt("shell", options.shell)
-            .opt("timeout", options.timeout.map(format_duration));
+            .opt("shell", options.shell.filter(|s| *s).map(|_| "/bin/sh"))
+            .opt("timeout", options.timeout.map(format_duration))
+            // Any bytes, not only UTF-8.
+            .add("stdio", StdioEncoding::Base64.as_str());
         let (ct, body) = match stdin {
             Some(reader) => {
                 q.add("stdin", "true");
@@ -951,7 +955,7 @@ impl TineClient {
         let query = Query::new()
             .add("path", path)
             .add("mode", mode.as_str())
-            .opt("mode_bits", options.mode_bits.map(|m| format!("{m:04o}")))
+            .opt("permissions", options.mode_bits.map(|m| format!("{m:04o}")))
             .opt("uid", options.uid)
             .opt("gid", options.gid)
             .finish(format!("/vm/{}/cp", seg(vm)));
@@ -1037,8 +1041,11 @@ impl TineClient {
 
     /// `GET /vm/commits`, filtered.
     pub async fn list_commits(&self, query: &CommitQuery) -> Result<Vec<CommitInfo>> {
-        let path = Query::new()
-            .opt("tag", query.tag.as_ref())
+        let mut q = Query::new();
+        for tag in &query.tags {
+            q.add("tag", tag);
+        }
+        let path = q
             .opt("cache_key", query.cache_key.as_ref())
             .opt("source", query.source.as_ref())
             .finish("/vm/commits".to_string());
@@ -1108,6 +1115,14 @@ pub fn decode_data(data: &str) -> Result<Vec<u8>> {
         .map_err(|e| ApiError::Protocol(format!("exec output is not base64: {e}")))
 }
 
+/// The bytes of a `stdout` or `stderr` frame's `data`, per its `encoding`.
+pub fn output_bytes(data: &str, encoding: StdioEncoding) -> Result<Vec<u8>> {
+    match encoding {
+        StdioEncoding::Base64 => decode_data(data),
+        StdioEncoding::Text => Ok(data.as_bytes().to_vec()),
+    }
+}
+
 fn decode_frame(line: &[u8]) -> Result<ExecFrame> {
     serde_json::from_slice(line).map_err(|source| ApiError::Decode {
         what: "an exec frame".into(),
@@ -1152,16 +1167,20 @@ impl ExecStream {
         while let Some(frame) = self.next_frame().await {
             match frame? {
                 ExecFrame::Started { .. } => {}
-                ExecFrame::Stdout { data } => out.stdout.extend(decode_data(&data)?),
-                ExecFrame::Stderr { data } => out.stderr.extend(decode_data(&data)?),
+                ExecFrame::Stdout { data, encoding } => {
+                    out.stdout.extend(output_bytes(&data, encoding)?)
+                }
+                ExecFrame::Stderr { data, encoding } => {
+                    out.stderr.extend(output_bytes(&data, encoding)?)
+                }
                 ExecFrame::Exit {
-                    code,
-                    signal,
+                    exit_code,
+                    signal_number,
                     timed_out,
                     ..
                 } => {
-                    out.code = code;
-                    out.signal = signal;
+                    out.code = signal_number.is_none().then_some(exit_code);
+                    out.signal = signal_number;
                     out.timed_out = timed_out;
                     return Ok(out);
                 }
@@ -1305,18 +1324,16 @@ pub struct ShellWriter {
 impl ShellWriter {
     /// Sends terminal input.
     pub async fn send_input(&mut self, data: &[u8]) -> Result<()> {
-        let mut msg = Vec::with_capacity(data.len() + 1);
-        msg.push(SHELL_DATA);
-        msg.extend_from_slice(data);
+        let msg = shell_frames::encode(shell_frames::DATA, data);
         Ok(self.sink.send(Message::Binary(msg.into())).await?)
     }
 
     /// Tells the guest the terminal's new size.
     pub async fn resize(&mut self, rows: u16, cols: u16) -> Result<()> {
-        let mut msg = Vec::with_capacity(5);
-        msg.push(SHELL_RESIZE);
-        msg.extend_from_slice(&rows.to_be_bytes());
-        msg.extend_from_slice(&cols.to_be_bytes());
+        let mut size = Vec::with_capacity(8);
+        size.extend_from_slice(&u32::from(cols).to_be_bytes());
+        size.extend_from_slice(&u32::from(rows).to_be_bytes());
+        let msg = shell_frames::encode(shell_frames::WINDOW_SIZE, &size);
         Ok(self.sink.send(Message::Binary(msg.into())).await?)
     }
 
@@ -1344,19 +1361,27 @@ impl ShellReader {
                 Err(e) if closed_without_handshake(&e) => return Ok(None),
                 Err(e) => return Err(e.into()),
             };
-            match data.first() {
-                Some(&SHELL_DATA) => return Ok(Some(ShellEvent::Output(data.slice(1..)))),
-                Some(&SHELL_EXIT) if data.len() >= 5 => {
-                    let code = i32::from_be_bytes([data[1], data[2], data[3], data[4]]);
+            match shell_frames::decode(&data) {
+                Some((shell_frames::DATA, _)) => {
+                    return Ok(Some(ShellEvent::Output(data.slice(5..))))
+                }
+                Some((shell_frames::SESSION_CLOSE, code)) => {
+                    let code = <[u8; 4]>::try_from(code).map_or(0, i32::from_be_bytes);
                     return Ok(Some(ShellEvent::Exit(code)));
                 }
-                Some(other) => {
+                Some((shell_frames::HEARTBEAT, _)) => continue,
+                Some((other, _)) => {
                     return Err(ApiError::Protocol(format!(
-                        "shell message of unknown type {other} ({} bytes)",
+                        "shell frame of unknown type {other} ({} bytes)",
                         data.len()
                     )))
                 }
-                None => continue,
+                None => {
+                    return Err(ApiError::Protocol(format!(
+                        "shell message of {} bytes is not a frame (type, u32 length, payload)",
+                        data.len()
+                    )))
+                }
             }
         }
         Ok(None)

@@ -42,7 +42,7 @@ async fn daemon_routes_decode() {
         .list_vms(
             Some("dev"),
             &ListQuery {
-                tag: Some("env=ci".into()),
+                tags: vec!["env=ci".into()],
                 tag_prefix: None,
             },
         )
@@ -165,7 +165,8 @@ async fn lifecycle_tags_logs_and_health() {
     assert_eq!(fake.last("/vm/dev-1/tags").method, "PATCH");
 
     let logs = c.logs("dev-1", Some(2)).await.expect("logs");
-    assert_eq!(logs.lines, vec!["console line 2", "console line 3"]);
+    assert_eq!(logs.lines, 2);
+    assert_eq!(logs.content, "console line 2\nconsole line 3\n");
     assert_eq!(fake.last("/vm/dev-1/logs").uri, "/vm/dev-1/logs?lines=2");
 
     let h = c.health("dev-1", Wait::None, None).await.expect("health");
@@ -241,11 +242,11 @@ async fn exec_frames_split_across_chunks_decode() {
     }
     assert_eq!(frames.len(), 4, "{frames:?}");
     assert_eq!(frames[0], ExecFrame::Started { pid: 7 });
-    let ExecFrame::Stdout { data } = &frames[2] else {
+    let ExecFrame::Stdout { data, .. } = &frames[2] else {
         panic!("not stdout: {:?}", frames[2]);
     };
     assert_eq!(decode_data(data).expect("b64"), b"two\n");
-    assert!(matches!(frames[3], ExecFrame::Exit { code: Some(5), .. }));
+    assert!(matches!(frames[3], ExecFrame::Exit { exit_code: 5, .. }));
 }
 
 #[tokio::test]
@@ -263,7 +264,7 @@ async fn exec_query_and_output() {
     assert_eq!(out.code, Some(0));
     assert_eq!(
         fake.last("/vm/dev-1/exec").uri,
-        "/vm/dev-1/exec?cmd=echo&args=a+b&args=c%26d&env=K%3DV&uid=1000&cwd=%2Ftmp&shell=false&timeout=10s"
+        "/vm/dev-1/exec?cmd=echo&args=a+b&args=c%26d&env=K%3DV&uid=1000&cwd=%2Ftmp&timeout=10s&stdio=base64"
     );
 
     let out = c
@@ -319,7 +320,7 @@ async fn exec_streams_stdin_while_output_flows() {
             .expect("echo in time")
             .expect("frame")
             .expect("ok");
-        let ExecFrame::Stdout { data } = frame else {
+        let ExecFrame::Stdout { data, .. } = frame else {
             panic!("not stdout: {frame:?}");
         };
         assert_eq!(decode_data(&data).expect("b64"), word.as_bytes());
@@ -408,7 +409,7 @@ async fn upload_is_streamed() {
     assert!(chunks >= 3, "{chunks} chunks");
     assert_eq!(
         fake.last("/vm/dev-1/cp").uri,
-        "/vm/dev-1/cp?path=%2Ftmp%2Fbig&mode=binary&mode_bits=0755&uid=0"
+        "/vm/dev-1/cp?path=%2Ftmp%2Fbig&mode=binary&permissions=0755&uid=0"
     );
 }
 

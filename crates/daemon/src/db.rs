@@ -653,7 +653,7 @@ impl Store {
     /// Commits matching every given filter, oldest first.
     pub fn list_commits(
         &self,
-        tag: Option<&str>,
+        tags: &[&str],
         cache_key: Option<&str>,
         source: Option<&str>,
     ) -> Result<Vec<CommitRecord>> {
@@ -667,7 +667,7 @@ impl Store {
         let mut out = Vec::new();
         for row in rows {
             let c = row??;
-            if tag.is_none_or(|t| c.tags.iter().any(|x| x == t)) {
+            if tags.iter().all(|t| c.tags.iter().any(|x| x == t)) {
                 out.push(c);
             }
         }
@@ -966,18 +966,9 @@ mod tests {
             s.get_commit("cmt-dev-3").expect("get").is_none(),
             "no half commit"
         );
-        assert_eq!(
-            s.list_commits(None, Some("k"), None).expect("list").len(),
-            1
-        );
-        assert_eq!(
-            s.list_commits(Some("t"), None, None).expect("list").len(),
-            1
-        );
-        assert_eq!(
-            s.list_commits(Some("x"), None, None).expect("list").len(),
-            0
-        );
+        assert_eq!(s.list_commits(&[], Some("k"), None).expect("list").len(), 1);
+        assert_eq!(s.list_commits(&["t"], None, None).expect("list").len(), 1);
+        assert_eq!(s.list_commits(&["x"], None, None).expect("list").len(), 0);
 
         let mut fork = new_vm("dev");
         fork.parent_commit_id = Some("cmt-dev-1".into());

@@ -306,6 +306,7 @@ pub async fn serve(config: Config, data_dir: PathBuf) -> anyhow::Result<()> {
     tokio::select! {
         _ = tokio::signal::ctrl_c() => tracing::info!("interrupted; VMs keep running"),
         _ = term.recv() => tracing::info!("terminated; VMs keep running"),
+        _ = daemon.stop_requested() => tracing::info!("asked to shut down (POST /daemon/shutdown); VMs keep running"),
         Some(r) = tasks.join_next() => {
             // The listeners run for ever: only a panic ends one.
             r.context("listener task")?;

@@ -68,7 +68,7 @@ fn lifecycle() -> R {
             .map_err(|e| fail(e.to_string()))?;
         let mut got = Vec::new();
         while let Some(f) = stream.next_frame().await {
-            if let tine_proto::api::ExecFrame::Stdout { data } =
+            if let tine_proto::api::ExecFrame::Stdout { data, .. } =
                 f.map_err(|e| fail(e.to_string()))?
             {
                 got.extend(tine_client::api::decode_data(&data).map_err(|e| fail(e.to_string()))?);
@@ -112,7 +112,7 @@ fn lifecycle() -> R {
             .list_vms(
                 None,
                 &ListQuery {
-                    tag: Some("env=ci".into()),
+                    tags: vec!["env=ci".into()],
                     tag_prefix: None,
                 },
             )
@@ -126,9 +126,9 @@ fn lifecycle() -> R {
         assert!(health.agent_ready && health.system_uptime_ms > 0);
         let logs = c.logs(h, Some(50)).await.map_err(|e| fail(e.to_string()))?;
         assert!(
-            logs.lines.iter().any(|l| l.contains("vsock port 52")),
+            logs.content.lines().any(|l| l.contains("vsock port 52")),
             "serial log: {:?}",
-            logs.lines
+            logs.content
         );
 
         // Stop keeps the disk; relaunch boots it again with the file.
@@ -157,7 +157,7 @@ fn lifecycle() -> R {
             c.describe(h)
                 .await
                 .map_err(|e| fail(e.to_string()))?
-                .storage
+                .disk
                 .format,
             "qcow2"
         );

@@ -201,13 +201,17 @@ fn ignored_shutdown_is_forced() -> R {
         let start = Instant::now();
         loop {
             let logs = c.logs(&vm, Some(200)).await.or_fail()?;
-            if logs.lines.iter().any(|l| l.contains("deaf-init: ignoring")) {
+            if logs
+                .content
+                .lines()
+                .any(|l| l.contains("deaf-init: ignoring"))
+            {
                 break;
             }
             if start.elapsed() > BOOT {
                 return Err(fail(format!(
                     "the deaf init never started: {:?}",
-                    logs.lines
+                    logs.content
                 )));
             }
             tokio::time::sleep(Duration::from_millis(500)).await;
@@ -288,7 +292,7 @@ fn vmm_killed_during_writes() -> R {
         let ls = sh_ok(c, &vm, "ls /root").await?;
         assert!(ls.contains('w'), "the writer runs: {ls}");
         let info = c.describe(&vm).await.or_fail()?;
-        Ok::<_, Failed>((vm, info.storage.path))
+        Ok::<_, Failed>((vm, info.disk.path))
     })?;
     let pid = d.vmm_pid(&vm)?;
     Command::new("kill")

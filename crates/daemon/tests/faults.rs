@@ -132,11 +132,8 @@ async fn check(d: &Daemon, promised: &Promised, tally: &mut Tally, when: &str) -
         if !data.join("vms").join(&vm.hostname).is_dir() {
             half.push(format!("VM {} has no folder", vm.hostname));
         }
-        if !Path::new(&vm.storage.path).is_file() {
-            half.push(format!(
-                "VM {} has no disk {}",
-                vm.hostname, vm.storage.path
-            ));
+        if !Path::new(&vm.disk.path).is_file() {
+            half.push(format!("VM {} has no disk {}", vm.hostname, vm.disk.path));
         }
     }
     for e in std::fs::read_dir(data.join("vms"))? {
@@ -148,7 +145,7 @@ async fn check(d: &Daemon, promised: &Promised, tally: &mut Tally, when: &str) -
         for f in std::fs::read_dir(e.path())? {
             let f = f?.path();
             let is_disk = f.extension().is_some_and(|x| x == "qcow2");
-            if is_disk && !vms.iter().any(|v| Path::new(&v.storage.path) == f) {
+            if is_disk && !vms.iter().any(|v| Path::new(&v.disk.path) == f) {
                 half.push(format!("disk {} has no record", f.display()));
             }
         }
@@ -183,7 +180,7 @@ async fn check(d: &Daemon, promised: &Promised, tally: &mut Tally, when: &str) -
     }
     // Disks: every qcow2 file in the data directory.
     let mut disks: Vec<std::path::PathBuf> =
-        vms.iter().map(|v| v.storage.path.clone().into()).collect();
+        vms.iter().map(|v| v.disk.path.clone().into()).collect();
     disks.extend(ids.iter().map(|id| commit_dir.join(format!("{id}.qcow2"))));
     for disk in disks.iter().filter(|p| p.is_file()) {
         if let Err(e) = qemu_img_check(disk) {

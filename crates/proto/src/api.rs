@@ -57,6 +57,12 @@ impl ErrorCode {
 pub struct DaemonInfo {
     /// The daemon's version.
     pub version: String,
+    /// The commit it was built from (`unknown` outside a git checkout).
+    pub git_commit: String,
+    /// The host's operating system, as Go names it (`linux`).
+    pub platform: String,
+    /// The host's architecture, as Go names it (`amd64`, `arm64`).
+    pub arch: String,
     /// Its data directory.
     pub data_dir: String,
     /// Its process id.
@@ -94,6 +100,10 @@ pub struct HostGroupInfo {
     pub network: String,
     /// VMs of this group that exist now.
     pub nodes: usize,
+    /// Guest architecture, as Go names it (`amd64`, `arm64`).
+    pub arch: String,
+    /// GPUs per VM: always 0 (tine has no device passthrough).
+    pub gpu_count: u32,
 }
 
 /// How a VM's last run ended.
@@ -239,29 +249,85 @@ pub struct CreateVmRequest {
     /// Network policy override (isolated mode).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network: Option<NetworkPolicy>,
+    /// Slicer's GPUs per VM: only 0 (tine has no device passthrough).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_count: Option<u32>,
+    /// Slicer's per-VM image: refused (a VM boots its host group's image).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_image: Option<String>,
+    /// Slicer's user whose SSH keys to import: refused until tine installs
+    /// keys.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub import_user: Option<String>,
+    /// Slicer's authorized keys: refused until tine installs keys.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ssh_keys: Vec<String>,
+    /// Slicer's fixed address: refused (tine allocates each VM's address).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ip: Option<String>,
+    /// Slicer's secret grants: refused until tine has secrets (an empty
+    /// list, no grants, is accepted).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub secrets: Vec<String>,
 }
 
-/// The network a VM got.
+/// Allow/drop lists and what happens to traffic neither matches.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PolicyLists {
+    /// Destinations let through first.
+    #[serde(default)]
+    pub allow: Vec<String>,
+    /// Destinations dropped next.
+    #[serde(default)]
+    pub drop: Vec<String>,
+    /// What happens to the rest.
+    #[serde(default)]
+    pub default: DefaultAction,
+}
+
+/// A VM's network as `GET /vm/{hostname}` shows it: always an object,
+/// `mode: none` for a VM without a NIC.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VmNetworkInfo {
     /// How the VM is attached.
     pub mode: NetworkMode,
-    /// Host TAP device.
-    pub tap: String,
-    /// Guest MAC address.
-    pub mac: String,
-    /// Guest IPv4 address with prefix (`a.b.c.d/n`).
-    pub address: String,
-    /// Gateway (the host side).
-    pub gateway: String,
-    /// Effective allow list.
-    #[serde(default)]
-    pub allow: Vec<String>,
-    /// Effective drop list.
-    #[serde(default)]
-    pub drop: Vec<String>,
-    /// Where the policy came from.
+    /// Where the effective lists came from.
     pub policy_source: PolicySource,
+    /// The host group's lists.
+    pub host_group: PolicyLists,
+    /// The VM's own override, if it has one (a field left out inherits).
+    #[serde(rename = "override", default, skip_serializing_if = "Option::is_none")]
+    pub overrides: Option<NetworkPolicy>,
+    /// The lists in force.
+    pub effective: PolicyLists,
+    /// Host TAP device, once the VM has a NIC.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tap: Option<String>,
+    /// Guest MAC address, once the VM has a NIC.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mac: Option<String>,
+    /// Guest IPv4 address with prefix (`a.b.c.d/n`), once it has a NIC.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub address: Option<String>,
+    /// Gateway (the host side), once it has a NIC.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gateway: Option<String>,
+}
+
+/// An optional string that is `""` on the wire when absent (Slicer's
+/// `ip` is always a string).
+pub mod empty_is_none {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    /// Writes `None` as `""`.
+    pub fn serialize<S: Serializer>(v: &Option<String>, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(v.as_deref().unwrap_or(""))
+    }
+
+    /// Reads `""` or `null` as `None`.
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+        Ok(Option::<String>::deserialize(d)?.filter(|v| !v.is_empty()))
+    }
 }
 
 /// `GET /vm/{hostname}`: one VM.
@@ -269,9 +335,12 @@ pub struct VmNetworkInfo {
 pub struct VmInfo {
     /// Hostname, `GROUP-N`.
     pub hostname: String,
-    /// Host group.
+    /// Host group (`hostgroup`, as Slicer spells it).
+    #[serde(rename = "hostgroup")]
     pub host_group: String,
-    /// State.
+    /// Slicer's coarse status: `Running` or `Stopped`.
+    pub status: VmStatus,
+    /// tine's life-cycle state (finer than `status`).
     pub state: VmState,
     /// vCPUs.
     pub cpus: u32,
@@ -281,12 +350,15 @@ pub struct VmInfo {
     pub persistent: bool,
     /// Tags.
     pub tags: Vec<String>,
-    /// Guest IPv4 address, when it has a network.
-    #[serde(default)]
+    /// Guest IPv4 address; `""` without a network.
+    #[serde(default, with = "empty_is_none")]
     pub ip: Option<String>,
-    /// Network details, when it has a network.
-    #[serde(default)]
-    pub network: Option<VmNetworkInfo>,
+    /// Guest architecture, as Go names it (`amd64`).
+    pub arch: String,
+    /// The host group's root filesystem image.
+    pub image: String,
+    /// The network: mode, policy and, once attached, the NIC.
+    pub network: VmNetworkInfo,
     /// The tine-vmm process id while it runs.
     #[serde(default)]
     pub pid: Option<u32>,
@@ -311,8 +383,10 @@ pub struct VmInfo {
     /// The commit this VM was forked from, if any.
     #[serde(default)]
     pub parent_commit_id: Option<String>,
-    /// Disk file and format.
-    pub storage: StorageInfo,
+    /// The storage backend: `image` (a disk file per VM).
+    pub storage: StorageKind,
+    /// The disk file and its format.
+    pub disk: StorageInfo,
 }
 
 /// A VM's disk.
@@ -333,11 +407,18 @@ pub struct StorageInfo {
 pub struct CreateVmResponse {
     /// The new VM's hostname.
     pub hostname: String,
+    /// Its host group.
+    #[serde(rename = "hostgroup")]
+    pub host_group: String,
     /// Its state when the response was sent.
     pub state: VmState,
-    /// Guest IPv4 address, when it has a network.
-    #[serde(default)]
+    /// Guest IPv4 address; `""` without a network (or before it started).
+    #[serde(default, with = "empty_is_none")]
     pub ip: Option<String>,
+    /// Created (RFC 3339).
+    pub created_at: String,
+    /// Guest architecture, as Go names it (`amd64`).
+    pub arch: String,
     /// Milliseconds from the request to the answer.
     pub elapsed_ms: u64,
 }
@@ -375,6 +456,10 @@ pub struct VmHealth {
     pub agent_ready: bool,
     /// The agent's version.
     pub agent_version: String,
+    /// Nanoseconds since the agent started (a Go `time.Duration`).
+    pub agent_uptime: u64,
+    /// Nanoseconds since the guest booted (a Go `time.Duration`).
+    pub system_uptime: u64,
     /// Milliseconds since the agent started.
     pub agent_uptime_ms: u64,
     /// Milliseconds since the guest booted.
@@ -385,7 +470,7 @@ pub struct VmHealth {
     pub rtt_ms: f64,
 }
 
-/// One NDJSON line of `POST /vm/{hostname}/exec`.
+/// One NDJSON line of `POST /vm/{hostname}/exec`, in Slicer's shape.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ExecFrame {
@@ -394,24 +479,31 @@ pub enum ExecFrame {
         /// Its pid in the guest.
         pid: u32,
     },
-    /// Bytes on its stdout, base64.
+    /// Bytes on its stdout.
     Stdout {
-        /// Base64 (standard alphabet, padded).
+        /// The bytes: UTF-8 text, or base64 with `encoding: base64`.
         data: String,
+        /// How `data` is encoded (`stdio=` of the request).
+        encoding: StdioEncoding,
     },
-    /// Bytes on its stderr, base64.
+    /// Bytes on its stderr.
     Stderr {
-        /// Base64 (standard alphabet, padded).
+        /// The bytes: UTF-8 text, or base64 with `encoding: base64`.
         data: String,
+        /// How `data` is encoded (`stdio=` of the request).
+        encoding: StdioEncoding,
     },
     /// It ended.
     Exit {
-        /// Exit code, when it exited.
-        #[serde(default)]
-        code: Option<i32>,
-        /// Signal, when one killed it.
-        #[serde(default)]
-        signal: Option<i32>,
+        /// Its exit code; 128+N when signal N killed it (so it is never 0
+        /// for a killed process).
+        exit_code: i32,
+        /// The signal that killed it (`SIGKILL`), if one did.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        signal: Option<String>,
+        /// That signal's number.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        signal_number: Option<i32>,
         /// Whether its timeout killed it.
         #[serde(default)]
         timed_out: bool,
@@ -428,13 +520,245 @@ pub enum ExecFrame {
     },
 }
 
-/// `GET /vm/{hostname}/logs` response (also available as plain text).
+/// `POST /vm/{hostname}/exec?buffered=true`: the whole run in one answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExecResult {
+    /// Everything written to stdout (encoded as `encoding` says).
+    pub stdout: String,
+    /// Everything written to stderr (encoded as `encoding` says).
+    pub stderr: String,
+    /// How `stdout` and `stderr` are encoded.
+    pub encoding: StdioEncoding,
+    /// Its pid in the guest.
+    pub pid: u32,
+    /// Its exit code; 128+N when signal N killed it.
+    pub exit_code: i32,
+    /// The signal that killed it (`SIGKILL`), if one did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signal: Option<String>,
+    /// That signal's number.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signal_number: Option<i32>,
+    /// Whether its timeout killed it.
+    #[serde(default)]
+    pub timed_out: bool,
+    /// Milliseconds from start to exit.
+    #[serde(default)]
+    pub duration_ms: u64,
+    /// Whether output past [`MAX_BUFFERED_OUTPUT`] per stream was dropped.
+    #[serde(default)]
+    pub truncated: bool,
+}
+
+/// One path in the guest, as `GET /vm/{hostname}/fs/stat` and `fs/readdir`
+/// show it (Slicer's `SlicerFSInfo`, plus owner and link target).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FsEntry {
+    /// The file name (`readdir`) or the last part of the path (`stat`).
+    pub name: String,
+    /// What it is.
+    #[serde(rename = "type")]
+    pub kind: FsKind,
+    /// Size in bytes.
+    pub size: u64,
+    /// Modification time (RFC 3339).
+    pub mtime: String,
+    /// Permission bits in octal (`0644`).
+    pub mode: String,
+    /// Owner user id.
+    pub uid: u32,
+    /// Owner group id.
+    pub gid: u32,
+    /// Where a symlink points.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub link_target: Option<String>,
+}
+
+/// `POST /vm/{hostname}/fs/mkdir` body.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FsMkdirRequest {
+    /// Absolute path.
+    pub path: String,
+    /// Create missing parents, and succeed when it exists (`mkdir -p`).
+    #[serde(default)]
+    pub recursive: bool,
+    /// Permission bits in octal (`0755`); the agent's default without.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<String>,
+    /// Owner user id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uid: Option<u32>,
+    /// Owner group id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gid: Option<u32>,
+}
+
+/// `POST /vm/{hostname}/exec?background=true`: a detached process.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BgExecResponse {
+    /// Its id for `/vm/{hostname}/exec/{id}/...` (a decimal string).
+    pub exec_id: String,
+    /// Its pid in the guest.
+    pub pid: u32,
+    /// When it started (RFC 3339).
+    pub started_at: String,
+    /// Bytes kept per stream (the oldest go first).
+    pub ring_bytes: u64,
+}
+
+/// `GET /vm/{hostname}/exec[/{id}]`: one background exec.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BgExecInfo {
+    /// Its id.
+    pub exec_id: String,
+    /// Its pid in the guest.
+    pub pid: u32,
+    /// What runs, for display.
+    pub command: String,
+    /// When it started (RFC 3339).
+    pub started_at: String,
+    /// Whether it still runs.
+    pub running: bool,
+    /// Its exit code once it ended (128+N for signal N).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+    /// The signal that killed it, if one did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signal: Option<String>,
+    /// Bytes it wrote, stdout and stderr together.
+    pub bytes_written: u64,
+    /// Of those, bytes the rings no longer hold.
+    pub bytes_dropped: u64,
+    /// Bytes kept per stream.
+    pub ring_bytes: u64,
+    /// Stdout bytes written (where a later read of new stdout starts).
+    pub stdout_bytes: u64,
+    /// Stderr bytes written.
+    pub stderr_bytes: u64,
+}
+
+/// `POST /vm/{hostname}/exec/{id}/kill` body.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BgKillRequest {
+    /// Signal name (`TERM`, `SIGTERM`, `KILL`, `HUP`...); default `TERM`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signal: Option<String>,
+    /// Milliseconds before `SIGKILL` follows if it still runs (default
+    /// 5000; 0 never escalates).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grace_ms: Option<u64>,
+}
+
+/// `POST /vm/{hostname}/exec/{id}/kill` response.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BgKillResponse {
+    /// Its id.
+    pub exec_id: String,
+    /// Its pid.
+    pub pid: u32,
+    /// Whether it still runs after the signal (and the grace).
+    pub running: bool,
+    /// The signal sent first (`SIGTERM`).
+    pub signal_sent: String,
+}
+
+/// `GET /vm/{hostname}/exec/{id}/wait-exit` response.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BgWaitResponse {
+    /// Its id.
+    pub exec_id: String,
+    /// Whether it still runs (the wait timed out).
+    pub running: bool,
+    /// Its exit code once it ended (128+N for signal N).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+    /// The signal that killed it, if one did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signal: Option<String>,
+    /// Whether `timeout` passed before it ended.
+    pub timed_out: bool,
+}
+
+/// `DELETE /vm/{hostname}/exec/{id}` response.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BgDeleteResponse {
+    /// Its id.
+    pub exec_id: String,
+    /// Always true: its rings are freed.
+    pub reaped: bool,
+}
+
+/// One NDJSON line of `GET /vm/{hostname}/exec/{id}/logs`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum BgLogFrame {
+    /// Stdout bytes, base64.
+    Stdout {
+        /// Frame number in this answer, from 1.
+        id: u64,
+        /// The bytes, base64.
+        data: String,
+        /// Always `base64`.
+        encoding: StdioEncoding,
+    },
+    /// Stderr bytes, base64.
+    Stderr {
+        /// Frame number in this answer, from 1.
+        id: u64,
+        /// The bytes, base64.
+        data: String,
+        /// Always `base64`.
+        encoding: StdioEncoding,
+    },
+    /// The end of what the rings hold (still running), with what was lost.
+    End {
+        /// Frame number.
+        id: u64,
+        /// Requested bytes the rings had already dropped.
+        dropped_bytes: u64,
+        /// Stdout offset to resume from (`stdout_from=`).
+        stdout_to: u64,
+        /// Stderr offset to resume from (`stderr_from=`).
+        stderr_to: u64,
+    },
+    /// It ended; the last frame.
+    Exit {
+        /// Frame number.
+        id: u64,
+        /// Its exit code (128+N for signal N).
+        exit_code: i32,
+        /// The signal that killed it, if one did.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        signal: Option<String>,
+        /// Requested bytes the rings had already dropped.
+        dropped_bytes: u64,
+    },
+}
+
+/// Most bytes of each of stdout and stderr a buffered exec keeps: 16 MiB.
+pub const MAX_BUFFERED_OUTPUT: usize = 16 << 20;
+
+/// `GET /vm/{hostname}/logs` response.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LogsResponse {
     /// The VM.
     pub hostname: String,
-    /// The serial console's last lines.
-    pub lines: Vec<String>,
+    /// How many lines `content` holds.
+    pub lines: usize,
+    /// The serial console's last lines, each ending in a newline.
+    pub content: String,
+}
+
+/// `POST /vm/{hostname}/shutdown` body (optional; `action=` in the query
+/// does the same).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShutdownRequest {
+    /// How to stop the VM (default `shutdown`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub action: Option<ShutdownAction>,
 }
 
 /// `POST /vm/{hostname}/shutdown` response, also `relaunch` and `delete`.
@@ -475,10 +799,18 @@ pub struct CommitInfo {
     pub status: CommitStatus,
     /// What the commit holds.
     pub mode: CommitMode,
+    /// The VM it was committed from (Slicer's commit answer names it
+    /// `hostname`, its list `source_hostname`: both are sent).
+    pub hostname: String,
     /// The VM it was committed from.
+    #[serde(rename = "source_hostname")]
     pub source: String,
     /// The source's host group.
+    #[serde(rename = "source_host_group")]
     pub host_group: String,
+    /// The source's state now, when it still exists.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent_status: Option<VmState>,
     /// Tags.
     pub tags: Vec<String>,
     /// Labels.
@@ -527,8 +859,12 @@ pub struct ForkRequest {
     /// would otherwise be an option that does nothing.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub no_secrets: bool,
-    /// vCPUs (within the group's limits).
+    /// Slicer's secret grants for the fork (`[]` clears): refused until
+    /// tine has secrets.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secrets: Option<Vec<String>>,
+    /// vCPUs (within the group's limits); Slicer's SDKs send `vcpu`.
+    #[serde(default, alias = "vcpu", skip_serializing_if = "Option::is_none")]
     pub cpus: Option<u32>,
     /// RAM in bytes (within the group's limits).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -590,6 +926,8 @@ pub struct ForkResponse {
     pub commit_id: String,
     /// Always `forked`.
     pub status: ForkStatus,
+    /// What the commit holds.
+    pub mode: CommitMode,
     /// The fork's state.
     pub child_status: VmState,
     /// Whether the fork keeps its disk when it stops.
@@ -620,23 +958,63 @@ pub struct DeleteCommitResponse {
     pub status: DeleteStatus,
 }
 
-/// Message types of the shell WebSocket (`GET /vm/{hostname}/shell`): each
-/// binary message is one type byte, then its payload.
+/// Frames of the shell WebSocket (`GET /vm/{hostname}/shell`), Slicer's
+/// protocol: each binary message is one type byte, the payload's length
+/// (u32 BE), then the payload.
 pub mod shell {
     /// Terminal bytes, both ways.
-    pub const DATA: u8 = 0;
-    /// Client to daemon: rows (u16 BE), cols (u16 BE).
-    pub const RESIZE: u8 = 1;
-    /// Daemon to client: the shell's exit code (i32 BE), then a close.
-    pub const EXIT: u8 = 2;
+    pub const DATA: u8 = 1;
+    /// Client to daemon: cols (u32 BE), rows (u32 BE).
+    pub const WINDOW_SIZE: u8 = 2;
+    /// Client to daemon: end the session (the shell is hung up).
+    pub const SHUTDOWN: u8 = 3;
+    /// Either way: keep-alive, no payload; ignored.
+    pub const HEARTBEAT: u8 = 4;
+    /// Daemon to client: the shell ended; the payload is its exit code
+    /// (i32 BE; tine's addition), then a close.
+    pub const SESSION_CLOSE: u8 = 5;
+
+    /// One frame: its type and payload.
+    pub fn encode(frame_type: u8, payload: &[u8]) -> Vec<u8> {
+        let mut msg = Vec::with_capacity(payload.len() + 5);
+        msg.push(frame_type);
+        msg.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+        msg.extend_from_slice(payload);
+        msg
+    }
+
+    /// A frame's type and payload; `None` when the header is short or its
+    /// length does not match the message.
+    pub fn decode(msg: &[u8]) -> Option<(u8, &[u8])> {
+        let (&frame_type, rest) = msg.split_first()?;
+        let len_bytes: [u8; 4] = rest.get(..4)?.try_into().ok()?;
+        let payload = &rest[4..];
+        (u32::from_be_bytes(len_bytes) as usize == payload.len()).then_some((frame_type, payload))
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn frames_round_trip_and_bad_lengths_are_refused() {
+            let f = encode(DATA, b"ls\r");
+            assert_eq!(f, [1, 0, 0, 0, 3, b'l', b's', b'\r']);
+            assert_eq!(decode(&f), Some((DATA, &b"ls\r"[..])));
+            assert_eq!(decode(&encode(HEARTBEAT, b"")), Some((HEARTBEAT, &b""[..])));
+            assert_eq!(decode(&[1, 0, 0, 0, 9, b'x']), None, "length past the end");
+            assert_eq!(decode(&[1, 0, 0]), None, "short header");
+            assert_eq!(decode(&[]), None);
+        }
+    }
 }
 
 /// Query of the VM list routes.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ListQuery {
-    /// Only VMs with this exact tag.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tag: Option<String>,
+    /// Only VMs with all of these exact tags (`tag=` repeated).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tags: Vec<String>,
     /// Only VMs with a tag starting with this.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tag_prefix: Option<String>,
@@ -681,13 +1059,17 @@ mod tests {
     #[test]
     fn exec_frames_are_tagged_ndjson() {
         let f = ExecFrame::Exit {
-            code: Some(3),
+            exit_code: 3,
             signal: None,
+            signal_number: None,
             timed_out: false,
             duration_ms: 5,
         };
         let line = serde_json::to_string(&f).expect("encode");
-        assert!(line.starts_with(r#"{"type":"exit","code":3"#), "{line}");
+        assert!(
+            line.starts_with(r#"{"type":"exit","exit_code":3"#),
+            "{line}"
+        );
         let back: ExecFrame = serde_json::from_str(&line).expect("decode");
         assert_eq!(back, f);
     }
@@ -846,6 +1228,21 @@ wire_enum! {
 }
 
 wire_enum! {
+    /// What a create waits for (`wait=` of `POST /hostgroup/{group}/nodes`).
+    #[derive(Default)]
+    CreateWait, "wait" {
+        /// Answer at once.
+        #[default]
+        None = "none",
+        /// Answer once the agent answered and the boot's set-up is done.
+        Agent = "agent",
+        /// Answer once, in addition, the userdata script has run (at once
+        /// when there is none); 408 after the timeout.
+        Userdata = "userdata",
+    }
+}
+
+wire_enum! {
     /// How a fork's `tags` combine with the tags it inherits.
     #[derive(Default)]
     TagMode, "tag_mode" {
@@ -905,6 +1302,8 @@ wire_enum! {
 wire_enum! {
     /// How a VM with a NIC is attached to the host.
     NetworkMode, "network mode" {
+        /// No NIC.
+        None = "none",
         /// On the group's bridge, with the host's LAN.
         Bridge = "bridge",
         /// Its own /30 behind the host, with allow/drop rules.
@@ -932,5 +1331,87 @@ wire_enum! {
         Shutdown = "shutdown",
         /// Kill at once.
         Poweroff = "poweroff",
+        /// Slicer's default (its Go SDK always sends it): a guest reboot
+        /// ends a microVM, so this is the graceful stop of `shutdown`.
+        Reboot = "reboot",
+    }
+}
+
+wire_enum! {
+    /// How exec output is carried in JSON (`stdio=`).
+    #[derive(Default)]
+    StdioEncoding, "stdio" {
+        /// UTF-8 text (Slicer's default); bytes that are not UTF-8 become
+        /// U+FFFD.
+        #[default]
+        Text = "text",
+        /// Base64 (standard alphabet, padded): any bytes.
+        Base64 = "base64",
+    }
+}
+
+wire_enum! {
+    /// Slicer's coarse VM status, next to tine's finer [`VmState`].
+    VmStatus, "status" {
+        /// Being created, booting, running or stopping.
+        Running = "Running",
+        /// Running with its vCPUs parked (`POST /vm/{hostname}/pause`).
+        Paused = "Paused",
+        /// Stopped or failed.
+        Stopped = "Stopped",
+    }
+}
+
+impl From<VmState> for VmStatus {
+    fn from(s: VmState) -> Self {
+        match s {
+            VmState::Creating | VmState::Starting | VmState::Running | VmState::Stopping => {
+                VmStatus::Running
+            }
+            VmState::Stopped | VmState::Failed => VmStatus::Stopped,
+        }
+    }
+}
+
+wire_enum! {
+    /// Where a VM's disk lives.
+    StorageKind, "storage" {
+        /// A disk file per VM (qcow2 over the image, or a raw reflink copy).
+        Image = "image",
+    }
+}
+
+wire_enum! {
+    /// What happens to traffic that no allow/drop entry matches.
+    #[derive(Default)]
+    DefaultAction, "default" {
+        /// Let through (no allow list, or both lists given).
+        #[default]
+        Allow = "allow",
+        /// Dropped (only an allow list given).
+        Deny = "deny",
+    }
+}
+
+/// Go's name for this machine's architecture (`runtime.GOARCH`).
+pub fn go_arch() -> &'static str {
+    match std::env::consts::ARCH {
+        "x86_64" => "amd64",
+        "aarch64" => "arm64",
+        other => other,
+    }
+}
+
+wire_enum! {
+    /// What a path in the guest is.
+    FsKind, "type" {
+        /// A regular file.
+        File = "file",
+        /// A directory.
+        Directory = "directory",
+        /// A symbolic link.
+        Symlink = "symlink",
+        /// Anything else: a device, FIFO or socket.
+        Other = "other",
     }
 }

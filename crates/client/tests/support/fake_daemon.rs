@@ -50,8 +50,9 @@ use futures_util::StreamExt;
 use tine_proto::api::{
     CommitInfo, CommitRequest, CpResponse, CreateVmRequest, CreateVmResponse, DaemonInfo,
     DeleteCommitResponse, DeleteStatus, ErrorBody, ErrorCode, ExecFrame, ForkRequest, ForkResponse,
-    HostGroupInfo, LifecycleResponse, LogsResponse, StopMode, StorageInfo, TagsPatch, TagsResponse,
-    VmHealth, VmInfo, VmState,
+    HostGroupInfo, LifecycleResponse, LogsResponse, NetworkMode, PolicyLists, PolicySource,
+    StdioEncoding, StopMode, StorageInfo, StorageKind, TagsPatch, TagsResponse, VmHealth, VmInfo,
+    VmNetworkInfo, VmState,
 };
 use tokio::sync::mpsc;
 
@@ -382,13 +383,26 @@ fn vm(hostname: &str) -> Option<VmInfo> {
     Some(VmInfo {
         hostname: hostname.to_string(),
         host_group: "dev".into(),
+        status: state.into(),
         state,
         cpus: 1,
         ram_bytes: 512 << 20,
         persistent: true,
         tags,
         ip,
-        network: None,
+        arch: "amd64".into(),
+        image: "min".into(),
+        network: VmNetworkInfo {
+            mode: NetworkMode::None,
+            policy_source: PolicySource::HostGroup,
+            host_group: PolicyLists::default(),
+            overrides: None,
+            effective: PolicyLists::default(),
+            tap: None,
+            mac: None,
+            address: None,
+            gateway: None,
+        },
         pid: None,
         reason,
         stop_mode: None,
@@ -397,7 +411,8 @@ fn vm(hostname: &str) -> Option<VmInfo> {
         boot_ms: Some(812),
         commit_id: None,
         parent_commit_id: None,
-        storage: StorageInfo {
+        storage: StorageKind::Image,
+        disk: StorageInfo {
             path: format!("/var/lib/tine/vms/{hostname}.qcow2"),
             format: "qcow2".into(),
             size_bytes: 4 << 30,
@@ -452,6 +467,9 @@ fn param(q: &[(String, String)], key: &str) -> Option<String> {
 async fn info() -> Json<DaemonInfo> {
     Json(DaemonInfo {
         version: "0.1.0".into(),
+        git_commit: "0123456789ab".into(),
+        platform: "linux".into(),
+        arch: "amd64".into(),
         data_dir: "/var/lib/tine".into(),
         pid: 42,
         started_at: "2026-01-01T00:00:00.000Z".into(),
@@ -473,6 +491,8 @@ async fn groups() -> Json<Vec<HostGroupInfo>> {
         persistent: true,
         network: "none".into(),
         nodes: 2,
+        arch: "amd64".into(),
+        gpu_count: 0,
     }])
 }
 
@@ -528,12 +548,15 @@ async fn create(
         StatusCode::CREATED,
         Json(CreateVmResponse {
             hostname: "dev-3".into(),
+            host_group: "dev".into(),
             state: if wait {
                 VmState::Running
             } else {
                 VmState::Starting
             },
             ip: None,
+            created_at: "2026-01-01T00:00:00.000Z".into(),
+            arch: "amd64".into(),
             elapsed_ms: 812,
         }),
     )
@@ -632,6 +655,8 @@ async fn health(Path(h): Path<String>, RawQuery(q): RawQuery) -> Response {
         hostname: v.hostname,
         agent_ready: true,
         agent_version,
+        agent_uptime: 1_000_000_000,
+        system_uptime: 1_200_000_000,
         agent_uptime_ms: 1000,
         system_uptime_ms: 1200,
         userdata_ran: true,
@@ -653,9 +678,15 @@ async fn logs(Path(h): Path<String>, RawQuery(q): RawQuery) -> Response {
         lines.push(format!("{EVIL_OSC0}{EVIL_C1}"));
     }
     let skip = lines.len().saturating_sub(n);
+    let mut content = String::new();
+    for line in &lines[skip..] {
+        content.push_str(line);
+        content.push('\n');
+    }
     Json(LogsResponse {
         hostname: v.hostname,
-        lines: lines[skip..].to_vec(),
+        lines: lines.len() - skip,
+        content,
     })
     .into_response()
 }
@@ -702,8 +733,9 @@ fn b64(data: &[u8]) -> String {
 
 fn exit(code: Option<i32>, signal: Option<i32>) -> ExecFrame {
     ExecFrame::Exit {
-        code,
-        signal,
+        exit_code: code.unwrap_or(128 + signal.unwrap_or(0)),
+        signal: signal.map(|_| "SIGKILL".to_string()),
+        signal_number: signal,
         timed_out: false,
         duration_ms: 3,
     }
@@ -756,6 +788,7 @@ async fn exec(Path(h): Path<String>, RawQuery(q): RawQuery, body: Body) -> Respo
                 let text = format!("{}\n", args.join(" "));
                 send(ExecFrame::Stdout {
                     data: b64(text.as_bytes()),
+                    encoding: StdioEncoding::Base64,
                 })
                 .await;
                 send(exit(Some(0), None)).await;
@@ -774,6 +807,7 @@ async fn exec(Path(h): Path<String>, RawQuery(q): RawQuery, body: Body) -> Respo
                 send(ExecFrame::Started { pid: 7 }).await;
                 send(ExecFrame::Stderr {
                     data: b64(b"oops\n"),
+                    encoding: StdioEncoding::Base64,
                 })
                 .await;
                 send(exit(Some(2), None)).await;
@@ -782,7 +816,11 @@ async fn exec(Path(h): Path<String>, RawQuery(q): RawQuery, body: Body) -> Respo
                 send(ExecFrame::Started { pid: 7 }).await;
                 let mut stream = body.into_data_stream();
                 while let Some(Ok(chunk)) = stream.next().await {
-                    send(ExecFrame::Stdout { data: b64(&chunk) }).await;
+                    send(ExecFrame::Stdout {
+                        data: b64(&chunk),
+                        encoding: StdioEncoding::Base64,
+                    })
+                    .await;
                 }
                 send(exit(Some(0), None)).await;
             }
@@ -791,9 +829,11 @@ async fn exec(Path(h): Path<String>, RawQuery(q): RawQuery, body: Body) -> Respo
                 all.extend_from_slice(&frame_line(&ExecFrame::Started { pid: 7 }));
                 all.extend_from_slice(&frame_line(&ExecFrame::Stdout {
                     data: b64(b"one\n"),
+                    encoding: StdioEncoding::Base64,
                 }));
                 all.extend_from_slice(&frame_line(&ExecFrame::Stdout {
                     data: b64(b"two\n"),
+                    encoding: StdioEncoding::Base64,
                 }));
                 all.extend_from_slice(&frame_line(&exit(Some(5), None)));
                 for piece in all.chunks(7) {
@@ -915,30 +955,26 @@ async fn shell(Path(h): Path<String>, ws: WebSocketUpgrade) -> Response {
         return *e;
     }
     ws.on_upgrade(|mut socket: WebSocket| async move {
-        let data = |bytes: &[u8]| {
-            let mut m = vec![0u8];
-            m.extend_from_slice(bytes);
-            Message::Binary(m.into())
-        };
+        use tine_proto::api::shell as frames;
+        let data = |bytes: &[u8]| Message::Binary(frames::encode(frames::DATA, bytes).into());
         let _ = socket.send(data(b"welcome\r\n")).await;
         while let Some(Ok(msg)) = socket.recv().await {
             let Message::Binary(m) = msg else { continue };
-            match m.first() {
-                Some(0) if &m[1..] == b"exit\r" => {
-                    let mut e = vec![2u8];
-                    e.extend_from_slice(&3i32.to_be_bytes());
+            match frames::decode(&m) {
+                Some((frames::DATA, b"exit\r")) => {
+                    let e = frames::encode(frames::SESSION_CLOSE, &3i32.to_be_bytes());
                     let _ = socket.send(Message::Binary(e.into())).await;
                     let _ = socket.send(Message::Close(None)).await;
                     return;
                 }
                 // Goes away without the exit message.
-                Some(0) if &m[1..] == b"drop\r" => return,
-                Some(0) => {
-                    let _ = socket.send(data(&m[1..])).await;
+                Some((frames::DATA, b"drop\r")) => return,
+                Some((frames::DATA, bytes)) => {
+                    let _ = socket.send(data(bytes)).await;
                 }
-                Some(1) if m.len() == 5 => {
-                    let rows = u16::from_be_bytes([m[1], m[2]]);
-                    let cols = u16::from_be_bytes([m[3], m[4]]);
+                Some((frames::WINDOW_SIZE, size)) if size.len() == 8 => {
+                    let cols = u32::from_be_bytes([size[0], size[1], size[2], size[3]]);
+                    let rows = u32::from_be_bytes([size[4], size[5], size[6], size[7]]);
                     let _ = socket
                         .send(data(format!("resized {rows} {cols}").as_bytes()))
                         .await;
@@ -984,8 +1020,10 @@ fn commit_info(id: &str, source: &str, req: &CommitRequest) -> CommitInfo {
         commit_id: id.to_string(),
         status: tine_proto::api::CommitStatus::Committed,
         mode: tine_proto::api::CommitMode::Disk,
+        hostname: source.to_string(),
         source: source.to_string(),
         host_group: "dev".into(),
+        parent_status: None,
         tags: req.tags.clone(),
         labels: req.labels.clone(),
         cache_key: req.cache_key.clone(),
@@ -1013,8 +1051,11 @@ async fn commit(Path(h): Path<String>, Json(req): Json<CommitRequest>) -> Respon
         ));
     }
     (
-        StatusCode::CREATED,
-        Json(commit_info(COMMIT, &v.hostname, &req)),
+        StatusCode::OK,
+        Json(CommitInfo {
+            parent_status: Some(v.state),
+            ..commit_info(COMMIT, &v.hostname, &req)
+        }),
     )
         .into_response()
 }
@@ -1030,7 +1071,10 @@ async fn commits(RawQuery(q): RawQuery) -> Json<Vec<CommitInfo>> {
             cache_key: Some("k1".into()),
         },
     );
-    let keep = param(&q, "tag").is_none_or(|t| c.tags.contains(&t))
+    let keep = q
+        .iter()
+        .filter(|(k, _)| k == "tag")
+        .all(|(_, t)| c.tags.contains(t))
         && param(&q, "cache_key").is_none_or(|k| c.cache_key.as_deref() == Some(k.as_str()))
         && param(&q, "source").is_none_or(|s| c.source == s);
     Json(if keep { vec![c] } else { vec![] })
@@ -1058,12 +1102,13 @@ async fn fork(
     }
     let wait = param(&query_pairs(&q), "wait").as_deref() == Some("agent");
     (
-        StatusCode::CREATED,
+        StatusCode::OK,
         Json(ForkResponse {
             hostname: "dev-4".into(),
             source_hostname: "dev-2".into(),
             commit_id: id,
             status: tine_proto::api::ForkStatus::Forked,
+            mode: tine_proto::api::CommitMode::Disk,
             child_status: if wait {
                 VmState::Running
             } else {

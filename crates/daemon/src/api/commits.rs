@@ -10,8 +10,8 @@ use tine_proto::api::{
 };
 
 use super::params::{
-    parse_json, parse_query_enum, parse_timeout, query_get, query_only, query_pairs, AppState,
-    DEFAULT_WAIT,
+    parse_json, parse_query_enum, parse_timeout, query_all, query_get, query_only, query_pairs,
+    AppState, DEFAULT_WAIT,
 };
 use crate::core::commit_info;
 use crate::error::ApiResult;
@@ -22,7 +22,8 @@ pub(super) async fn commit(
     body: Bytes,
 ) -> ApiResult<(StatusCode, Json<CommitInfo>)> {
     let req: CommitRequest = parse_json(&body)?;
-    Ok((StatusCode::CREATED, Json(d.commit(&hostname, req).await?)))
+    // 200, as Slicer answers (its Go SDK refuses any other status).
+    Ok((StatusCode::OK, Json(d.commit(&hostname, req).await?)))
 }
 
 pub(super) async fn list(State(d): State<AppState>, uri: Uri) -> ApiResult<Json<Vec<CommitInfo>>> {
@@ -30,11 +31,9 @@ pub(super) async fn list(State(d): State<AppState>, uri: Uri) -> ApiResult<Json<
     query_only(&q, &["tag", "cache_key", "source", "mode"])?;
     // Every commit holds a disk today; the value is still checked.
     let _mode: Option<CommitMode> = parse_query_enum(&q, "mode")?;
-    let list = d.commits(
-        query_get(&q, "tag"),
-        query_get(&q, "cache_key"),
-        query_get(&q, "source"),
-    )?;
+    let tags = query_all(&q, "tag");
+    let tags: Vec<&str> = tags.iter().map(String::as_str).collect();
+    let list = d.commits(&tags, query_get(&q, "cache_key"), query_get(&q, "source"))?;
     Ok(Json(list.iter().map(commit_info).collect()))
 }
 
@@ -60,8 +59,6 @@ pub(super) async fn fork(
     let wait = parse_query_enum(&q, "wait")?.unwrap_or(Wait::Agent);
     let timeout = parse_timeout(query_get(&q, "timeout"), DEFAULT_WAIT)?;
     let req: ForkRequest = parse_json(&body)?;
-    Ok((
-        StatusCode::CREATED,
-        Json(d.fork(&id, req, wait, timeout).await?),
-    ))
+    // 200, as Slicer answers (its Go SDK refuses any other status).
+    Ok((StatusCode::OK, Json(d.fork(&id, req, wait, timeout).await?)))
 }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use axum::body::{Body, Bytes};
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
 use axum::extract::{Path, State};
-use axum::http::{header, Uri};
+use axum::http::{header, HeaderMap, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use base64::Engine;
@@ -21,8 +21,10 @@ use tine_proto::agent::{
     Command, ExecRequest, FileAttrs, ForwardTarget, ProcessOptions, ShellRequest, UploadRequest,
     UploadTarRequest,
 };
-use tine_proto::api::shell::{DATA as SHELL_DATA, EXIT as SHELL_EXIT, RESIZE as SHELL_RESIZE};
-use tine_proto::api::{CpResponse, ErrorCode, ExecFrame, VmHealth};
+use tine_proto::api::shell as shell_frames;
+use tine_proto::api::{
+    CpResponse, ErrorCode, ExecFrame, ExecResult, StdioEncoding, VmHealth, MAX_BUFFERED_OUTPUT,
+};
 use tokio_util::io::{ReaderStream, StreamReader};
 
 use super::params::{parse_timeout, query_get, query_num, query_only, query_pairs, AppState};
@@ -70,7 +72,7 @@ impl Deadlines {
 }
 
 /// A handler's agent connection, with [`DEADLINES`] on its calls.
-async fn agent(d: &AppState, hostname: &str) -> ApiResult<AgentClient> {
+pub(super) async fn agent(d: &AppState, hostname: &str) -> ApiResult<AgentClient> {
     let (_vm, client) = d.agent(hostname).await?;
     Ok(client.with_limits(DEADLINES.limits()))
 }
@@ -81,7 +83,7 @@ fn agent_err(e: impl std::fmt::Display) -> ApiError {
 
 /// An error from a call: a deadline or a lost connection as 503, any
 /// other as `other` makes it.
-fn call_err(e: ClientError, other: impl FnOnce(String) -> ApiError) -> ApiError {
+pub(super) fn call_err(e: ClientError, other: impl FnOnce(String) -> ApiError) -> ApiError {
     match e {
         ClientError::Timeout { .. } | ClientError::ConnectionLost(_) | ClientError::StreamEnded => {
             agent_err(e)
@@ -126,6 +128,8 @@ async fn health_answer(client: &AgentClient, hostname: String) -> ApiResult<VmHe
         hostname,
         agent_ready: true,
         agent_version: h.agent_version,
+        agent_uptime: h.agent_uptime_ms.saturating_mul(1_000_000),
+        system_uptime: h.system_uptime_ms.saturating_mul(1_000_000),
         agent_uptime_ms: h.agent_uptime_ms,
         system_uptime_ms: h.system_uptime_ms,
         userdata_ran: h.userdata.ran || !h.userdata.present,
@@ -177,19 +181,144 @@ fn frame_line(frame: &ExecFrame) -> Bytes {
     Bytes::from(line)
 }
 
-pub(super) async fn exec(
-    State(d): State<AppState>,
-    Path(hostname): Path<String>,
-    uri: Uri,
-    body: Body,
-) -> ApiResult<Response> {
-    let q = query_pairs(&uri);
+/// A boolean query value: `true`/`1` or `false`/`0`; another is a 400.
+fn query_bool(q: &[(String, String)], key: &str) -> ApiResult<Option<bool>> {
+    match query_get(q, key) {
+        None => Ok(None),
+        Some("true" | "1") => Ok(Some(true)),
+        Some("false" | "0" | "") => Ok(Some(false)),
+        Some(v) => Err(ApiError::bad_request(format!(
+            "`{key}={v}` is not true or false"
+        ))),
+    }
+}
+
+/// What `shell=` asks for: a shell path (Slicer's form, `shell=/bin/bash`),
+/// `true` for `/bin/sh`, or nothing (empty or `false`: run `cmd` directly).
+fn shell_choice(value: Option<&str>) -> ApiResult<Option<Option<String>>> {
+    match value {
+        None | Some("" | "false" | "0") => Ok(None),
+        Some("true" | "1") => Ok(Some(None)),
+        Some(path) if path.starts_with('/') && !path.contains('\0') => {
+            Ok(Some(Some(path.to_owned())))
+        }
+        Some(other) => Err(ApiError::bad_request(format!(
+            "shell `{other}` is not an absolute path to a shell (like /bin/bash), true or false"
+        ))),
+    }
+}
+
+/// Encodes output chunks as the request's `stdio=` asks. Text mode keeps
+/// a UTF-8 sequence cut between two chunks for the next one, so only bytes
+/// that are not UTF-8 become U+FFFD.
+#[derive(Debug, Default)]
+struct OutputEncoder {
+    encoding: StdioEncoding,
+    pending: Vec<u8>,
+}
+
+impl OutputEncoder {
+    fn new(encoding: StdioEncoding) -> Self {
+        OutputEncoder {
+            encoding,
+            pending: Vec::new(),
+        }
+    }
+
+    /// The text of `data` (after what an earlier chunk left).
+    fn encode(&mut self, data: &[u8]) -> String {
+        if self.encoding == StdioEncoding::Base64 {
+            return base64::engine::general_purpose::STANDARD.encode(data);
+        }
+        self.pending.extend_from_slice(data);
+        let keep = match std::str::from_utf8(&self.pending) {
+            Ok(_) => 0,
+            // An incomplete sequence at the very end waits for more.
+            Err(e) if e.error_len().is_none() => self.pending.len() - e.valid_up_to(),
+            Err(_) => incomplete_tail(&self.pending),
+        };
+        let rest = self.pending.split_off(self.pending.len() - keep);
+        let text = String::from_utf8_lossy(&self.pending).into_owned();
+        self.pending = rest;
+        text
+    }
+
+    /// What is left at the end of the stream.
+    fn finish(&mut self) -> String {
+        let text = String::from_utf8_lossy(&self.pending).into_owned();
+        self.pending.clear();
+        text
+    }
+}
+
+/// How many bytes at the end of `data` start a UTF-8 sequence that is not
+/// complete yet (0 to 3).
+fn incomplete_tail(data: &[u8]) -> usize {
+    for back in 1..=3.min(data.len()) {
+        let b = data[data.len() - back];
+        let needs = match b {
+            0xC0..=0xDF => 2,
+            0xE0..=0xEF => 3,
+            0xF0..=0xF7 => 4,
+            0x80..=0xBF => continue,
+            _ => return 0,
+        };
+        return if needs > back { back } else { 0 };
+    }
+    0
+}
+
+/// The exit frame's fields: the code (128+N for signal N), the signal's
+/// name and number.
+pub(super) fn exit_fields(
+    status: &tine_proto::agent::ExitStatus,
+) -> (i32, Option<String>, Option<i32>) {
+    let signal = status.code.is_none().then_some(status.signal).flatten();
+    let name = signal.and_then(|n| {
+        nix::sys::signal::Signal::try_from(n)
+            .ok()
+            .map(|s| s.as_str().to_owned())
+    });
+    (shell_exit_code(status), name, signal)
+}
+
+/// What an exec request asks, parsed from its query.
+struct ExecQuery {
+    req: ExecRequest,
+    timeout: Option<Duration>,
+    encoding: StdioEncoding,
+    buffered: bool,
+    /// `background=true`: detached, with rings of this size (`None`: the
+    /// agent's default).
+    background: Option<Option<u64>>,
+}
+
+fn exec_query(uri: &Uri) -> ApiResult<ExecQuery> {
+    let q = query_pairs(uri);
     query_only(
         &q,
         &[
-            "cmd", "args", "env", "uid", "gid", "cwd", "shell", "timeout", "stdin",
+            "cmd",
+            "args",
+            "env",
+            "uid",
+            "gid",
+            "cwd",
+            "shell",
+            "timeout",
+            "stdin",
+            "stdio",
+            "buffered",
+            "permissions",
+            "background",
+            "ring_bytes",
         ],
     )?;
+    if let Some(p) = query_get(&q, "permissions").filter(|p| !p.is_empty()) {
+        return Err(ApiError::bad_request(format!(
+            "`permissions={p}` on exec is not supported: tine gives it no meaning there; set a file's mode with cp's `permissions`"
+        )));
+    }
     let cmd = query_get(&q, "cmd")
         .filter(|c| !c.is_empty())
         .ok_or_else(|| ApiError::bad_request("`cmd` is required"))?
@@ -209,36 +338,167 @@ pub(super) async fn exec(
     }
     options.uid = query_num(&q, "uid")?;
     options.gid = query_num(&q, "gid")?;
-    options.cwd = query_get(&q, "cwd").map(str::to_owned);
-    let shell = matches!(query_get(&q, "shell"), Some("true") | Some("1"));
-    let stdin = matches!(query_get(&q, "stdin"), Some("true") | Some("1"));
+    options.cwd = query_get(&q, "cwd")
+        .filter(|c| !c.is_empty())
+        .map(str::to_owned);
+    let stdin = query_bool(&q, "stdin")?.unwrap_or(false);
+    let buffered = query_bool(&q, "buffered")?.unwrap_or(false);
+    if stdin && buffered {
+        return Err(ApiError::bad_request(
+            "a buffered exec takes no stdin; use the streamed exec (no `buffered`) to send stdin",
+        ));
+    }
+    let encoding: StdioEncoding = super::params::parse_query_enum(&q, "stdio")?.unwrap_or_default();
+    let ring_bytes: Option<u64> = query_num(&q, "ring_bytes")?;
+    let background = match query_bool(&q, "background")?.unwrap_or(false) {
+        true if stdin || buffered => {
+            return Err(ApiError::bad_request(
+                "a background exec takes no stdin and is not buffered; read its output from /exec/{id}/logs",
+            ))
+        }
+        true => Some(ring_bytes.filter(|r| *r > 0)),
+        false if ring_bytes.is_some() => {
+            return Err(ApiError::bad_request("`ring_bytes` needs `background=true`"))
+        }
+        false => None,
+    };
     let timeout = query_get(&q, "timeout")
         .map(|t| parse_timeout(Some(t), Duration::ZERO))
         .transpose()?;
-    let command = if shell {
-        let mut script = cmd;
-        for a in &args {
-            script.push(' ');
-            script.push_str(a);
+    let command = match shell_choice(query_get(&q, "shell"))? {
+        Some(interpreter) => {
+            let mut script = cmd;
+            for a in &args {
+                script.push(' ');
+                script.push_str(a);
+            }
+            Command::Shell {
+                script,
+                interpreter,
+            }
         }
-        Command::Shell {
-            script,
-            interpreter: None,
+        None => {
+            let mut argv = vec![cmd];
+            argv.extend(args);
+            Command::Argv(argv)
         }
-    } else {
-        let mut argv = vec![cmd];
-        argv.extend(args);
-        Command::Argv(argv)
     };
-    let req = ExecRequest {
-        command,
-        options,
-        stdin,
-        timeout_ms: timeout.map(|t| t.as_millis().min(u128::from(u64::MAX)) as u64),
-        background: None,
-    };
+    Ok(ExecQuery {
+        req: ExecRequest {
+            command,
+            options,
+            stdin,
+            timeout_ms: timeout.map(|t| t.as_millis().min(u128::from(u64::MAX)) as u64),
+            background: None,
+        },
+        timeout,
+        encoding,
+        buffered,
+        background,
+    })
+}
+
+pub(super) async fn exec(
+    State(d): State<AppState>,
+    Path(hostname): Path<String>,
+    uri: Uri,
+    body: Body,
+) -> ApiResult<Response> {
+    let q = exec_query(&uri)?;
     let client = agent(&d, &hostname).await?;
-    exec_stream(client, req, timeout, body, DEADLINES).await
+    if let Some(ring_bytes) = q.background {
+        return super::bg::start(client, q.req, ring_bytes).await;
+    }
+    if q.buffered {
+        let result = exec_buffered(client, q.req, q.timeout, q.encoding, DEADLINES).await?;
+        return Ok(Json(result).into_response());
+    }
+    exec_stream(client, q.req, q.timeout, q.encoding, body, DEADLINES).await
+}
+
+/// The error of an exec that did not start.
+fn start_err(e: ClientError) -> ApiError {
+    call_err(e, |msg| {
+        if msg.contains("not found") || msg.contains("No such file") || msg.contains("spawn") {
+            ApiError::bad_request(msg)
+        } else {
+            ApiError::agent(msg)
+        }
+    })
+}
+
+/// Runs `req` to its end and answers once, with its output (at most
+/// [`MAX_BUFFERED_OUTPUT`] of each stream). A run that does not end is an
+/// error: 408 past the host's limit (`timeout` plus grace), 503 when the
+/// agent goes away.
+async fn exec_buffered(
+    client: AgentClient,
+    req: ExecRequest,
+    timeout: Option<Duration>,
+    encoding: StdioEncoding,
+    deadlines: Deadlines,
+) -> ApiResult<ExecResult> {
+    let mut execution = client.exec(req).await.map_err(start_err)?;
+    let pid = execution.pid();
+    let limit = timeout.and_then(|t| t.checked_add(deadlines.exec_grace));
+    let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
+    let mut truncated = false;
+    let collect = async {
+        loop {
+            match execution.next_event().await {
+                Ok(Some(ExecEvent::Stdout(data))) => {
+                    truncated |= keep_bounded(&mut stdout, &data);
+                }
+                Ok(Some(ExecEvent::Stderr(data))) => {
+                    truncated |= keep_bounded(&mut stderr, &data);
+                }
+                Ok(Some(ExecEvent::Exit(s))) => return Ok(s),
+                Ok(None) => {
+                    return Err(ApiError::agent(
+                        "the agent closed the stream before the process ended",
+                    ))
+                }
+                Err(e) => return Err(agent_err(e)),
+            }
+        }
+    };
+    let status = match limit {
+        None => collect.await?,
+        Some(limit) => tokio::time::timeout(limit, collect).await.map_err(|_| {
+            ApiError::timeout(format!(
+                "the command ran past its timeout and the agent did not end it; the host gave up after {}",
+                millis(limit)
+            ))
+        })??,
+    };
+    let _client = client;
+    let (exit_code, signal, signal_number) = exit_fields(&status);
+    let mut out = OutputEncoder::new(encoding);
+    let mut text = out.encode(&stdout);
+    text.push_str(&out.finish());
+    let mut err = OutputEncoder::new(encoding);
+    let mut err_text = err.encode(&stderr);
+    err_text.push_str(&err.finish());
+    Ok(ExecResult {
+        stdout: text,
+        stderr: err_text,
+        encoding,
+        pid,
+        exit_code,
+        signal,
+        signal_number,
+        timed_out: status.timed_out,
+        duration_ms: status.duration_ms,
+        truncated,
+    })
+}
+
+/// Appends `data` to `buf` up to [`MAX_BUFFERED_OUTPUT`]; true when some
+/// was dropped.
+fn keep_bounded(buf: &mut Vec<u8>, data: &[u8]) -> bool {
+    let room = MAX_BUFFERED_OUTPUT.saturating_sub(buf.len());
+    buf.extend_from_slice(&data[..data.len().min(room)]);
+    data.len() > room
 }
 
 /// Starts `req` and answers with its NDJSON frames. With a `timeout`, the
@@ -248,19 +508,12 @@ async fn exec_stream(
     client: AgentClient,
     req: ExecRequest,
     timeout: Option<Duration>,
+    encoding: StdioEncoding,
     body: Body,
     deadlines: Deadlines,
 ) -> ApiResult<Response> {
     let stdin = req.stdin;
-    let mut execution = client.exec(req).await.map_err(|e| {
-        call_err(e, |msg| {
-            if msg.contains("not found") || msg.contains("No such file") || msg.contains("spawn") {
-                ApiError::bad_request(msg)
-            } else {
-                ApiError::agent(msg)
-            }
-        })
-    })?;
+    let mut execution = client.exec(req).await.map_err(start_err)?;
     let give_up = timeout.and_then(|t| {
         let limit = t.checked_add(deadlines.exec_grace)?;
         Some((tokio::time::Instant::now().checked_add(limit)?, t, limit))
@@ -292,7 +545,8 @@ async fn exec_stream(
         // Keep the connection (and so the process's streams) alive until
         // the exit frame is sent.
         let _client = client;
-        let b64 = base64::engine::general_purpose::STANDARD;
+        let mut out = OutputEncoder::new(encoding);
+        let mut err = OutputEncoder::new(encoding);
         if tx
             .send(Ok(frame_line(&ExecFrame::Started { pid })))
             .await
@@ -329,17 +583,43 @@ async fn exec_stream(
             };
             let frame = match event {
                 Ok(Some(ExecEvent::Stdout(data))) => ExecFrame::Stdout {
-                    data: b64.encode(data),
+                    data: out.encode(&data),
+                    encoding,
                 },
                 Ok(Some(ExecEvent::Stderr(data))) => ExecFrame::Stderr {
-                    data: b64.encode(data),
+                    data: err.encode(&data),
+                    encoding,
                 },
-                Ok(Some(ExecEvent::Exit(s))) => ExecFrame::Exit {
-                    code: s.code,
-                    signal: s.signal,
-                    timed_out: s.timed_out,
-                    duration_ms: s.duration_ms,
-                },
+                Ok(Some(ExecEvent::Exit(s))) => {
+                    // Text cut at the very end goes out before the exit.
+                    for (rest, stdout) in [(out.finish(), true), (err.finish(), false)] {
+                        if rest.is_empty() {
+                            continue;
+                        }
+                        let frame = if stdout {
+                            ExecFrame::Stdout {
+                                data: rest,
+                                encoding,
+                            }
+                        } else {
+                            ExecFrame::Stderr {
+                                data: rest,
+                                encoding,
+                            }
+                        };
+                        if tx.send(Ok(frame_line(&frame))).await.is_err() {
+                            return;
+                        }
+                    }
+                    let (exit_code, signal, signal_number) = exit_fields(&s);
+                    ExecFrame::Exit {
+                        exit_code,
+                        signal,
+                        signal_number,
+                        timed_out: s.timed_out,
+                        duration_ms: s.duration_ms,
+                    }
+                }
                 Ok(None) => ExecFrame::Error {
                     error: "the agent closed the stream before the process ended".into(),
                     code: ErrorCode::AgentUnavailable,
@@ -373,22 +653,30 @@ fn tokio_stream_from<T: Send + 'static>(
 
 type CpQuery = (Vec<(String, String)>, String, bool);
 
+/// Parses a cp query. The mode is checked first: Slicer's Go SDK asks for
+/// its `cp-v1-*` modes (with their extra query keys) and falls back to the
+/// plain `binary`/`tar` when the 400 says `invalid mode: <mode>`.
 fn cp_query(uri: &Uri, allowed: &[&str]) -> ApiResult<CpQuery> {
     let q = query_pairs(uri);
-    query_only(&q, allowed)?;
-    let path = query_get(&q, "path")
-        .filter(|p| p.starts_with('/'))
-        .ok_or_else(|| ApiError::bad_request("`path` is required and must be absolute"))?
-        .to_owned();
     let tar = match query_get(&q, "mode") {
         None | Some("binary") => false,
         Some("tar") => true,
         Some(m) => {
             return Err(ApiError::bad_request(format!(
-                "mode `{m}` is not binary or tar"
+                "invalid mode: {m} (tine copies in mode binary or tar)"
             )))
         }
     };
+    query_only(&q, allowed)?;
+    if let Some((_, pattern)) = q.iter().find(|(k, _)| k == "exclude") {
+        return Err(ApiError::bad_request(format!(
+            "`exclude={pattern}` is not supported: leave the files out of the tar on the client side"
+        )));
+    }
+    let path = query_get(&q, "path")
+        .filter(|p| p.starts_with('/'))
+        .ok_or_else(|| ApiError::bad_request("`path` is required and must be absolute"))?
+        .to_owned();
     Ok((q, path, tar))
 }
 
@@ -397,7 +685,7 @@ pub(super) async fn download(
     Path(hostname): Path<String>,
     uri: Uri,
 ) -> ApiResult<Response> {
-    let (_, path, tar) = cp_query(&uri, &["path", "mode"])?;
+    let (_, path, tar) = cp_query(&uri, &["path", "mode", "exclude"])?;
     let client = agent(&d, &hostname).await?;
     if !tar {
         // Fail before the body starts when the file is not there.
@@ -462,17 +750,26 @@ pub(super) async fn upload(
     uri: Uri,
     body: Body,
 ) -> ApiResult<Json<CpResponse>> {
-    let (q, path, tar) = cp_query(&uri, &["path", "mode", "mode_bits", "uid", "gid"])?;
-    let mode = query_get(&q, "mode_bits")
+    let (q, path, tar) = cp_query(
+        &uri,
+        &["path", "mode", "permissions", "uid", "gid", "exclude"],
+    )?;
+    let mode = query_get(&q, "permissions")
+        .filter(|m| !m.is_empty())
         .map(|m| {
             u32::from_str_radix(m.trim_start_matches("0o"), 8)
                 .ok()
                 .filter(|m| *m <= 0o7777)
                 .ok_or_else(|| {
-                    ApiError::bad_request(format!("mode_bits `{m}` is not octal like 0644"))
+                    ApiError::bad_request(format!("permissions `{m}` is not octal like 0644"))
                 })
         })
         .transpose()?;
+    if tar && mode.is_some() {
+        return Err(ApiError::bad_request(
+            "`permissions` applies to one file (mode=binary); a tar carries each entry's mode",
+        ));
+    }
     let uid = query_num(&q, "uid")?;
     let gid = query_num(&q, "gid")?;
     let client = agent(&d, &hostname).await?;
@@ -535,10 +832,11 @@ pub(super) async fn shell(
     ws: WebSocketUpgrade,
 ) -> ApiResult<Response> {
     let q = query_pairs(&uri);
-    query_only(&q, &["rows", "cols", "cwd", "uid", "shell", "term"])?;
+    query_only(&q, &["rows", "cols", "cwd", "uid", "gid", "shell", "term"])?;
     let options = ProcessOptions {
         cwd: query_get(&q, "cwd").map(str::to_owned),
         uid: query_num(&q, "uid")?,
+        gid: query_num(&q, "gid")?,
         ..ProcessOptions::default()
     };
     let req = ShellRequest {
@@ -567,14 +865,17 @@ async fn pump_shell(socket: WebSocket, mut session: tine_client::agent::ShellSes
                 }
                 continue;
             };
-            match data.first() {
-                Some(&SHELL_DATA) if control.write(&data[1..]).await.is_err() => break,
-                Some(&SHELL_DATA) => {}
-                Some(&SHELL_RESIZE) if data.len() >= 5 => {
-                    let rows = u16::from_be_bytes([data[1], data[2]]);
-                    let cols = u16::from_be_bytes([data[3], data[4]]);
-                    let _ = control.resize(rows, cols).await;
+            // A frame that does not parse is dropped, not fatal.
+            match shell_frames::decode(&data) {
+                Some((shell_frames::DATA, bytes)) if control.write(bytes).await.is_err() => break,
+                Some((shell_frames::DATA, _)) => {}
+                Some((shell_frames::WINDOW_SIZE, size)) if size.len() == 8 => {
+                    let cols = u32::from_be_bytes([size[0], size[1], size[2], size[3]]);
+                    let rows = u32::from_be_bytes([size[4], size[5], size[6], size[7]]);
+                    let clamp = |n: u32| u16::try_from(n).unwrap_or(u16::MAX);
+                    let _ = control.resize(clamp(rows), clamp(cols)).await;
                 }
+                Some((shell_frames::SHUTDOWN, _)) => break,
                 _ => {}
             }
         }
@@ -584,17 +885,14 @@ async fn pump_shell(socket: WebSocket, mut session: tine_client::agent::ShellSes
     loop {
         match session.next_event().await {
             Ok(Some(ShellEvent::Output(data))) => {
-                let mut msg = Vec::with_capacity(data.len() + 1);
-                msg.push(SHELL_DATA);
-                msg.extend_from_slice(&data);
+                let msg = shell_frames::encode(shell_frames::DATA, &data);
                 if sink.send(Message::Binary(msg.into())).await.is_err() {
                     break;
                 }
             }
             Ok(Some(ShellEvent::Exit(s))) => {
-                let code = shell_exit_code(&s);
-                let mut msg = vec![SHELL_EXIT];
-                msg.extend_from_slice(&code.to_be_bytes());
+                let code = shell_exit_code(&s).to_be_bytes();
+                let msg = shell_frames::encode(shell_frames::SESSION_CLOSE, &code);
                 let _ = sink.send(Message::Binary(msg.into())).await;
                 break;
             }
@@ -643,17 +941,55 @@ pub fn parse_target(t: &str) -> ApiResult<ForwardTarget> {
     }
 }
 
+/// Parses Slicer's `X-Inlets-Upstream` value: `HOST:PORT`, `PORT` or
+/// `unix:PATH`.
+pub fn parse_upstream(value: &str) -> ApiResult<ForwardTarget> {
+    let target = if value.starts_with("unix:") {
+        parse_target(value)
+    } else {
+        parse_target(&format!("tcp:{value}"))
+    };
+    target.map_err(|_| {
+        ApiError::bad_request(format!(
+            "X-Inlets-Upstream `{value}` is not HOST:PORT, PORT or unix:/PATH"
+        ))
+    })
+}
+
+/// Where a forward goes: `target=` (tine's form) or the `X-Inlets-Upstream`
+/// header (Slicer's SDKs); both must agree when both are given.
+fn forward_target(q: &[(String, String)], headers: &HeaderMap) -> ApiResult<ForwardTarget> {
+    let header = headers
+        .get("x-inlets-upstream")
+        .map(|v| {
+            v.to_str()
+                .map_err(|_| ApiError::bad_request("X-Inlets-Upstream is not text"))
+        })
+        .transpose()?
+        .map(parse_upstream)
+        .transpose()?;
+    let query = query_get(q, "target").map(parse_target).transpose()?;
+    match (query, header) {
+        (Some(a), Some(b)) if a != b => Err(ApiError::bad_request(
+            "`target` and X-Inlets-Upstream name different targets; give one",
+        )),
+        (Some(t), _) | (None, Some(t)) => Ok(t),
+        (None, None) => Err(ApiError::bad_request(
+            "`target` (or an X-Inlets-Upstream header) is required",
+        )),
+    }
+}
+
 pub(super) async fn forward(
     State(d): State<AppState>,
     Path(hostname): Path<String>,
     uri: Uri,
+    headers: HeaderMap,
     ws: WebSocketUpgrade,
 ) -> ApiResult<Response> {
     let q = query_pairs(&uri);
     query_only(&q, &["target"])?;
-    let target = parse_target(
-        query_get(&q, "target").ok_or_else(|| ApiError::bad_request("`target` is required"))?,
-    )?;
+    let target = forward_target(&q, &headers)?;
     let client = agent(&d, &hostname).await?;
     let mut fwd = client
         .forward(target)
@@ -765,9 +1101,16 @@ mod tests {
         // Stdin that never ends: its feeder must not keep the exec alive.
         let stdin = futures_util::stream::pending::<Result<Bytes, std::io::Error>>();
         let began = Instant::now();
-        let response = exec_stream(client, req, Some(timeout), Body::from_stream(stdin), FAST)
-            .await
-            .expect("started");
+        let response = exec_stream(
+            client,
+            req,
+            Some(timeout),
+            StdioEncoding::Base64,
+            Body::from_stream(stdin),
+            FAST,
+        )
+        .await
+        .expect("started");
         let (body, err) = read_body(response.into_body()).await;
         assert_eq!(err, None);
         let frames: Vec<ExecFrame> = body
@@ -795,10 +1138,13 @@ mod tests {
         let agent = HostileAgent::new(|_| vec![Step::Hang]);
         let client = connect(&agent, FAST.limits()).await;
         let req = ExecRequest::argv(["true"]);
-        let err = tokio::time::timeout(HANG, exec_stream(client, req, None, Body::empty(), FAST))
-            .await
-            .expect("the deadline ends it")
-            .expect_err("never started");
+        let err = tokio::time::timeout(
+            HANG,
+            exec_stream(client, req, None, StdioEncoding::Text, Body::empty(), FAST),
+        )
+        .await
+        .expect("the deadline ends it")
+        .expect_err("never started");
         assert_eq!(err.code, ErrorCode::AgentUnavailable, "{err:?}");
     }
 
@@ -912,6 +1258,81 @@ mod tests {
             .await
             .expect("a whole download");
         assert_eq!((n, got.as_slice()), (8, &b"8 bytes!"[..]));
+    }
+
+    #[test]
+    fn text_output_keeps_a_character_cut_between_chunks() {
+        let mut enc = OutputEncoder::new(StdioEncoding::Text);
+        let bytes = "aé€😀".as_bytes();
+        // Every split point: the text comes out whole, never U+FFFD.
+        for cut in 0..=bytes.len() {
+            let mut text = enc.encode(&bytes[..cut]);
+            text.push_str(&enc.encode(&bytes[cut..]));
+            text.push_str(&enc.finish());
+            assert_eq!(text, "aé€😀", "cut at {cut}");
+        }
+        // Bytes that are not UTF-8 become U+FFFD, at once or at the end.
+        assert_eq!(enc.encode(b"x\xffy"), "x\u{fffd}y");
+        assert_eq!(enc.encode(b"z\xe2\x82"), "z");
+        assert_eq!(enc.finish(), "\u{fffd}");
+        let mut b64 = OutputEncoder::new(StdioEncoding::Base64);
+        assert_eq!(b64.encode(b"\xff\xfe"), "//4=");
+        assert_eq!(b64.finish(), "");
+    }
+
+    #[test]
+    fn exit_fields_never_report_a_killed_process_as_success() {
+        let status = |code, signal| tine_proto::agent::ExitStatus {
+            code,
+            signal,
+            ..Default::default()
+        };
+        assert_eq!(exit_fields(&status(Some(0), None)), (0, None, None));
+        assert_eq!(
+            exit_fields(&status(None, Some(9))),
+            (137, Some("SIGKILL".into()), Some(9))
+        );
+        // A number that is no signal keeps its number, with no name.
+        assert_eq!(exit_fields(&status(None, Some(99))), (227, None, Some(99)));
+    }
+
+    #[test]
+    fn forward_takes_slicers_upstream_header() {
+        let headers = |v: &str| {
+            let mut h = HeaderMap::new();
+            h.insert("x-inlets-upstream", v.parse().expect("header"));
+            h
+        };
+        let tcp = |host: &str, port| ForwardTarget::Tcp {
+            port,
+            host: Some(host.into()),
+        };
+        let none: Vec<(String, String)> = Vec::new();
+        assert_eq!(
+            forward_target(&none, &headers("127.0.0.1:8080")).expect("tcp"),
+            tcp("127.0.0.1", 8080)
+        );
+        assert_eq!(
+            forward_target(&none, &headers("unix:/var/run/docker.sock")).expect("unix"),
+            ForwardTarget::Unix {
+                path: "/var/run/docker.sock".into()
+            }
+        );
+        let q = vec![("target".to_string(), "tcp:127.0.0.1:8080".to_string())];
+        assert_eq!(
+            forward_target(&q, &headers("127.0.0.1:8080")).expect("agree"),
+            tcp("127.0.0.1", 8080)
+        );
+        let e = forward_target(&q, &headers("127.0.0.1:9090")).expect_err("disagree");
+        assert!(e.message.contains("different targets"), "{}", e.message);
+        let e = forward_target(&none, &headers("nowhere")).expect_err("bad");
+        assert!(
+            e.message.contains("X-Inlets-Upstream `nowhere`"),
+            "{}",
+            e.message
+        );
+        let e = forward_target(&none, &HeaderMap::new()).expect_err("none");
+        assert!(e.message.contains("X-Inlets-Upstream header) is required"));
     }
 
     #[test]

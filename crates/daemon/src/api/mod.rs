@@ -1,7 +1,11 @@
 //! The REST API (docs/api.md, docs/openapi.yaml): routes onto [`Daemon`]
 //! methods, errors as `{error, code}`, the bearer token on TCP.
 
+mod bg;
 mod commits;
+#[cfg(test)]
+mod contract;
+mod fs;
 mod guest;
 mod params;
 mod vms;
@@ -77,9 +81,24 @@ pub fn routes() -> Routes {
         .add(M::GET, "/vm/{hostname}/logs", vms::logs)
         .add(M::POST, "/vm/{hostname}/shutdown", vms::shutdown)
         .add(M::POST, "/vm/{hostname}/relaunch", vms::relaunch)
+        .add(M::POST, "/vm/{hostname}/pause", vms::pause)
+        .add(M::POST, "/vm/{hostname}/resume", vms::resume)
+        .add(M::POST, "/vm/{hostname}/suspend", vms::suspend)
+        .add(M::POST, "/vm/{hostname}/restore", vms::restore)
+        .add(M::POST, "/daemon/shutdown", vms::daemon_shutdown)
         .add(M::POST, "/vm/{hostname}/exec", guest::exec)
+        .add(M::GET, "/vm/{hostname}/exec", bg::list)
+        .add(M::GET, "/vm/{hostname}/exec/{id}", bg::get)
+        .add(M::DELETE, "/vm/{hostname}/exec/{id}", bg::remove)
+        .add(M::GET, "/vm/{hostname}/exec/{id}/logs", bg::logs)
+        .add(M::POST, "/vm/{hostname}/exec/{id}/kill", bg::kill)
+        .add(M::GET, "/vm/{hostname}/exec/{id}/wait-exit", bg::wait_exit)
         .add(M::GET, "/vm/{hostname}/cp", guest::download)
         .add(M::POST, "/vm/{hostname}/cp", guest::upload)
+        .add(M::GET, "/vm/{hostname}/fs/stat", fs::stat)
+        .add(M::GET, "/vm/{hostname}/fs/readdir", fs::readdir)
+        .add(M::POST, "/vm/{hostname}/fs/mkdir", fs::mkdir)
+        .add(M::DELETE, "/vm/{hostname}/fs/remove", fs::remove)
         .add(M::GET, "/vm/{hostname}/shell", guest::shell)
         .add(M::GET, "/vm/{hostname}/forward", guest::forward)
         .add(M::POST, "/vm/{hostname}/commit", commits::commit)

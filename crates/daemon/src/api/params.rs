@@ -79,6 +79,15 @@ pub fn query_get<'a>(pairs: &'a [(String, String)], key: &str) -> Option<&'a str
         .map(|(_, v)| v.as_str())
 }
 
+/// Every value of `key`, in order.
+pub fn query_all(pairs: &[(String, String)], key: &str) -> Vec<String> {
+    pairs
+        .iter()
+        .filter(|(k, _)| k == key)
+        .map(|(_, v)| v.clone())
+        .collect()
+}
+
 /// Refuses query keys outside `allowed`, naming the first unknown one.
 pub fn query_only(pairs: &[(String, String)], allowed: &[&str]) -> ApiResult<()> {
     if let Some((k, _)) = pairs.iter().find(|(k, _)| !allowed.contains(&k.as_str())) {

@@ -5,13 +5,13 @@ use axum::extract::{Path, State};
 use axum::http::{StatusCode, Uri};
 use axum::Json;
 use tine_proto::api::{
-    self, CreateVmRequest, DaemonInfo, HostGroupInfo, ListQuery, LogsResponse, ShutdownAction,
-    TagsPatch, Wait,
+    self, CreateVmRequest, CreateWait, DaemonInfo, HostGroupInfo, ListQuery, LogsResponse,
+    ShutdownAction, ShutdownRequest, TagsPatch, Wait,
 };
 
 use super::params::{
-    parse_json, parse_query_enum, parse_timeout, query_get, query_num, query_only, query_pairs,
-    AppState, DEFAULT_WAIT,
+    parse_json, parse_query_enum, parse_timeout, query_all, query_get, query_num, query_only,
+    query_pairs, AppState, DEFAULT_WAIT,
 };
 use crate::core::DEFAULT_SHUTDOWN_TIMEOUT;
 use crate::error::{ApiError, ApiResult};
@@ -19,6 +19,9 @@ use crate::error::{ApiError, ApiResult};
 pub(super) async fn info(State(d): State<AppState>) -> ApiResult<Json<DaemonInfo>> {
     Ok(Json(DaemonInfo {
         version: env!("CARGO_PKG_VERSION").into(),
+        git_commit: env!("TINE_GIT_COMMIT").into(),
+        platform: std::env::consts::OS.into(),
+        arch: api::go_arch().into(),
         data_dir: d.data_dir().display().to_string(),
         pid: std::process::id(),
         started_at: api::rfc3339_millis(d.started_ms()),
@@ -51,6 +54,8 @@ pub(super) async fn host_groups(State(d): State<AppState>) -> ApiResult<Json<Vec
             persistent: g.persistent,
             network: g.network.mode.to_string(),
             nodes: d.vm_count(Some(&g.name))?,
+            arch: api::go_arch().into(),
+            gpu_count: 0,
         });
     }
     Ok(Json(out))
@@ -60,7 +65,7 @@ fn list_query(uri: &Uri) -> ApiResult<ListQuery> {
     let q = query_pairs(uri);
     query_only(&q, &["tag", "tag_prefix"])?;
     Ok(ListQuery {
-        tag: query_get(&q, "tag").map(str::to_owned),
+        tags: query_all(&q, "tag"),
         tag_prefix: query_get(&q, "tag_prefix").map(str::to_owned),
     })
 }
@@ -88,12 +93,57 @@ pub(super) async fn create(
 ) -> ApiResult<(StatusCode, Json<api::CreateVmResponse>)> {
     let q = query_pairs(&uri);
     query_only(&q, &["wait", "timeout"])?;
-    let wait: Wait = parse_query_enum(&q, "wait")?.unwrap_or_default();
+    let wait: CreateWait = parse_query_enum(&q, "wait")?.unwrap_or_default();
     let timeout = parse_timeout(query_get(&q, "timeout"), DEFAULT_WAIT)?;
     d.group(&group)?;
     let req: CreateVmRequest = parse_json(&body)?;
-    let r = d.create_vm(&group, req, wait, timeout, false).await?;
+    let began = tokio::time::Instant::now();
+    let agent_wait = match wait {
+        CreateWait::None => Wait::None,
+        CreateWait::Agent | CreateWait::Userdata => Wait::Agent,
+    };
+    let mut r = d.create_vm(&group, req, agent_wait, timeout, false).await?;
+    if wait == CreateWait::Userdata {
+        wait_userdata(&d, &r.hostname, began + timeout).await?;
+        r.elapsed_ms = began.elapsed().as_millis() as u64;
+    }
     Ok((StatusCode::CREATED, Json(r)))
+}
+
+/// Polls the agent until the VM's userdata has run (or there is none);
+/// 408 at `deadline`, naming the VM.
+async fn wait_userdata(
+    d: &AppState,
+    hostname: &str,
+    deadline: tokio::time::Instant,
+) -> ApiResult<()> {
+    loop {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let status = tokio::time::timeout(left, async {
+            let (_vm, client) = d.agent(hostname).await?;
+            client
+                .userdata_status()
+                .await
+                .map_err(|e| ApiError::agent(e.to_string()))
+        })
+        .await;
+        match status {
+            Ok(Ok(s)) if s.ran || !s.present => return Ok(()),
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => return Err(e),
+            Err(_) => {
+                return Err(ApiError::timeout(format!(
+                    "the userdata of {hostname} had not finished when the wait timed out (the VM keeps running)"
+                )))
+            }
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        if tokio::time::Instant::now() >= deadline {
+            return Err(ApiError::timeout(format!(
+                "the userdata of {hostname} had not finished when the wait timed out (the VM keeps running)"
+            )));
+        }
+    }
 }
 
 pub(super) async fn describe(
@@ -159,9 +209,15 @@ pub(super) async fn logs(
     let lines = tokio::task::spawn_blocking(move || crate::process::last_lines(&path, lines))
         .await
         .map_err(|e| ApiError::internal(format!("read log: {e}")))?;
+    let mut content = String::new();
+    for line in &lines {
+        content.push_str(line);
+        content.push('\n');
+    }
     Ok(Json(LogsResponse {
         hostname: vm.hostname,
-        lines,
+        lines: lines.len(),
+        content,
     }))
 }
 
@@ -169,10 +225,20 @@ pub(super) async fn shutdown(
     State(d): State<AppState>,
     Path(hostname): Path<String>,
     uri: Uri,
+    body: Bytes,
 ) -> ApiResult<Json<api::LifecycleResponse>> {
     let q = query_pairs(&uri);
     query_only(&q, &["action", "timeout"])?;
-    let action: ShutdownAction = parse_query_enum(&q, "action")?.unwrap_or_default();
+    let in_query: Option<ShutdownAction> = parse_query_enum(&q, "action")?;
+    let in_body = parse_json::<ShutdownRequest>(&body)?.action;
+    let action = match (in_query, in_body) {
+        (Some(a), Some(b)) if a != b => {
+            return Err(ApiError::bad_request(format!(
+                "action `{a}` in the query and `{b}` in the body disagree; give one"
+            )))
+        }
+        (a, b) => a.or(b).unwrap_or_default(),
+    };
     let timeout = parse_timeout(query_get(&q, "timeout"), DEFAULT_SHUTDOWN_TIMEOUT)?;
     Ok(Json(d.shutdown(&hostname, action, timeout).await?))
 }
@@ -187,4 +253,55 @@ pub(super) async fn relaunch(
     let wait: Wait = parse_query_enum(&q, "wait")?.unwrap_or_default();
     let timeout = parse_timeout(query_get(&q, "timeout"), DEFAULT_WAIT)?;
     Ok(Json(d.relaunch(&hostname, wait, timeout).await?))
+}
+
+pub(super) async fn pause(
+    State(d): State<AppState>,
+    Path(hostname): Path<String>,
+) -> ApiResult<Json<api::VmInfo>> {
+    let vm = d.pause(&hostname).await?;
+    Ok(Json(d.describe(&d.vm(&vm.hostname)?)))
+}
+
+pub(super) async fn resume(
+    State(d): State<AppState>,
+    Path(hostname): Path<String>,
+) -> ApiResult<Json<api::VmInfo>> {
+    let vm = d.resume(&hostname).await?;
+    Ok(Json(d.describe(&d.vm(&vm.hostname)?)))
+}
+
+/// `suspend` and `restore` (a VM's memory to disk and back): refused until
+/// tine can snapshot a VM to its own disk, naming what exists instead.
+pub(super) async fn suspend(
+    State(d): State<AppState>,
+    Path(hostname): Path<String>,
+) -> ApiResult<Json<api::VmInfo>> {
+    let vm = d.vm(&hostname)?;
+    Err(ApiError::bad_request(format!(
+        "suspend of {} is not supported yet: tine cannot save a VM's memory to disk; use pause (vCPUs parked, memory kept) or shutdown and relaunch",
+        vm.hostname
+    )))
+}
+
+pub(super) async fn restore(
+    State(d): State<AppState>,
+    Path(hostname): Path<String>,
+) -> ApiResult<Json<api::VmInfo>> {
+    let vm = d.vm(&hostname)?;
+    Err(ApiError::bad_request(format!(
+        "restore of {} is not supported yet: tine has no suspended VMs (suspend is not supported); relaunch a stopped persistent VM",
+        vm.hostname
+    )))
+}
+
+/// `POST /daemon/shutdown`: the daemon exits; VMs keep running (as on
+/// SIGTERM) and the next `tine up` finds them.
+pub(super) async fn daemon_shutdown(State(d): State<AppState>) -> Json<serde_json::Value> {
+    // After the answer is out.
+    tokio::spawn(async move {
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        d.request_stop();
+    });
+    Json(serde_json::json!({"status": "shutting down"}))
 }

@@ -49,8 +49,10 @@ pub fn info(c: &CommitRecord) -> CommitInfo {
         commit_id: c.id.clone(),
         status: CommitStatus::Committed,
         mode: CommitMode::Disk,
+        hostname: c.source.clone(),
         source: c.source.clone(),
         host_group: c.host_group.clone(),
+        parent_status: None,
         tags: c.tags.clone(),
         labels: c.labels.clone(),
         cache_key: c.cache_key.clone(),
@@ -119,7 +121,7 @@ impl Daemon {
             )));
         }
         if let Some(k) = &req.cache_key {
-            if let Some(c) = self.store.list_commits(None, Some(k), None)?.first() {
+            if let Some(c) = self.store.list_commits(&[], Some(k), None)?.first() {
                 return Err(Error::Conflict(format!(
                     "the cache key `{k}` is already used by commit {}",
                     c.id
@@ -180,7 +182,10 @@ impl Daemon {
         // The old name of the (now committed) inode.
         remove_file_logged(&old_disk);
         tracing::info!(vm = %vm.hostname, commit = %id, ms = record.elapsed_ms, "committed");
-        Ok(info(&record))
+        Ok(CommitInfo {
+            parent_status: Some(vm.state),
+            ..info(&record)
+        })
     }
 
     /// Deletes a commit nobody depends on.
@@ -261,6 +266,7 @@ impl Daemon {
             source_hostname: c.source,
             commit_id: c.id,
             status: ForkStatus::Forked,
+            mode: CommitMode::Disk,
             child_status: vm.state,
             persistent: vm.persistent,
             elapsed_ms: began.elapsed().as_millis() as u64,

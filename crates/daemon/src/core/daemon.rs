@@ -16,7 +16,7 @@ use super::error::{chain, Error, Result};
 use crate::config::{Config, HostGroup};
 use crate::db::{now_ms, CommitRecord, ImageRecord, Store, VmRecord};
 use crate::failpoint::{self, Failpoint};
-use crate::launcher::Launcher;
+use crate::launcher::{Launcher, LauncherExt};
 use crate::network::NetworkManager;
 use crate::process::VmPaths;
 
@@ -95,6 +95,11 @@ pub struct Daemon {
     forced: Mutex<HashMap<String, String>>,
     /// Commits whose metadata was checked, with the file's stamp then.
     verified: Mutex<HashMap<String, FileStamp>>,
+    /// VMs whose vCPUs are parked (`pause`), with the pid of the run that
+    /// was paused: a later run is not paused.
+    paused: Mutex<HashMap<String, u32>>,
+    /// Set by `POST /daemon/shutdown`; the server exits when it changes.
+    stop_requested: watch::Sender<bool>,
 }
 
 /// A file's inode, size and modification time.
@@ -144,6 +149,8 @@ impl Daemon {
             failures: Mutex::new(HashMap::new()),
             forced: Mutex::new(HashMap::new()),
             verified: Mutex::new(HashMap::new()),
+            paused: Mutex::new(HashMap::new()),
+            stop_requested: watch::channel(false).0,
             boot_slots: Arc::new(tokio::sync::Semaphore::new(boot_concurrency.max(1))),
         })
     }
@@ -151,6 +158,86 @@ impl Daemon {
     /// The configuration.
     pub fn config(&self) -> &Config {
         &self.config
+    }
+
+    /// Asks the server to exit (VMs keep running, as on SIGTERM).
+    pub fn request_stop(&self) {
+        self.stop_requested.send_replace(true);
+    }
+
+    /// Resolves once [`Daemon::request_stop`] was called.
+    pub async fn stop_requested(&self) {
+        let mut rx = self.stop_requested.subscribe();
+        // The sender lives as long as `self`.
+        let _ = rx.wait_for(|stop| *stop).await;
+    }
+
+    /// Whether the VM's current run is paused.
+    pub fn is_paused(&self, vm: &VmRecord) -> bool {
+        let paused = self.paused.lock().unwrap_or_else(|p| p.into_inner());
+        vm.state == VmState::Running
+            && vm.pid.is_some()
+            && paused.get(&vm.hostname) == vm.pid.as_ref()
+    }
+
+    /// Parks a running VM's vCPUs; 409 when it does not run.
+    pub async fn pause(&self, key: &str) -> Result<VmRecord> {
+        let hostname = self.vm(key)?.hostname;
+        let _guard = self.lock_vm(&hostname).await;
+        let vm = self.vm(&hostname)?;
+        let (VmState::Running, Some(pid)) = (vm.state, vm.pid) else {
+            return Err(Error::Conflict(format!(
+                "{hostname} is {}; only a running VM can be paused",
+                vm.state
+            )));
+        };
+        self.launcher
+            .pause(&hostname)
+            .await
+            .map_err(|source| Error::Launch {
+                what: format!("pause {hostname}"),
+                source,
+            })?;
+        self.paused
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(hostname, pid);
+        Ok(vm)
+    }
+
+    /// Runs a paused VM's vCPUs again; 409 when it is not paused.
+    pub async fn resume(&self, key: &str) -> Result<VmRecord> {
+        let hostname = self.vm(key)?.hostname;
+        let _guard = self.lock_vm(&hostname).await;
+        let vm = self.vm(&hostname)?;
+        if !self.is_paused(&vm) {
+            return Err(Error::Conflict(format!("{hostname} is not paused")));
+        }
+        self.launcher
+            .resume(&hostname)
+            .await
+            .map_err(|source| Error::Launch {
+                what: format!("resume {hostname}"),
+                source,
+            })?;
+        self.paused
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&hostname);
+        Ok(vm)
+    }
+
+    /// Resumes `vm` if its run is paused, so a stop can ask its guest.
+    pub(super) async fn unpause_for_stop(&self, vm: &VmRecord) {
+        if self.is_paused(vm) {
+            if let Err(e) = self.launcher.resume(&vm.hostname).await {
+                tracing::warn!(vm = %vm.hostname, "resume before stop: {e}");
+            }
+            self.paused
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&vm.hostname);
+        }
     }
 
     /// The data directory.
@@ -178,14 +265,14 @@ impl Daemon {
         Ok(self.store.get_image(name)?)
     }
 
-    /// Commits, filtered by tag, cache key and source VM.
+    /// Commits, filtered by tags (all of them), cache key and source VM.
     pub fn commits(
         &self,
-        tag: Option<&str>,
+        tags: &[&str],
         cache_key: Option<&str>,
         source: Option<&str>,
     ) -> Result<Vec<CommitRecord>> {
-        Ok(self.store.list_commits(tag, cache_key, source)?)
+        Ok(self.store.list_commits(tags, cache_key, source)?)
     }
 
     pub(super) fn notify(&self) {

@@ -40,18 +40,27 @@ impl Daemon {
     /// Describes a VM for the API.
     pub fn describe(&self, vm: &VmRecord) -> api::VmInfo {
         let (size, allocated, format) = storage::describe(Path::new(&vm.disk));
-        let network = vm.network.as_ref().and_then(describe_network);
+        let group = self.config.group(&vm.host_group);
+        let network = describe_network(group, vm);
         api::VmInfo {
             hostname: vm.hostname.clone(),
             host_group: vm.host_group.clone(),
+            status: if self.is_paused(vm) {
+                api::VmStatus::Paused
+            } else {
+                vm.state.into()
+            },
             state: vm.state,
             cpus: vm.cpus,
             ram_bytes: vm.ram_bytes,
             persistent: vm.persistent,
             tags: vm.tags.clone(),
             ip: network
+                .address
                 .as_ref()
-                .map(|n| n.address.split('/').next().unwrap_or_default().to_owned()),
+                .map(|a| a.split('/').next().unwrap_or_default().to_owned()),
+            arch: api::go_arch().into(),
+            image: group.map(|g| g.image.clone()).unwrap_or_default(),
             network,
             pid: if vm.state.is_live() { vm.pid } else { None },
             reason: vm.reason.clone(),
@@ -65,7 +74,8 @@ impl Daemon {
             boot_ms: vm.boot_ms,
             commit_id: vm.commit_id.clone(),
             parent_commit_id: vm.parent_commit_id.clone(),
-            storage: api::StorageInfo {
+            storage: api::StorageKind::Image,
+            disk: api::StorageInfo {
                 path: vm.disk.clone(),
                 format,
                 size_bytes: size,
@@ -127,8 +137,11 @@ impl Daemon {
         let info = self.describe(&vm);
         Ok(api::CreateVmResponse {
             hostname,
+            host_group: info.host_group,
             state: vm.state,
             ip: info.ip,
+            created_at: info.created_at,
+            arch: info.arch,
             elapsed_ms: started.elapsed().as_millis() as u64,
         })
     }
@@ -282,6 +295,10 @@ impl Daemon {
                     "{hostname} is already {}",
                     vm.state
                 )));
+            }
+            if !poweroff {
+                // A paused guest cannot take the request to stop.
+                self.unpause_for_stop(&vm).await;
             }
             if vm.pid.is_none() {
                 // Still waiting for a boot slot: it never ran.
@@ -563,7 +580,7 @@ impl Daemon {
             .store
             .list_vms(group)?
             .iter()
-            .filter(|vm| q.tag.as_ref().is_none_or(|t| vm.tags.contains(t)))
+            .filter(|vm| q.tags.iter().all(|t| vm.tags.contains(t)))
             .filter(|vm| {
                 q.tag_prefix
                     .as_ref()

@@ -13,28 +13,75 @@ use super::daemon::Daemon;
 use super::error::{Error, Result};
 use crate::config::HostGroup;
 use crate::db::VmRecord;
-use crate::network::{NetMode, PolicyOverride, PolicySource, VmNetwork};
+use crate::network::{DefaultAction, NetMode, PolicyOverride, PolicySource, VmNetwork};
 
-/// The network as `describe` shows it; `None` for a VM without a NIC.
-pub fn describe(n: &VmNetwork) -> Option<VmNetworkInfo> {
-    let mode = match n.mode {
-        NetMode::None => return None,
+fn lists(allow: &[String], drop: &[String]) -> api::PolicyLists {
+    api::PolicyLists {
+        allow: allow.to_vec(),
+        drop: drop.to_vec(),
+        default: match DefaultAction::for_lists(allow, drop) {
+            DefaultAction::Allow => api::DefaultAction::Allow,
+            DefaultAction::Deny => api::DefaultAction::Deny,
+        },
+    }
+}
+
+/// The network as `describe` shows it: the mode, the group's lists, the
+/// VM's override and the lists in force, and the NIC once it has one. A VM
+/// not yet started shows the lists it will get; one without a NIC (a group
+/// without network, or a fork with `network: none`) shows mode `none`.
+pub fn describe(group: Option<&HostGroup>, vm: &VmRecord) -> VmNetworkInfo {
+    let no_nic = vm.policy == Some(ForkNetwork::None);
+    let group_mode = group.map(|g| g.network.mode).unwrap_or_default();
+    let mode = match vm.network.as_ref().map(|n| n.mode).unwrap_or(group_mode) {
+        _ if no_nic => api::NetworkMode::None,
+        NetMode::None => api::NetworkMode::None,
         NetMode::Bridge => api::NetworkMode::Bridge,
         NetMode::Isolated => api::NetworkMode::Isolated,
     };
-    Some(VmNetworkInfo {
+    let (group_allow, group_drop) = match group {
+        Some(g) if mode == api::NetworkMode::Isolated => {
+            (g.network.allow.clone(), g.network.drop.clone())
+        }
+        _ => (Vec::new(), Vec::new()),
+    };
+    let overrides = match &vm.policy {
+        Some(ForkNetwork::Policy(p)) if p.allow.is_some() || p.drop.is_some() => Some(p.clone()),
+        _ => None,
+    };
+    let effective = match &vm.network {
+        Some(n) => lists(&n.allow, &n.drop),
+        None => {
+            let allow = overrides
+                .as_ref()
+                .and_then(|o| o.allow.clone())
+                .unwrap_or_else(|| group_allow.clone());
+            let drop = overrides
+                .as_ref()
+                .and_then(|o| o.drop.clone())
+                .unwrap_or_else(|| group_drop.clone());
+            lists(&allow, &drop)
+        }
+    };
+    let nic = vm.network.as_ref().filter(|n| n.mode != NetMode::None);
+    VmNetworkInfo {
         mode,
-        tap: n.tap.clone(),
-        mac: n.mac.clone(),
-        address: format!("{}/{}", n.address, n.prefix),
-        gateway: n.gateway.to_string(),
-        allow: n.allow.iter().map(ToString::to_string).collect(),
-        drop: n.drop.iter().map(ToString::to_string).collect(),
-        policy_source: match n.policy_source() {
-            PolicySource::HostGroup => api::PolicySource::HostGroup,
-            PolicySource::Override => api::PolicySource::Override,
+        policy_source: match (&vm.network, &overrides) {
+            (Some(n), _) => match n.policy_source() {
+                PolicySource::HostGroup => api::PolicySource::HostGroup,
+                PolicySource::Override => api::PolicySource::Override,
+            },
+            (None, Some(_)) => api::PolicySource::Override,
+            (None, None) => api::PolicySource::HostGroup,
         },
-    })
+        host_group: lists(&group_allow, &group_drop),
+        overrides,
+        effective,
+        tap: nic.map(|n| n.tap.clone()),
+        mac: nic.map(|n| n.mac.clone()),
+        address: nic.map(|n| format!("{}/{}", n.address, n.prefix)),
+        gateway: nic.map(|n| n.gateway.to_string()),
+    }
 }
 
 impl Daemon {

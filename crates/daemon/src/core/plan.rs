@@ -126,6 +126,38 @@ fn shape(group: &HostGroup, s: Shape<'_>) -> Result<(u32, u64, Vec<String>)> {
 
 /// A new VM from a create request; `group_userdata` is the group's script
 /// (read only when the request has none).
+/// Refuses the Slicer create fields tine cannot honour, naming each.
+fn refuse_unsupported(req: &CreateVmRequest) -> Result<()> {
+    let refuse = |why: String| Err(Error::BadRequest(why));
+    if let Some(n) = req.gpu_count.filter(|n| *n > 0) {
+        return refuse(format!(
+            "gpu_count {n} is not supported: tine has no GPU passthrough (only 0)"
+        ));
+    }
+    if let Some(image) = &req.disk_image {
+        return refuse(format!(
+            "disk_image `{image}` is not supported: a VM boots its host group's image; define a host group with that image"
+        ));
+    }
+    if let Some(ip) = &req.ip {
+        return refuse(format!(
+            "ip `{ip}` is not supported: tine allocates each VM's address from its host group's network"
+        ));
+    }
+    if !req.ssh_keys.is_empty() || req.import_user.is_some() {
+        return refuse(
+            "ssh_keys and import_user are not supported yet: tine does not install SSH keys in the guest; use cp to write ~/.ssh/authorized_keys".into(),
+        );
+    }
+    if !req.secrets.is_empty() {
+        return refuse(format!(
+            "secrets {:?} are not supported yet: tine has no secret store",
+            req.secrets
+        ));
+    }
+    Ok(())
+}
+
 pub fn create(
     group: &HostGroup,
     req: &CreateVmRequest,
@@ -133,6 +165,7 @@ pub fn create(
     managed: bool,
     group_userdata: impl FnOnce() -> Result<Option<String>>,
 ) -> Result<NewVm> {
+    refuse_unsupported(req)?;
     let (cpus, ram_bytes, tags) = shape(
         group,
         Shape {
@@ -181,6 +214,11 @@ pub fn fork(
         return Err(Error::BadRequest(
             "no_secrets: tine has no secrets yet, so there are none to delete; leave it out".into(),
         ));
+    }
+    if let Some(secrets) = &req.secrets {
+        return Err(Error::BadRequest(format!(
+            "secrets {secrets:?}: tine has no secret store yet, so a fork has no grants to replace or clear; leave it out"
+        )));
     }
     let fixups = req.fixups.clone().unwrap_or_else(|| Fixup::ALL.to_vec());
     if let Some(ForkNetwork::Policy(p)) = &req.network {

@@ -296,7 +296,7 @@ async fn a_commit_damaged_after_a_fork_is_refused_by_the_next_fork() {
         .fork(&commit, ForkRequest::default(), Wait::None, WAIT)
         .await
         .expect("first fork");
-    let file = b.daemon.commits(None, None, None).expect("commits")[0]
+    let file = b.daemon.commits(&[], None, None).expect("commits")[0]
         .disk
         .clone();
     std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).expect("chmod");

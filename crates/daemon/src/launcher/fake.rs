@@ -2,7 +2,10 @@
 //! tasks, and its agent speaks the real agent protocol over an in-memory
 //! pipe. Tests and benchmarks run the daemon's whole core on it without KVM,
 //! and tell each VM's guest how to behave ([`Guest`]): healthy, crashing,
-//! silent, hanging, deaf to shutdown requests.
+//! silent, hanging, deaf to shutdown requests. A healthy agent runs an
+//! exec as a process on the host (no uid/gid change), so exec's wire can be
+//! tested end to end, and its file calls (stat, list, mkdir, remove) on
+//! the host's paths.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -71,6 +74,37 @@ struct State {
     guests: HashMap<String, Guest>,
     refuse_boot: Option<String>,
     seen: Vec<(String, Seen)>,
+    /// Background execs per VM, by id.
+    jobs: HashMap<String, HashMap<u64, FakeJob>>,
+    next_job: u64,
+}
+
+/// A fake guest's background exec: a host process and all it wrote (the
+/// ring is applied when it is read).
+#[derive(Debug, Clone)]
+struct FakeJob {
+    pid: u32,
+    command: String,
+    started_ms: u64,
+    ring_bytes: u64,
+    out: Arc<Mutex<(Vec<u8>, Vec<u8>)>>,
+    exit: watch::Receiver<Option<tine_proto::agent::ExitStatus>>,
+}
+
+impl FakeJob {
+    fn info(&self, id: u64) -> tine_proto::agent::BgJob {
+        let out = self.out.lock().unwrap_or_else(|p| p.into_inner());
+        tine_proto::agent::BgJob {
+            id,
+            pid: self.pid,
+            command: self.command.clone(),
+            started_unix_ms: self.started_ms,
+            exit: *self.exit.borrow(),
+            stdout_bytes: out.0.len() as u64,
+            stderr_bytes: out.1.len() as u64,
+            ring_bytes: self.ring_bytes,
+        }
+    }
 }
 
 /// The stand-in launcher; clones share their VMs (a "restarted daemon" gets
@@ -396,6 +430,37 @@ impl FakeAgent {
         if self.guest == Guest::Hangs {
             std::future::pending::<()>().await;
         }
+        if let Request::Exec(req) = &request {
+            if let Some(options) = &req.background {
+                let reply = self.start_job(req, options.ring_bytes);
+                let _ = stream.send_msg(&reply).await;
+                return;
+            }
+        }
+        if let Request::Exec(req) = request {
+            return run_exec(stream, req).await;
+        }
+        if let Some(reply) = self.answer_job(&stream, &request).await {
+            let _ = stream.send_msg(&reply).await;
+            return;
+        }
+        if let Request::List(req) = &request {
+            let reply = match host_list(&req.path) {
+                Ok(entries) => {
+                    if stream
+                        .send_msg(&Response::Entries { entries })
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                    Response::Ok
+                }
+                Err(e) => io_reply(e),
+            };
+            let _ = stream.send_msg(&reply).await;
+            return;
+        }
         let reply = match request {
             Request::Health => Response::Health(Health {
                 agent_version: "fake".into(),
@@ -412,6 +477,19 @@ impl FakeAgent {
                 ..FixupReport::default()
             }),
             Request::Network(_) | Request::UserdataRun(_) => Response::Ok,
+            Request::Stat(req) => host_stat(std::path::Path::new(&req.path), req.follow)
+                .map_or_else(io_reply, Response::Stat),
+            Request::Mkdir(req) => host_mkdir(&req).map_or_else(io_reply, |()| Response::Ok),
+            Request::Remove(req) => {
+                let path = std::path::Path::new(&req.path);
+                let done = match std::fs::symlink_metadata(path) {
+                    Ok(m) if m.is_dir() && req.recursive => std::fs::remove_dir_all(path),
+                    Ok(m) if m.is_dir() => std::fs::remove_dir(path),
+                    Ok(_) => std::fs::remove_file(path),
+                    Err(e) => Err(e),
+                };
+                done.map_or_else(io_reply, |()| Response::Ok)
+            }
             Request::UserdataStatus => Response::Userdata(UserdataStatus::default()),
             Request::Shutdown(_) => {
                 if self.guest != Guest::Deaf {
@@ -432,4 +510,402 @@ impl FakeAgent {
             tracing::debug!("fake agent: {e}");
         }
     }
+}
+
+impl FakeAgent {
+    fn job(&self, id: u64) -> Option<FakeJob> {
+        let state = self.launcher.lock();
+        state.jobs.get(&self.hostname)?.get(&id).cloned()
+    }
+
+    /// Starts a background exec as a host process.
+    fn start_job(&self, req: &tine_proto::agent::ExecRequest, ring_bytes: u64) -> Response {
+        use tokio::io::AsyncReadExt;
+        let mut cmd = match host_command(req) {
+            Ok(cmd) => cmd,
+            Err(reply) => return reply,
+        };
+        // Its own process group, signalled whole, as the agent does.
+        cmd.stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .process_group(0)
+            .kill_on_drop(true);
+        let mut child = match cmd.spawn() {
+            Ok(child) => child,
+            Err(e) => return Response::error(ErrorCode::SpawnFailed, format!("spawn: {e}")),
+        };
+        let pid = child.id().unwrap_or_default();
+        let out = Arc::new(Mutex::new((Vec::new(), Vec::new())));
+        let (exit_tx, exit_rx) = watch::channel(None);
+        let began = std::time::Instant::now();
+        let (stdout, stderr) = (child.stdout.take(), child.stderr.take());
+        let sink = out.clone();
+        tokio::spawn(async move {
+            let pump = |r: Option<Box<dyn tokio::io::AsyncRead + Send + Unpin>>, err: bool| {
+                let sink = sink.clone();
+                async move {
+                    let Some(mut r) = r else { return };
+                    let mut buf = vec![0u8; 16 << 10];
+                    while let Ok(n @ 1..) = r.read(&mut buf).await {
+                        let mut o = sink.lock().unwrap_or_else(|p| p.into_inner());
+                        if err { &mut o.1 } else { &mut o.0 }.extend_from_slice(&buf[..n]);
+                    }
+                }
+            };
+            let boxed = |r: Option<tokio::process::ChildStdout>| {
+                r.map(|r| Box::new(r) as Box<dyn tokio::io::AsyncRead + Send + Unpin>)
+            };
+            let boxed_err = |r: Option<tokio::process::ChildStderr>| {
+                r.map(|r| Box::new(r) as Box<dyn tokio::io::AsyncRead + Send + Unpin>)
+            };
+            let (_, _, status) = tokio::join!(
+                pump(boxed(stdout), false),
+                pump(boxed_err(stderr), true),
+                child.wait()
+            );
+            use std::os::unix::process::ExitStatusExt;
+            let status = status.map_or_else(
+                |_| tine_proto::agent::ExitStatus::default(),
+                |s| tine_proto::agent::ExitStatus {
+                    code: s.code(),
+                    signal: s.signal(),
+                    duration_ms: began.elapsed().as_millis() as u64,
+                    ..Default::default()
+                },
+            );
+            exit_tx.send_replace(Some(status));
+        });
+        let command = match &req.command {
+            tine_proto::agent::Command::Argv(argv) => argv.join(" "),
+            tine_proto::agent::Command::Shell { script, .. } => script.clone(),
+        };
+        let started_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or_default();
+        let mut state = self.launcher.lock();
+        state.next_job += 1;
+        let id = state.next_job;
+        state.jobs.entry(self.hostname.clone()).or_default().insert(
+            id,
+            FakeJob {
+                pid,
+                command,
+                started_ms,
+                ring_bytes,
+                out,
+                exit: exit_rx,
+            },
+        );
+        Response::BgStarted { id, pid }
+    }
+
+    /// Answers the `bg_*` requests; `None` for any other.
+    async fn answer_job(&self, stream: &Stream, request: &Request) -> Option<Response> {
+        use tine_proto::agent::Channel;
+        let missing = |id: u64| Response::error(ErrorCode::NotFound, format!("no job {id}"));
+        Some(match request {
+            Request::BgList => {
+                let jobs = {
+                    let state = self.launcher.lock();
+                    let mut jobs: Vec<_> = state
+                        .jobs
+                        .get(&self.hostname)
+                        .map(|j| j.iter().map(|(id, job)| job.info(*id)).collect())
+                        .unwrap_or_default();
+                    jobs.sort_by_key(|j: &tine_proto::agent::BgJob| j.id);
+                    jobs
+                };
+                Response::BgJobs { jobs }
+            }
+            Request::BgWait(req) => {
+                let Some(job) = self.job(req.id) else {
+                    return Some(missing(req.id));
+                };
+                let mut exit = job.exit.clone();
+                let wait = exit.wait_for(Option::is_some);
+                let status = match req.timeout_ms {
+                    Some(ms) => match tokio::time::timeout(Duration::from_millis(ms), wait).await {
+                        Ok(r) => r.ok().and_then(|s| *s),
+                        Err(_) => {
+                            return Some(Response::error(ErrorCode::Timeout, "still running"))
+                        }
+                    },
+                    None => wait.await.ok().and_then(|s| *s),
+                };
+                Response::Exited(status.unwrap_or_default())
+            }
+            Request::BgKill(req) => {
+                let Some(job) = self.job(req.id) else {
+                    return Some(missing(req.id));
+                };
+                if job.exit.borrow().is_none() {
+                    if let (Ok(pid), Ok(sig)) = (
+                        i32::try_from(job.pid),
+                        nix::sys::signal::Signal::try_from(req.signal),
+                    ) {
+                        let _ = nix::sys::signal::killpg(nix::unistd::Pid::from_raw(pid), sig);
+                    }
+                }
+                Response::Ok
+            }
+            Request::BgRemove(req) => {
+                let Some(job) = self.job(req.id) else {
+                    return Some(missing(req.id));
+                };
+                if job.exit.borrow().is_none() {
+                    return Some(Response::error(
+                        ErrorCode::BadRequest,
+                        format!("job {} still runs; kill it first", req.id),
+                    ));
+                }
+                let mut state = self.launcher.lock();
+                if let Some(jobs) = state.jobs.get_mut(&self.hostname) {
+                    jobs.remove(&req.id);
+                }
+                Response::Ok
+            }
+            Request::BgLogs(req) => {
+                let Some(job) = self.job(req.id) else {
+                    return Some(missing(req.id));
+                };
+                if req.follow {
+                    let mut exit = job.exit.clone();
+                    let _ = exit.wait_for(Option::is_some).await;
+                }
+                let (o, e) = job.out.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                let window = |data: &[u8], from: Option<u64>| {
+                    let total = data.len() as u64;
+                    let oldest = total.saturating_sub(job.ring_bytes);
+                    let mut from = from.unwrap_or(oldest);
+                    if let Some(tail) = req.tail_bytes {
+                        from = from.max(total.saturating_sub(tail));
+                    }
+                    let dropped = oldest.saturating_sub(from);
+                    let start = from.max(oldest).min(total);
+                    (start, dropped, data[start as usize..].to_vec(), total)
+                };
+                let (so, do_, out, to) = window(&o, req.stdout_from);
+                let (se, de, err, te) = window(&e, req.stderr_from);
+                let start = Response::LogsStart {
+                    stdout_from: so,
+                    stderr_from: se,
+                    dropped: do_ + de,
+                };
+                if stream.send_msg(&start).await.is_err()
+                    || stream.send_data(Channel::Stdout, &out).await.is_err()
+                    || stream.send_data(Channel::Stderr, &err).await.is_err()
+                {
+                    return None;
+                }
+                let exit = *job.exit.borrow();
+                Response::LogsEnd {
+                    stdout_to: to,
+                    stderr_to: te,
+                    dropped: do_ + de,
+                    exit,
+                }
+            }
+            _ => return None,
+        })
+    }
+}
+
+/// A host process for `req`'s command, or the agent's refusal.
+fn host_command(req: &tine_proto::agent::ExecRequest) -> Result<tokio::process::Command, Response> {
+    use tine_proto::agent::Command;
+    let mut cmd = match &req.command {
+        Command::Argv(argv) if !argv.is_empty() => {
+            let mut c = tokio::process::Command::new(&argv[0]);
+            c.args(&argv[1..]);
+            c
+        }
+        Command::Argv(_) => return Err(Response::error(ErrorCode::BadRequest, "empty argv")),
+        Command::Shell {
+            script,
+            interpreter,
+        } => {
+            let mut c = tokio::process::Command::new(interpreter.as_deref().unwrap_or("/bin/sh"));
+            c.arg("-c").arg(script);
+            c
+        }
+    };
+    cmd.envs(&req.options.env);
+    if let Some(cwd) = &req.options.cwd {
+        cmd.current_dir(cwd);
+    }
+    Ok(cmd)
+}
+
+/// Runs an exec as a host process: its stdout and stderr as data frames,
+/// stdin from the stream's data channel, then its exit status.
+async fn run_exec(stream: Stream, req: tine_proto::agent::ExecRequest) {
+    use tine_proto::agent::{Channel, ExitStatus};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut cmd = match host_command(&req) {
+        Ok(cmd) => cmd,
+        Err(reply) => {
+            let _ = stream.send_msg(&reply).await;
+            return;
+        }
+    };
+    cmd.stdin(if req.stdin {
+        std::process::Stdio::piped()
+    } else {
+        std::process::Stdio::null()
+    })
+    .stdout(std::process::Stdio::piped())
+    .stderr(std::process::Stdio::piped())
+    .kill_on_drop(true);
+    let began = std::time::Instant::now();
+    let mut child = match cmd.spawn() {
+        Ok(child) => child,
+        Err(e) => {
+            let reply = Response::error(ErrorCode::SpawnFailed, format!("spawn: {e}"));
+            let _ = stream.send_msg(&reply).await;
+            return;
+        }
+    };
+    let pid = child.id().unwrap_or_default();
+    if stream.send_msg(&Response::Started { pid }).await.is_err() {
+        return;
+    }
+    let (tx, mut rx) = stream.split();
+    let mut stdin = child.stdin.take();
+    let feed = async move {
+        while let Some(inbound) = rx.recv().await {
+            match inbound {
+                Inbound::Data(Channel::Data, chunk) => {
+                    if let Some(w) = stdin.as_mut() {
+                        if w.write_all(&chunk.into_vec()).await.is_err() {
+                            stdin = None;
+                        }
+                    }
+                }
+                Inbound::Eof(Channel::Data) => stdin = None,
+                _ => {}
+            }
+        }
+    };
+    let feeder = tokio::spawn(feed);
+    let pump = |mut r: Box<dyn tokio::io::AsyncRead + Send + Unpin>, channel: Channel| {
+        let tx = tx.clone();
+        async move {
+            let mut buf = vec![0u8; 64 << 10];
+            while let Ok(n @ 1..) = r.read(&mut buf).await {
+                if tx.send_data(channel, &buf[..n]).await.is_err() {
+                    break;
+                }
+            }
+        }
+    };
+    let out = child
+        .stdout
+        .take()
+        .map(|r| pump(Box::new(r), Channel::Stdout));
+    let err = child
+        .stderr
+        .take()
+        .map(|r| pump(Box::new(r), Channel::Stderr));
+    let (_, _, status) = tokio::join!(
+        async {
+            if let Some(f) = out {
+                f.await
+            }
+        },
+        async {
+            if let Some(f) = err {
+                f.await
+            }
+        },
+        child.wait()
+    );
+    feeder.abort();
+    let status = match status {
+        Ok(s) => {
+            use std::os::unix::process::ExitStatusExt;
+            ExitStatus {
+                code: s.code(),
+                signal: s.signal(),
+                duration_ms: began.elapsed().as_millis() as u64,
+                ..ExitStatus::default()
+            }
+        }
+        Err(e) => {
+            let _ = tx
+                .send_msg(&Response::error(ErrorCode::Other, format!("wait: {e}")))
+                .await;
+            return;
+        }
+    };
+    let _ = tx.send_msg(&Response::Exited(status)).await;
+}
+
+/// An I/O error as the agent reports it.
+fn io_reply(e: std::io::Error) -> Response {
+    let code = match e.kind() {
+        std::io::ErrorKind::NotFound => ErrorCode::NotFound,
+        std::io::ErrorKind::AlreadyExists => ErrorCode::AlreadyExists,
+        std::io::ErrorKind::PermissionDenied => ErrorCode::PermissionDenied,
+        _ => ErrorCode::Io,
+    };
+    Response::error(code, e.to_string())
+}
+
+fn host_stat(path: &std::path::Path, follow: bool) -> std::io::Result<tine_proto::agent::FileStat> {
+    use std::os::unix::fs::MetadataExt;
+    use tine_proto::agent::FileKind;
+    let m = if follow {
+        std::fs::metadata(path)?
+    } else {
+        std::fs::symlink_metadata(path)?
+    };
+    let kind = if m.file_type().is_symlink() {
+        FileKind::Symlink
+    } else if m.is_dir() {
+        FileKind::Dir
+    } else if m.is_file() {
+        FileKind::File
+    } else {
+        FileKind::Other
+    };
+    Ok(tine_proto::agent::FileStat {
+        kind,
+        size: m.len(),
+        mode: m.mode() & 0o7777,
+        uid: m.uid(),
+        gid: m.gid(),
+        mtime_secs: m.mtime(),
+        mtime_nanos: u32::try_from(m.mtime_nsec()).unwrap_or(0),
+        symlink_target: std::fs::read_link(path)
+            .ok()
+            .map(|t| t.display().to_string()),
+    })
+}
+
+fn host_list(path: &str) -> std::io::Result<Vec<tine_proto::agent::DirEntry>> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(path)? {
+        let e = e?;
+        out.push(tine_proto::agent::DirEntry {
+            name: e.file_name().to_string_lossy().into_owned(),
+            stat: host_stat(&e.path(), false)?,
+        });
+    }
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(out)
+}
+
+fn host_mkdir(req: &tine_proto::agent::MkdirRequest) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    if req.parents {
+        std::fs::create_dir_all(&req.path)?;
+    } else {
+        std::fs::create_dir(&req.path)?;
+    }
+    if let Some(mode) = req.attrs.mode {
+        std::fs::set_permissions(&req.path, std::fs::Permissions::from_mode(mode))?;
+    }
+    Ok(())
 }
