@@ -6,7 +6,10 @@ use std::fmt::Write as _;
 use std::time::{Duration, SystemTime};
 
 use serde::Serialize;
-use tine_proto::api::{CommitInfo, ErrorCode, HostGroupInfo, StopMode, VmInfo};
+use tine_proto::api::{
+    CommitInfo, EgressPolicy, ErrorCode, HostGroupInfo, NetworkMode, StopMode, VmInfo,
+    VmNetworkInfo,
+};
 
 /// Columns are separated by this many spaces.
 const GAP: usize = 3;
@@ -297,34 +300,49 @@ pub fn describe(v: &VmInfo, now: SystemTime) -> String {
     ));
     pairs.push(("commit", or_dash(&v.commit_id)));
     pairs.push(("forked from", or_dash(&v.parent_commit_id)));
-    if let Some(n) = &v.network {
-        pairs.push((
-            "network",
-            format!(
-                "{} {} via {} (tap {}, mac {})",
-                n.mode, n.address, n.gateway, n.tap, n.mac
-            ),
-        ));
-        let list = |l: &Vec<String>| {
-            if l.is_empty() {
-                "-".to_string()
-            } else {
-                l.join(", ")
-            }
-        };
+    pairs.extend(network_pairs(&v.network));
+    fields(&pairs)
+}
+
+/// The `network` and policy lines of describe and `tine vm network`.
+pub fn network_pairs(n: &VmNetworkInfo) -> Vec<(&'static str, String)> {
+    let list = |l: &[String]| {
+        if l.is_empty() {
+            "-".to_string()
+        } else {
+            l.join(", ")
+        }
+    };
+    let policy = |p: &EgressPolicy| {
+        format!(
+            "allow {}; drop {}; the rest: {}",
+            list(&p.allow),
+            list(&p.drop),
+            p.default
+        )
+    };
+    let mut pairs = Vec::new();
+    let attached = match (&n.address, &n.gateway, &n.tap, &n.mac) {
+        (Some(address), Some(gateway), Some(tap), Some(mac)) => {
+            format!("{} {address} via {gateway} (tap {tap}, mac {mac})", n.mode)
+        }
+        _ if n.mode == NetworkMode::None => "none".to_owned(),
+        _ => format!("{} (not attached yet)", n.mode),
+    };
+    pairs.push(("network", attached));
+    if n.mode == NetworkMode::Isolated {
         pairs.push((
             "policy",
-            format!(
-                "allow {}; drop {} (from {})",
-                list(&n.allow),
-                list(&n.drop),
-                n.policy_source
-            ),
+            format!("{} (from {})", policy(&n.effective), n.policy_source),
         ));
-    } else {
-        pairs.push(("network", "none".into()));
+        if n.overrides.is_some() {
+            pairs.push(("group policy", policy(&n.host_group)));
+        }
     }
-    fields(&pairs)
+    if !n.dns.is_empty() {
+        pairs.push(("dns", n.dns.join(", ")));
+    }
+    pairs
 }
 
 /// Prints one JSON document (pretty) on stdout.
@@ -383,7 +401,7 @@ mod tests {
             persistent: true,
             tags: tags.iter().map(|t| t.to_string()).collect(),
             ip: ip.map(str::to_string),
-            network: None,
+            network: VmNetworkInfo::no_device(),
             pid: None,
             reason: None,
             stop_mode: None,

@@ -201,8 +201,12 @@ impl std::fmt::Display for VmState {
     }
 }
 
-/// Per-VM network policy override (isolated mode): CIDRs or `IP:port`.
+/// Per-VM network policy override (isolated mode), at create, at fork and
+/// as the body of `PUT /vm/{hostname}/network` (a live change). Entries are
+/// `CIDR`, `IP`, `IP:port` or `CIDR:port`. A list left out inherits the host
+/// group's; an empty list clears it.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct NetworkPolicy {
     /// Destinations allowed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -241,27 +245,74 @@ pub struct CreateVmRequest {
     pub network: Option<NetworkPolicy>,
 }
 
-/// The network a VM got.
+/// The network of a VM as describe shows it, never null: the mode (`none`
+/// for a VM without a NIC), the host group's allow/drop lists, the VM's own
+/// override, the lists in force and where they came from, and the
+/// addresses once the VM has a NIC.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VmNetworkInfo {
     /// How the VM is attached.
     pub mode: NetworkMode,
-    /// Host TAP device.
-    pub tap: String,
-    /// Guest MAC address.
-    pub mac: String,
-    /// Guest IPv4 address with prefix (`a.b.c.d/n`).
-    pub address: String,
-    /// Gateway (the host side).
-    pub gateway: String,
-    /// Effective allow list.
-    #[serde(default)]
-    pub allow: Vec<String>,
-    /// Effective drop list.
-    #[serde(default)]
-    pub drop: Vec<String>,
-    /// Where the policy came from.
+    /// Whether the lists in force are the group's or the VM's override.
     pub policy_source: PolicySource,
+    /// The host group's lists.
+    pub host_group: EgressPolicy,
+    /// The VM's override (fields left out inherit the group's); null
+    /// when it has none.
+    #[serde(rename = "override", default)]
+    pub overrides: Option<NetworkPolicy>,
+    /// The lists in force.
+    pub effective: EgressPolicy,
+    /// Host TAP device, once attached.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tap: Option<String>,
+    /// Guest MAC address, once attached.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mac: Option<String>,
+    /// Guest IPv4 address with prefix (`a.b.c.d/n`), once attached.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub address: Option<String>,
+    /// Gateway (the host side), once attached.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gateway: Option<String>,
+    /// Name servers handed to the guest.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dns: Vec<String>,
+}
+
+impl VmNetworkInfo {
+    /// The network of a VM without a NIC: mode `none`, nothing leaves it.
+    pub fn no_device() -> Self {
+        let empty = |default| EgressPolicy {
+            allow: Vec::new(),
+            drop: Vec::new(),
+            default,
+        };
+        Self {
+            mode: NetworkMode::None,
+            policy_source: PolicySource::HostGroup,
+            host_group: empty(DefaultAction::Allow),
+            overrides: None,
+            effective: empty(DefaultAction::Deny),
+            tap: None,
+            mac: None,
+            address: None,
+            gateway: None,
+            dns: Vec::new(),
+        }
+    }
+}
+
+/// One allow/drop egress policy: allow entries match first, then drop
+/// entries, then `default` decides the rest.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EgressPolicy {
+    /// Destinations let through (`CIDR`, `IP`, `IP:port`, `CIDR:port`).
+    pub allow: Vec<String>,
+    /// Destinations dropped (same forms).
+    pub drop: Vec<String>,
+    /// What happens to traffic no entry matches.
+    pub default: DefaultAction,
 }
 
 /// `GET /vm/{hostname}`: one VM.
@@ -284,9 +335,8 @@ pub struct VmInfo {
     /// Guest IPv4 address, when it has a network.
     #[serde(default)]
     pub ip: Option<String>,
-    /// Network details, when it has a network.
-    #[serde(default)]
-    pub network: Option<VmNetworkInfo>,
+    /// Network mode, policy and addresses (mode `none` without a NIC).
+    pub network: VmNetworkInfo,
     /// The tine-vmm process id while it runs.
     #[serde(default)]
     pub pid: Option<u32>,
@@ -905,6 +955,8 @@ wire_enum! {
 wire_enum! {
     /// How a VM with a NIC is attached to the host.
     NetworkMode, "network mode" {
+        /// No network device (exec, cp, shell and forward use vsock).
+        None = "none",
         /// On the group's bridge, with the host's LAN.
         Bridge = "bridge",
         /// Its own /30 behind the host, with allow/drop rules.
@@ -919,6 +971,16 @@ wire_enum! {
         HostGroup = "host_group",
         /// The VM's own override.
         Override = "override",
+    }
+}
+
+wire_enum! {
+    /// What an egress policy does with traffic no entry matches.
+    DefaultAction, "default action" {
+        /// Let it through (no allow list, or both lists given).
+        Allow = "allow",
+        /// Drop it (only an allow list given, or no network device).
+        Deny = "deny",
     }
 }
 

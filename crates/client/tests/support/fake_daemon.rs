@@ -388,7 +388,7 @@ fn vm(hostname: &str) -> Option<VmInfo> {
         persistent: true,
         tags,
         ip,
-        network: None,
+        network: tine_proto::api::VmNetworkInfo::no_device(),
         pid: None,
         reason,
         stop_mode: None,

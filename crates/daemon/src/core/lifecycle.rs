@@ -31,7 +31,8 @@ impl Daemon {
     /// Describes a VM for the API.
     pub fn describe(&self, vm: &VmRecord) -> api::VmInfo {
         let (size, allocated, format) = storage::describe(Path::new(&vm.disk));
-        let network = vm.network.as_ref().and_then(describe_network);
+        let group = self.group(&vm.host_group).ok().map(|g| &g.network);
+        let network = describe_network(vm, group);
         api::VmInfo {
             hostname: vm.hostname.clone(),
             host_group: vm.host_group.clone(),
@@ -41,8 +42,9 @@ impl Daemon {
             persistent: vm.persistent,
             tags: vm.tags.clone(),
             ip: network
+                .address
                 .as_ref()
-                .map(|n| n.address.split('/').next().unwrap_or_default().to_owned()),
+                .map(|a| a.split('/').next().unwrap_or_default().to_owned()),
             network,
             pid: if vm.state.is_live() { vm.pid } else { None },
             reason: vm.reason.clone(),

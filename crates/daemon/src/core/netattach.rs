@@ -3,38 +3,102 @@
 //!
 //! A VM keeps its address for its whole life: it is recorded at its first
 //! start and re-created with `ensure` at every relaunch; stopping removes
-//! the TAP and its rules, deleting the VM frees the address.
+//! the TAP and its rules, deleting the VM frees the address. Its policy can
+//! be replaced while it runs (`set_network_policy`).
 
 use std::net::Ipv4Addr;
 
-use tine_proto::api::{self, ForkNetwork, VmNetworkInfo};
+use tine_proto::api::{self, ForkNetwork, NetworkPolicy, VmNetworkInfo};
 
 use super::daemon::Daemon;
 use super::error::{Error, Result};
+use super::plan;
 use crate::config::HostGroup;
 use crate::db::VmRecord;
-use crate::network::{NetMode, PolicyOverride, PolicySource, VmNetwork};
+use crate::network::{DefaultAction, NetMode, NetworkConfig, PolicyOverride, VmNetwork};
 
-/// The network as `describe` shows it; `None` for a VM without a NIC.
-pub fn describe(n: &VmNetwork) -> Option<VmNetworkInfo> {
-    let mode = match n.mode {
-        NetMode::None => return None,
-        NetMode::Bridge => api::NetworkMode::Bridge,
-        NetMode::Isolated => api::NetworkMode::Isolated,
-    };
-    Some(VmNetworkInfo {
-        mode,
-        tap: n.tap.clone(),
-        mac: n.mac.clone(),
-        address: format!("{}/{}", n.address, n.prefix),
-        gateway: n.gateway.to_string(),
-        allow: n.allow.iter().map(ToString::to_string).collect(),
-        drop: n.drop.iter().map(ToString::to_string).collect(),
-        policy_source: match n.policy_source() {
-            PolicySource::HostGroup => api::PolicySource::HostGroup,
-            PolicySource::Override => api::PolicySource::Override,
+/// The VM's override, if it has one that changes anything.
+fn override_of(vm: &VmRecord) -> Option<PolicyOverride> {
+    match &vm.policy {
+        Some(ForkNetwork::Policy(p)) => Some(PolicyOverride {
+            allow: p.allow.clone(),
+            drop: p.drop.clone(),
+        })
+        .filter(|o| !o.is_empty()),
+        _ => None,
+    }
+}
+
+fn egress(allow: &[String], drop: &[String], default: DefaultAction) -> api::EgressPolicy {
+    api::EgressPolicy {
+        allow: allow.to_vec(),
+        drop: drop.to_vec(),
+        default: match default {
+            DefaultAction::Allow => api::DefaultAction::Allow,
+            DefaultAction::Deny => api::DefaultAction::Deny,
         },
-    })
+    }
+}
+
+/// The network as `describe` shows it (never absent): the mode, the
+/// group's lists (`group`: the VM's host group, `None` when the
+/// configuration no longer has it), the override, the lists in force and,
+/// once attached, the addresses.
+pub fn describe(vm: &VmRecord, group: Option<&NetworkConfig>) -> VmNetworkInfo {
+    let no_group = NetworkConfig::default();
+    let cfg = group.unwrap_or(&no_group);
+    let overrides = override_of(vm);
+    let mode = if vm.policy == Some(ForkNetwork::None) {
+        NetMode::None
+    } else {
+        vm.network.as_ref().map_or(cfg.mode, |n| n.mode)
+    };
+    let (allow, drop) = match (&vm.network, mode) {
+        (_, NetMode::None) => (Vec::new(), Vec::new()),
+        (Some(n), _) => (n.allow.clone(), n.drop.clone()),
+        (None, _) => {
+            let o = overrides.clone().unwrap_or_default();
+            (
+                o.allow.unwrap_or_else(|| cfg.allow.clone()),
+                o.drop.unwrap_or_else(|| cfg.drop.clone()),
+            )
+        }
+    };
+    let effective = match mode {
+        // No NIC: nothing leaves the VM.
+        NetMode::None => egress(&[], &[], DefaultAction::Deny),
+        _ => egress(&allow, &drop, DefaultAction::for_lists(&allow, &drop)),
+    };
+    let attached = vm.network.as_ref().filter(|_| mode != NetMode::None);
+    VmNetworkInfo {
+        mode: match mode {
+            NetMode::None => api::NetworkMode::None,
+            NetMode::Bridge => api::NetworkMode::Bridge,
+            NetMode::Isolated => api::NetworkMode::Isolated,
+        },
+        policy_source: if overrides.is_some() {
+            api::PolicySource::Override
+        } else {
+            api::PolicySource::HostGroup
+        },
+        host_group: egress(
+            &cfg.allow,
+            &cfg.drop,
+            DefaultAction::for_lists(&cfg.allow, &cfg.drop),
+        ),
+        overrides: overrides.map(|o| NetworkPolicy {
+            allow: o.allow,
+            drop: o.drop,
+        }),
+        effective,
+        tap: attached.map(|n| n.tap.clone()),
+        mac: attached.map(|n| n.mac.clone()),
+        address: attached.map(|n| format!("{}/{}", n.address, n.prefix)),
+        gateway: attached.map(|n| n.gateway.to_string()),
+        dns: attached
+            .map(|n| n.dns.iter().map(ToString::to_string).collect())
+            .unwrap_or_default(),
+    }
 }
 
 impl Daemon {
@@ -65,13 +129,7 @@ impl Daemon {
             .filter_map(|v| v.network.as_ref())
             .map(|n| n.address)
             .collect();
-        let overrides = match &vm.policy {
-            Some(ForkNetwork::Policy(p)) => Some(PolicyOverride {
-                allow: p.allow.clone(),
-                drop: p.drop.clone(),
-            }),
-            _ => None,
-        };
+        let overrides = override_of(vm);
         let planned = self
             .network
             .attach(
@@ -85,6 +143,73 @@ impl Daemon {
         // Recorded while the allocation lock is held, so the next VM sees it.
         self.store.set_network(&vm.hostname, planned.as_ref())?;
         Ok(planned)
+    }
+
+    /// Replaces a VM's policy override (`policy`: lists left out inherit the
+    /// group's, `[]` clears) while it runs or not. On a live VM the new
+    /// rules apply at once and the VM's conntrack entries are flushed, so
+    /// connections the new policy forbids are cut; a stopped VM gets them
+    /// at its next start. Answers the network as describe shows it.
+    pub async fn set_network_policy(
+        &self,
+        key: &str,
+        policy: NetworkPolicy,
+    ) -> Result<VmNetworkInfo> {
+        let vm = self.vm(key)?;
+        let _guard = self.lock_vm(&vm.hostname).await;
+        let vm = self.vm(&vm.hostname)?;
+        plan::validate_policy(&policy)?;
+        let group = self.group(&vm.host_group)?.clone();
+        if vm.policy == Some(ForkNetwork::None) {
+            return Err(Error::Conflict(format!(
+                "{} has no network device (it was forked with network `none`)",
+                vm.hostname
+            )));
+        }
+        if group.network.mode != NetMode::Isolated {
+            return Err(Error::Conflict(format!(
+                "{} is in host group `{}` with network mode {}: allow/drop policies apply \
+                 only in isolated mode",
+                vm.hostname, group.name, group.network.mode
+            )));
+        }
+        let overrides = PolicyOverride {
+            allow: policy.allow.clone(),
+            drop: policy.drop.clone(),
+        };
+        let choice = (!overrides.is_empty()).then(|| ForkNetwork::Policy(policy));
+        let fail = |source| Error::Network {
+            vm: vm.hostname.clone(),
+            source,
+        };
+        let updated = match &vm.network {
+            Some(old) => {
+                let mut n = old.clone();
+                n.set_policy(&group.network, Some(&overrides))
+                    .map_err(|e| Error::BadRequest(e.to_string()))?;
+                Some(n)
+            }
+            None => None,
+        };
+        let live = vm.state.is_live();
+        if let (Some(n), true) = (&updated, live) {
+            self.network.update_policy(n).map_err(fail)?;
+        }
+        if let Err(e) = self
+            .store
+            .set_policy(&vm.hostname, choice.as_ref(), updated.as_ref())
+        {
+            // Put the host back to the stored policy: the two must agree.
+            if let (Some(old), true) = (&vm.network, live) {
+                if let Err(undo) = self.network.update_policy(old) {
+                    tracing::warn!(vm = %vm.hostname, "restore the policy: {undo}");
+                }
+            }
+            return Err(e.into());
+        }
+        tracing::info!(vm = %vm.hostname, live, "network policy changed");
+        let vm = self.vm(&vm.hostname)?;
+        Ok(describe(&vm, Some(&group.network)))
     }
 
     /// Removes a VM's TAP and rules (the record keeps its address), logging
