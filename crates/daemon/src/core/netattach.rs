@@ -246,3 +246,94 @@ impl Daemon {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::network::NetworkManager;
+    use tine_proto::api::{DefaultAction as Default_, NetworkMode, PolicySource};
+
+    fn record(policy: Option<ForkNetwork>) -> VmRecord {
+        VmRecord {
+            hostname: "iso-1".into(),
+            host_group: "iso".into(),
+            idx: 1,
+            state: tine_proto::api::VmState::Running,
+            cpus: 1,
+            ram_bytes: 256 << 20,
+            persistent: true,
+            managed: false,
+            tags: vec![],
+            name: None,
+            userdata: None,
+            disk: "/d".into(),
+            network: None,
+            policy,
+            pid: None,
+            pid_start: None,
+            reason: None,
+            stop_mode: None,
+            created_ms: 0,
+            started_ms: None,
+            boot_ms: None,
+            booted_once: true,
+            commit_id: None,
+            parent_commit_id: None,
+            fixups: None,
+        }
+    }
+
+    fn isolated() -> NetworkConfig {
+        serde_yaml::from_str("mode: isolated\ncidr: 169.254.64.0/22\nallow: [0.0.0.0/0]\n")
+            .expect("config")
+    }
+
+    #[test]
+    fn describe_shows_the_group_the_override_and_the_lists_in_force() {
+        let cfg = isolated();
+        let closed = NetworkPolicy {
+            allow: Some(vec![]),
+            drop: Some(vec!["0.0.0.0/0".into()]),
+        };
+        // Not attached yet: computed from the group and the override.
+        let mut vm = record(Some(ForkNetwork::Policy(closed.clone())));
+        let n = describe(&vm, Some(&cfg));
+        assert_eq!(n.mode, NetworkMode::Isolated);
+        assert_eq!(n.policy_source, PolicySource::Override);
+        assert_eq!(n.host_group.allow, ["0.0.0.0/0"]);
+        assert_eq!(n.overrides, Some(closed.clone()));
+        assert!(n.effective.allow.is_empty());
+        assert_eq!(n.effective.drop, ["0.0.0.0/0"]);
+        assert_eq!(n.effective.default, Default_::Allow);
+        assert_eq!(n.tap, None);
+
+        // Attached: the stored lists and addresses.
+        let overrides = override_of(&vm);
+        vm.network = NetworkManager::default()
+            .plan("iso", &cfg, "iso-1", &[], overrides.as_ref())
+            .expect("plan");
+        let n = describe(&vm, Some(&cfg));
+        assert_eq!(n.tap.as_deref(), Some("tt-iso-1"));
+        assert_eq!(n.address.as_deref(), Some("169.254.64.2/30"));
+        assert_eq!(n.effective.drop, ["0.0.0.0/0"]);
+        let json = serde_json::to_value(&n).expect("json");
+        assert_eq!(json["override"]["allow"], serde_json::json!([]));
+        assert_eq!(json["policy_source"], "override");
+
+        // No NIC: never null, mode none, nothing leaves.
+        let n = describe(&record(Some(ForkNetwork::None)), Some(&cfg));
+        assert_eq!(n.mode, NetworkMode::None);
+        assert_eq!(n.effective.default, Default_::Deny);
+        let json = serde_json::to_value(describe(&record(None), None)).expect("json");
+        assert_eq!(json["mode"], "none");
+        assert_eq!(json["override"], serde_json::Value::Null);
+
+        // An empty override is no override.
+        let n = describe(
+            &record(Some(ForkNetwork::Policy(NetworkPolicy::default()))),
+            Some(&cfg),
+        );
+        assert_eq!(n.policy_source, PolicySource::HostGroup);
+        assert_eq!(n.overrides, None);
+    }
+}
