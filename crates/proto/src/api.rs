@@ -589,8 +589,8 @@ pub struct ForkRequest {
 }
 
 /// A fork's network choice: `"none"` (no NIC) or a policy override.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(try_from = "ForkNetworkWire", into = "ForkNetworkWire")]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(into = "ForkNetworkWire")]
 pub enum ForkNetwork {
     /// `"none"`: no NIC.
     None,
@@ -598,34 +598,51 @@ pub enum ForkNetwork {
     Policy(NetworkPolicy),
 }
 
-/// How [`ForkNetwork`] looks in JSON; a string other than `none` is
-/// refused with a message naming the allowed values.
-#[derive(Serialize, Deserialize)]
+/// How [`ForkNetwork`] is written in JSON.
+#[derive(Serialize)]
 #[serde(untagged)]
 enum ForkNetworkWire {
-    Text(String),
+    Text(&'static str),
     Policy(NetworkPolicy),
-}
-
-impl TryFrom<ForkNetworkWire> for ForkNetwork {
-    type Error = String;
-    fn try_from(w: ForkNetworkWire) -> Result<Self, String> {
-        match w {
-            ForkNetworkWire::Text(t) if t == "none" => Ok(ForkNetwork::None),
-            ForkNetworkWire::Text(t) => Err(format!(
-                "network `{t}` is not `none` or a policy {{allow, drop}}"
-            )),
-            ForkNetworkWire::Policy(p) => Ok(ForkNetwork::Policy(p)),
-        }
-    }
 }
 
 impl From<ForkNetwork> for ForkNetworkWire {
     fn from(n: ForkNetwork) -> Self {
         match n {
-            ForkNetwork::None => ForkNetworkWire::Text("none".into()),
+            ForkNetwork::None => ForkNetworkWire::Text("none"),
             ForkNetwork::Policy(p) => ForkNetworkWire::Policy(p),
         }
+    }
+}
+
+/// Reads `"none"` or a policy object; another string, or a policy with an
+/// unknown field, is refused with a message that names the problem.
+impl<'de> Deserialize<'de> for ForkNetwork {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Choice;
+        impl<'de> serde::de::Visitor<'de> for Choice {
+            type Value = ForkNetwork;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("`none` or a policy {allow, drop}")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<ForkNetwork, E> {
+                if v == "none" {
+                    Ok(ForkNetwork::None)
+                } else {
+                    Err(E::custom(format!(
+                        "network `{v}` is not `none` or a policy {{allow, drop}}"
+                    )))
+                }
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                map: A,
+            ) -> Result<ForkNetwork, A::Error> {
+                NetworkPolicy::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+                    .map(ForkNetwork::Policy)
+            }
+        }
+        d.deserialize_any(Choice)
     }
 }
 
@@ -789,6 +806,9 @@ mod tests {
             err.to_string().contains("network `bridge` is not `none`"),
             "{err}"
         );
+        let err =
+            serde_json::from_str::<ForkRequest>(r#"{"network":{"alow":[]}}"#).expect_err("typo");
+        assert!(err.to_string().contains("unknown field `alow`"), "{err}");
         let r: ForkRequest = serde_json::from_str(r#"{"network":{"allow":[]}}"#).expect("policy");
         assert_eq!(
             r.network,
