@@ -598,9 +598,9 @@ async fn add_entries(
             drop: Some(list),
         }
     };
-    Ok(c.set_network(vm, &policy)
+    c.set_network(vm, &policy)
         .await
-        .with_context(|| format!("changing the network policy of {vm}"))?)
+        .with_context(|| format!("changing the network policy of {vm}"))
 }
 
 /// The fork request the flags describe.

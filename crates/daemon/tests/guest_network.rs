@@ -626,10 +626,8 @@ async fn closed_runner(
     sh_ok(
         c,
         runner,
-        &format!(
-            "ip addr add 198.51.100.77/24 dev eth0 && \
-             ip route replace 203.0.113.0/24 dev eth0 && ip route replace default dev eth0"
-        ),
+        "ip addr add 198.51.100.77/24 dev eth0 && \
+         ip route replace 203.0.113.0/24 dev eth0 && ip route replace default dev eth0",
     )
     .await?;
     add(&sh_ok(c, runner, &escape(6)).await?)?;
@@ -694,7 +692,7 @@ async fn allow_list_precision(c: &TineClient, runner: &str) -> R {
         .set_network(runner, &policy(Some(&[only.as_str()]), Some(&[])))
         .await
         .or_fail()?;
-    assert_eq!(n.effective.allow, [only.clone()]);
+    assert_eq!(n.effective.allow, std::slice::from_ref(&only));
     assert_eq!(n.effective.default, DefaultAction::Deny);
     let (reached, text) = connects(c, runner, &only).await?;
     assert!(reached, "{only}: {text}");

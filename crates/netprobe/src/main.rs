@@ -335,20 +335,16 @@ impl ArpSender {
 /// The interface's IPv4 address (SIOCGIFADDR).
 fn own_address(iface: &str) -> Result<Ipv4Addr, String> {
     // SAFETY: socket(2) takes plain integers.
-    let fd = owned(check(
-        unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM, 0) },
-        "socket",
-    )?);
+    let raw = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM, 0) };
+    let fd = owned(check(raw, "socket")?);
     // SAFETY: ifreq is plain old data; all-zero bytes are valid.
     let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
     for (dst, src) in ifr.ifr_name.iter_mut().zip(iface.bytes().take(15)) {
         *dst = src as libc::c_char;
     }
     // SAFETY: SIOCGIFADDR reads and writes one ifreq, which `ifr` is.
-    check(
-        unsafe { libc::ioctl(fd.as_raw_fd(), libc::SIOCGIFADDR, &mut ifr) },
-        "SIOCGIFADDR",
-    )?;
+    let ret = unsafe { libc::ioctl(fd.as_raw_fd(), libc::SIOCGIFADDR, &mut ifr) };
+    check(ret, "SIOCGIFADDR")?;
     // SAFETY: for AF_INET the kernel wrote a sockaddr_in into the union,
     // which is large enough to hold one.
     let addr: libc::sockaddr_in =

@@ -177,7 +177,7 @@ impl Daemon {
             allow: policy.allow.clone(),
             drop: policy.drop.clone(),
         };
-        let choice = (!overrides.is_empty()).then(|| ForkNetwork::Policy(policy));
+        let choice = (!overrides.is_empty()).then_some(ForkNetwork::Policy(policy));
         let fail = |source| Error::Network {
             vm: vm.hostname.clone(),
             source,
