@@ -258,6 +258,12 @@ pub enum VmCommand {
     Commit(CommitArgs),
     /// Boot a new VM from a commit
     Fork(ForkArgs),
+    /// Show or change a VM's network policy (live on a running VM)
+    Network {
+        /// The network command.
+        #[command(subcommand)]
+        command: NetworkCommand,
+    },
     /// List the host groups (same as `tine group list`)
     Group,
 }
@@ -298,9 +304,71 @@ pub struct AddArgs {
     /// Friendly name, usable in place of the hostname
     #[arg(long)]
     pub name: Option<String>,
+    /// The VM's network policy override (isolated groups).
+    #[command(flatten)]
+    pub policy: PolicyArgs,
     /// Waiting for the agent.
     #[command(flatten)]
     pub wait: WaitArgs,
+}
+
+/// A per-VM override of the host group's allow/drop lists (isolated mode).
+/// A list not named is inherited from the group.
+#[derive(Debug, Clone, Default, Args)]
+pub struct PolicyArgs {
+    /// Allowed destination, CIDR, IP or IP:port (repeatable; replaces the
+    /// group's allow list)
+    #[arg(long, value_name = "DEST")]
+    pub allow: Vec<String>,
+    /// Clear the inherited allow list (`--no-allow --drop 0.0.0.0/0`: a
+    /// closed VM)
+    #[arg(long)]
+    pub no_allow: bool,
+    /// Dropped destination, CIDR, IP or IP:port (repeatable; replaces the
+    /// group's drop list)
+    #[arg(long, value_name = "DEST")]
+    pub drop: Vec<String>,
+    /// Clear the inherited drop list
+    #[arg(long)]
+    pub no_drop: bool,
+}
+
+/// `tine vm network ...`
+#[derive(Debug, Subcommand)]
+pub enum NetworkCommand {
+    /// Show a VM's network: mode, addresses, the group's policy, the
+    /// override and the lists in force
+    Show(VmArg),
+    /// Replace a VM's policy override, live on a running VM (lists not
+    /// named are inherited from the group)
+    Set(NetworkSetArgs),
+    /// Add destinations to the allow list in force, live
+    Allow(NetworkEntriesArgs),
+    /// Add destinations to the drop list in force, live
+    Drop(NetworkEntriesArgs),
+}
+
+/// `tine vm network set`
+#[derive(Debug, Args)]
+pub struct NetworkSetArgs {
+    /// The VM: hostname (GROUP-N) or friendly name
+    pub vm: String,
+    /// The new override.
+    #[command(flatten)]
+    pub policy: PolicyArgs,
+    /// Remove the override: the VM follows its group's lists again
+    #[arg(long, conflicts_with_all = ["allow", "no_allow", "drop", "no_drop"])]
+    pub inherit: bool,
+}
+
+/// `tine vm network allow|drop`
+#[derive(Debug, Args)]
+pub struct NetworkEntriesArgs {
+    /// The VM: hostname (GROUP-N) or friendly name
+    pub vm: String,
+    /// Destinations, CIDR, IP or IP:port
+    #[arg(required = true, value_name = "DEST")]
+    pub dest: Vec<String>,
 }
 
 /// `tine vm list` / `tine ls`
@@ -612,14 +680,11 @@ pub struct ForkArgs {
     #[arg(long)]
     pub no_secrets: bool,
     /// `none`: give the fork no network device
-    #[arg(long, value_enum, conflicts_with_all = ["allow", "drop"])]
+    #[arg(long, value_enum, conflicts_with_all = ["allow", "no_allow", "drop", "no_drop"])]
     pub network: Option<ForkNet>,
-    /// Network policy override: allowed destination (repeatable)
-    #[arg(long, value_name = "DEST")]
-    pub allow: Vec<String>,
-    /// Network policy override: dropped destination (repeatable)
-    #[arg(long, value_name = "DEST")]
-    pub drop: Vec<String>,
+    /// The fork's network policy override (isolated groups).
+    #[command(flatten)]
+    pub policy: PolicyArgs,
 }
 
 #[cfg(test)]

@@ -10,13 +10,13 @@ use tine_client::api::{read_token_file, CommitQuery, ShutdownAction, Wait};
 use tine_client::TineClient;
 use tine_proto::api::{
     CommitRequest, CreateVmRequest, ForkNetwork, ForkRequest, ListQuery, NetworkPolicy, TagMode,
-    TagsPatch, VmState,
+    TagsPatch, VmNetworkInfo, VmState,
 };
 
 use crate::cli::{
     AddArgs, Cli, Command, CommitArgs, CommitCommand, DeleteArgs, ForkArgs, GlobalArgs,
-    GroupCommand, ListArgs, LogsArgs, ReadyArgs, RelaunchArgs, ShutdownArgs, TagCommand, VmCommand,
-    WaitArgs,
+    GroupCommand, ListArgs, LogsArgs, NetworkCommand, PolicyArgs, ReadyArgs, RelaunchArgs,
+    ShutdownArgs, TagCommand, VmCommand, WaitArgs,
 };
 use crate::exit::{self, UsageError};
 use crate::output::{self, print_json};
@@ -149,6 +149,7 @@ async fn vm(g: &GlobalArgs, command: VmCommand) -> anyhow::Result<i32> {
         VmCommand::Tag { command } => tag(g, &c, command).await,
         VmCommand::Commit(args) => commit(g, &c, args).await,
         VmCommand::Fork(args) => fork(g, &c, args).await,
+        VmCommand::Network { command } => network(g, &c, command).await,
         VmCommand::Group => groups(g).await,
     }
 }
@@ -247,7 +248,7 @@ async fn add(g: &GlobalArgs, c: &TineClient, args: AddArgs) -> anyhow::Result<i3
         userdata,
         tags: args.tag,
         name: args.name,
-        network: None,
+        network: policy_of(&args.policy),
         ..CreateVmRequest::default()
     };
     let wait = wait_of(&args.wait);
@@ -503,17 +504,112 @@ async fn commit(g: &GlobalArgs, c: &TineClient, args: CommitArgs) -> anyhow::Res
     }
 }
 
+/// The override the policy flags describe: a list named by `--allow` /
+/// `--drop` replaces the group's, `--no-allow` / `--no-drop` alone clear it,
+/// a list not named is inherited. `None` when no flag is given.
+pub fn policy_of(args: &PolicyArgs) -> Option<NetworkPolicy> {
+    let list = |given: &[String], clear: bool| {
+        if !given.is_empty() {
+            Some(given.to_vec())
+        } else {
+            clear.then(Vec::new)
+        }
+    };
+    let policy = NetworkPolicy {
+        allow: list(&args.allow, args.no_allow),
+        drop: list(&args.drop, args.no_drop),
+    };
+    (policy.allow.is_some() || policy.drop.is_some()).then_some(policy)
+}
+
+/// `tine vm network ...`.
+async fn network(g: &GlobalArgs, c: &TineClient, command: NetworkCommand) -> anyhow::Result<i32> {
+    let (vm, info) = match command {
+        NetworkCommand::Show(a) => {
+            let info = c.network(&a.vm).await?;
+            (a.vm, info)
+        }
+        NetworkCommand::Set(a) => {
+            let policy = if a.inherit {
+                NetworkPolicy::default()
+            } else {
+                policy_of(&a.policy).ok_or_else(|| {
+                    UsageError(
+                        "nothing to set: give --allow, --no-allow, --drop, --no-drop or --inherit"
+                            .into(),
+                    )
+                })?
+            };
+            let info = c
+                .set_network(&a.vm, &policy)
+                .await
+                .with_context(|| format!("setting the network policy of {}", a.vm))?;
+            (a.vm, info)
+        }
+        NetworkCommand::Allow(a) | NetworkCommand::Drop(a) if a.dest.is_empty() => {
+            return Err(UsageError(format!("{}: no destination given", a.vm)).into());
+        }
+        NetworkCommand::Allow(a) => {
+            let info = add_entries(c, &a.vm, &a.dest, true).await?;
+            (a.vm, info)
+        }
+        NetworkCommand::Drop(a) => {
+            let info = add_entries(c, &a.vm, &a.dest, false).await?;
+            (a.vm, info)
+        }
+    };
+    if g.json {
+        print_json(&info)?;
+    } else if g.quiet {
+        println!("{vm}");
+    } else {
+        print!("{}", output::fields(&output::network_pairs(&info)));
+    }
+    Ok(exit::OK)
+}
+
+/// Adds `dest` to the VM's allow list in force (`allow`) or its drop list,
+/// keeping the other list as it is (inherited or overridden).
+async fn add_entries(
+    c: &TineClient,
+    vm: &str,
+    dest: &[String],
+    allow: bool,
+) -> anyhow::Result<VmNetworkInfo> {
+    let now = c.network(vm).await?;
+    let current = now.overrides.clone().unwrap_or_default();
+    let mut list = if allow {
+        now.effective.allow.clone()
+    } else {
+        now.effective.drop.clone()
+    };
+    for d in dest {
+        if !list.contains(d) {
+            list.push(d.clone());
+        }
+    }
+    let policy = if allow {
+        NetworkPolicy {
+            allow: Some(list),
+            drop: current.drop,
+        }
+    } else {
+        NetworkPolicy {
+            allow: current.allow,
+            drop: Some(list),
+        }
+    };
+    c.set_network(vm, &policy)
+        .await
+        .with_context(|| format!("changing the network policy of {vm}"))
+}
+
 /// The fork request the flags describe.
 pub fn fork_request(args: &ForkArgs) -> ForkRequest {
     let network = if args.network.is_some() {
         Some(ForkNetwork::None)
-    } else if !args.allow.is_empty() || !args.drop.is_empty() {
-        Some(ForkNetwork::Policy(NetworkPolicy {
-            allow: (!args.allow.is_empty()).then(|| args.allow.clone()),
-            drop: (!args.drop.is_empty()).then(|| args.drop.clone()),
-        }))
     } else {
-        None
+        policy_of(&args.policy).map(ForkNetwork::Policy)
     };
     ForkRequest {
         tags: (!args.tag.is_empty() || args.replace_tags).then(|| args.tag.clone()),
@@ -609,6 +705,89 @@ mod tests {
             body(&["--drop", "0.0.0.0/0", "--no-secrets", "--name", "f"]),
             serde_json::json!({"network": {"drop": ["0.0.0.0/0"]}, "no_secrets": true, "name": "f"})
         );
+        // The seed's closed runner, as typed.
+        assert_eq!(
+            body(&["--tag", "role=runner", "--no-allow", "--drop", "0.0.0.0/0"]),
+            serde_json::json!({
+                "tags": ["role=runner"],
+                "network": {"allow": [], "drop": ["0.0.0.0/0"]}
+            })
+        );
+        assert_eq!(
+            body(&["--no-drop", "--allow", "198.51.100.7:80"]),
+            serde_json::json!({"network": {"allow": ["198.51.100.7:80"], "drop": []}})
+        );
+        assert_eq!(
+            body(&["--no-allow", "--allow", "198.51.100.7"]),
+            serde_json::json!({"network": {"allow": ["198.51.100.7"]}}),
+            "--allow names the list --no-allow would clear"
+        );
+    }
+
+    #[test]
+    fn add_and_network_set_take_the_same_policy_flags() {
+        let cli = Cli::try_parse_from([
+            "tine",
+            "vm",
+            "add",
+            "g",
+            "--no-allow",
+            "--drop",
+            "0.0.0.0/0",
+        ])
+        .expect("parse");
+        let Command::Vm {
+            command: VmCommand::Add(a),
+        } = cli.command
+        else {
+            panic!("not add");
+        };
+        assert_eq!(
+            policy_of(&a.policy),
+            Some(NetworkPolicy {
+                allow: Some(vec![]),
+                drop: Some(vec!["0.0.0.0/0".into()])
+            })
+        );
+        assert_eq!(policy_of(&PolicyArgs::default()), None);
+        for line in [
+            &[
+                "tine",
+                "vm",
+                "network",
+                "set",
+                "g-1",
+                "--inherit",
+                "--no-allow",
+            ][..],
+            &["tine", "vm", "network", "allow", "g-1"][..],
+            &["tine", "vm", "fork", "c", "--network", "none", "--no-allow"][..],
+        ] {
+            assert!(Cli::try_parse_from(line).is_err(), "{line:?} accepted");
+        }
+        for line in [
+            &["tine", "vm", "network", "show", "g-1"][..],
+            &[
+                "tine",
+                "vm",
+                "network",
+                "set",
+                "g-1",
+                "--allow",
+                "1.2.3.4:443",
+            ][..],
+            &[
+                "tine",
+                "vm",
+                "network",
+                "drop",
+                "g-1",
+                "0.0.0.0/0",
+                "10.0.0.0/8",
+            ][..],
+        ] {
+            Cli::try_parse_from(line).unwrap_or_else(|e| panic!("{line:?}: {e}"));
+        }
     }
 
     #[test]

@@ -97,6 +97,10 @@ pub struct NetworkConfig {
     pub drop: Option<Vec<String>>,
 }
 
+/// The allow list `tine new --net isolated` writes when neither `--allow`
+/// nor `--drop` is given: every destination.
+pub const OPEN_EGRESS: &str = "0.0.0.0/0";
+
 impl NetMode {
     /// The name in tine.yaml.
     pub fn as_str(self) -> &'static str {
@@ -172,6 +176,14 @@ pub fn build(args: &NewArgs, userdata: Option<String>) -> anyhow::Result<TineCon
         bail!("--allow and --drop need --net isolated");
     }
     let list = |v: &Vec<String>| (!v.is_empty()).then(|| v.clone());
+    // Like Slicer's generated isolated group: egress open unless the flags
+    // say otherwise, so a closed VM is `--no-allow --drop 0.0.0.0/0`.
+    let (allow, drop) =
+        if args.net == NetMode::Isolated && args.allow.is_empty() && args.drop.is_empty() {
+            (Some(vec![OPEN_EGRESS.to_owned()]), None)
+        } else {
+            (list(&args.allow), list(&args.drop))
+        };
     Ok(TineConfig {
         data_dir: None,
         kernel: None,
@@ -194,8 +206,8 @@ pub fn build(args: &NewArgs, userdata: Option<String>) -> anyhow::Result<TineCon
             network: NetworkConfig {
                 mode: args.net.as_str().to_string(),
                 cidr: args.cidr.clone(),
-                allow: list(&args.allow),
-                drop: list(&args.drop),
+                allow,
+                drop,
             },
         }],
     })
@@ -416,6 +428,27 @@ host_groups:
         assert_eq!(c.reconcile, Some(Reconcile::Relaunch));
         assert_eq!(c.host_groups[0].userdata.as_deref(), Some("echo hi\n"));
         assert_eq!(c.host_groups[0].network.allow, Some(vec![]));
+    }
+
+    #[test]
+    fn an_isolated_group_allows_egress_unless_told_otherwise() {
+        let net = |args: &[&str]| {
+            build(&new_args(args), None).expect("new").host_groups[0]
+                .network
+                .clone()
+        };
+        let open = net(&["dev", "--net", "isolated"]);
+        assert_eq!(open.allow, Some(vec![OPEN_EGRESS.to_owned()]));
+        assert_eq!(open.drop, None);
+        let dropped = net(&["dev", "--net", "isolated", "--drop", "10.0.0.0/8"]);
+        assert_eq!(
+            dropped.allow, None,
+            "a drop list alone lets the rest through"
+        );
+        assert_eq!(
+            net(&["dev", "--net", "bridge", "--cidr", "169.254.9.0/24"]).allow,
+            None
+        );
     }
 
     #[test]

@@ -6,7 +6,10 @@ use std::fmt::Write as _;
 use std::time::{Duration, SystemTime};
 
 use serde::Serialize;
-use tine_proto::api::{CommitInfo, ErrorCode, HostGroupInfo, NetworkMode, StopMode, VmInfo};
+use tine_proto::api::{
+    CommitInfo, EgressPolicy, ErrorCode, HostGroupInfo, NetworkMode, StopMode, VmInfo,
+    VmNetworkInfo,
+};
 
 /// Columns are separated by this many spaces.
 const GAP: usize = 3;
@@ -297,37 +300,49 @@ pub fn describe(v: &VmInfo, now: SystemTime) -> String {
     ));
     pairs.push(("commit", or_dash(&v.commit_id)));
     pairs.push(("forked from", or_dash(&v.parent_commit_id)));
-    let n = &v.network;
-    if n.mode != NetworkMode::None {
-        pairs.push((
-            "network",
-            match (&n.address, &n.gateway, &n.tap, &n.mac) {
-                (Some(address), Some(gateway), Some(tap), Some(mac)) => {
-                    format!("{} {address} via {gateway} (tap {tap}, mac {mac})", n.mode)
-                }
-                _ => format!("{} (no NIC yet)", n.mode),
-            },
-        ));
-        let list = |l: &Vec<String>| {
-            if l.is_empty() {
-                "-".to_string()
-            } else {
-                l.join(", ")
-            }
-        };
+    pairs.extend(network_pairs(&v.network));
+    fields(&pairs)
+}
+
+/// The `network` and policy lines of describe and `tine vm network`.
+pub fn network_pairs(n: &VmNetworkInfo) -> Vec<(&'static str, String)> {
+    let list = |l: &[String]| {
+        if l.is_empty() {
+            "-".to_string()
+        } else {
+            l.join(", ")
+        }
+    };
+    let policy = |p: &EgressPolicy| {
+        format!(
+            "allow {}; drop {}; the rest: {}",
+            list(&p.allow),
+            list(&p.drop),
+            p.default
+        )
+    };
+    let mut pairs = Vec::new();
+    let attached = match (&n.address, &n.gateway, &n.tap, &n.mac) {
+        (Some(address), Some(gateway), Some(tap), Some(mac)) => {
+            format!("{} {address} via {gateway} (tap {tap}, mac {mac})", n.mode)
+        }
+        _ if n.mode == NetworkMode::None => "none".to_owned(),
+        _ => format!("{} (not attached yet)", n.mode),
+    };
+    pairs.push(("network", attached));
+    if n.mode == NetworkMode::Isolated {
         pairs.push((
             "policy",
-            format!(
-                "allow {}; drop {} (from {})",
-                list(&n.effective.allow),
-                list(&n.effective.drop),
-                n.policy_source
-            ),
+            format!("{} (from {})", policy(&n.effective), n.policy_source),
         ));
-    } else {
-        pairs.push(("network", "none".into()));
+        if n.overrides.is_some() {
+            pairs.push(("group policy", policy(&n.host_group)));
+        }
     }
-    fields(&pairs)
+    if !n.dns.is_empty() {
+        pairs.push(("dns", n.dns.join(", ")));
+    }
+    pairs
 }
 
 /// Prints one JSON document (pretty) on stdout.
@@ -374,9 +389,7 @@ pub fn stop_mode_text(mode: StopMode) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tine_proto::api::{
-        PolicyLists, PolicySource, StorageInfo, StorageKind, VmNetworkInfo, VmState,
-    };
+    use tine_proto::api::{StorageInfo, StorageKind, VmState};
 
     fn vm(hostname: &str, state: VmState, tags: &[&str], ip: Option<&str>) -> VmInfo {
         VmInfo {
@@ -391,17 +404,7 @@ mod tests {
             ip: ip.map(str::to_string),
             arch: "amd64".into(),
             image: "min".into(),
-            network: VmNetworkInfo {
-                mode: NetworkMode::None,
-                policy_source: PolicySource::HostGroup,
-                host_group: PolicyLists::default(),
-                overrides: None,
-                effective: PolicyLists::default(),
-                tap: None,
-                mac: None,
-                address: None,
-                gateway: None,
-            },
+            network: VmNetworkInfo::no_device(),
             pid: None,
             reason: None,
             stop_mode: None,

@@ -30,7 +30,8 @@ use serde::Serialize;
 use tine_proto::api::{
     CommitInfo, CommitRequest, CreateVmRequest, CreateVmResponse, DaemonInfo, ErrorBody, ErrorCode,
     ExecFrame, ForkRequest, ForkResponse, HostGroupInfo, LifecycleResponse, ListQuery,
-    LogsResponse, StdioEncoding, TagsPatch, TagsResponse, VmHealth, VmInfo,
+    LogsResponse, NetworkPolicy, StdioEncoding, TagsPatch, TagsResponse, VmHealth, VmInfo,
+    VmNetworkInfo,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpStream, UnixStream};
@@ -833,6 +834,20 @@ impl TineClient {
     pub async fn patch_tags(&self, vm: &str, patch: &TagsPatch) -> Result<TagsResponse> {
         let path = format!("/vm/{}/tags", seg(vm));
         self.call(Method::PATCH, &path, Some(json_body(patch)?))
+            .await
+    }
+
+    /// `GET /vm/{vm}/network`: the VM's network and policy (describe's
+    /// `network`).
+    pub async fn network(&self, vm: &str) -> Result<VmNetworkInfo> {
+        self.get(&format!("/vm/{}/network", seg(vm))).await
+    }
+
+    /// `PUT /vm/{vm}/network`: replaces the VM's policy override; on a
+    /// running VM it applies at once and cuts connections it forbids.
+    pub async fn set_network(&self, vm: &str, policy: &NetworkPolicy) -> Result<VmNetworkInfo> {
+        let path = format!("/vm/{}/network", seg(vm));
+        self.call(Method::PUT, &path, Some(json_body(policy)?))
             .await
     }
 

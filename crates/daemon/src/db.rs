@@ -567,6 +567,20 @@ impl Store {
         Ok(())
     }
 
+    /// Stores a VM's policy choice and its network together (a live policy
+    /// change), in one statement.
+    pub fn set_policy(
+        &self,
+        hostname: &str,
+        policy: Option<&NetworkChoice>,
+        network: Option<&VmNetwork>,
+    ) -> Result<()> {
+        self.lock()
+            .prepare_cached("UPDATE vms SET policy = ?2, network = ?3 WHERE hostname = ?1")?
+            .execute(params![hostname, policy.map(to_json), network.map(to_json)])?;
+        Ok(())
+    }
+
     /// Replaces a VM's tags.
     pub fn set_tags(&self, hostname: &str, tags: &[String]) -> Result<()> {
         self.lock()

@@ -211,8 +211,12 @@ impl std::fmt::Display for VmState {
     }
 }
 
-/// Per-VM network policy override (isolated mode): CIDRs or `IP:port`.
+/// Per-VM network policy override (isolated mode), at create, at fork and
+/// as the body of `PUT /vm/{hostname}/network` (a live change). Entries are
+/// `CIDR`, `IP`, `IP:port` or `CIDR:port`. A list left out inherits the host
+/// group's; an empty list clears it.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct NetworkPolicy {
     /// Destinations allowed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -271,47 +275,74 @@ pub struct CreateVmRequest {
     pub secrets: Vec<String>,
 }
 
-/// Allow/drop lists and what happens to traffic neither matches.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct PolicyLists {
-    /// Destinations let through first.
-    #[serde(default)]
-    pub allow: Vec<String>,
-    /// Destinations dropped next.
-    #[serde(default)]
-    pub drop: Vec<String>,
-    /// What happens to the rest.
-    #[serde(default)]
-    pub default: DefaultAction,
-}
-
-/// A VM's network as `GET /vm/{hostname}` shows it: always an object,
-/// `mode: none` for a VM without a NIC.
+/// The network of a VM as describe shows it, never null: the mode (`none`
+/// for a VM without a NIC), the host group's allow/drop lists, the VM's own
+/// override, the lists in force and where they came from, and the
+/// addresses once the VM has a NIC.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VmNetworkInfo {
     /// How the VM is attached.
     pub mode: NetworkMode,
-    /// Where the effective lists came from.
+    /// Whether the lists in force are the group's or the VM's override.
     pub policy_source: PolicySource,
     /// The host group's lists.
-    pub host_group: PolicyLists,
-    /// The VM's own override, if it has one (a field left out inherits).
-    #[serde(rename = "override", default, skip_serializing_if = "Option::is_none")]
+    pub host_group: EgressPolicy,
+    /// The VM's override (fields left out inherit the group's); null
+    /// when it has none.
+    #[serde(rename = "override", default)]
     pub overrides: Option<NetworkPolicy>,
     /// The lists in force.
-    pub effective: PolicyLists,
-    /// Host TAP device, once the VM has a NIC.
+    pub effective: EgressPolicy,
+    /// Host TAP device, once attached.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tap: Option<String>,
-    /// Guest MAC address, once the VM has a NIC.
+    /// Guest MAC address, once attached.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mac: Option<String>,
-    /// Guest IPv4 address with prefix (`a.b.c.d/n`), once it has a NIC.
+    /// Guest IPv4 address with prefix (`a.b.c.d/n`), once attached.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub address: Option<String>,
-    /// Gateway (the host side), once it has a NIC.
+    /// Gateway (the host side), once attached.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gateway: Option<String>,
+    /// Name servers handed to the guest.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dns: Vec<String>,
+}
+
+impl VmNetworkInfo {
+    /// The network of a VM without a NIC: mode `none`, nothing leaves it.
+    pub fn no_device() -> Self {
+        let empty = |default| EgressPolicy {
+            allow: Vec::new(),
+            drop: Vec::new(),
+            default,
+        };
+        Self {
+            mode: NetworkMode::None,
+            policy_source: PolicySource::HostGroup,
+            host_group: empty(DefaultAction::Allow),
+            overrides: None,
+            effective: empty(DefaultAction::Deny),
+            tap: None,
+            mac: None,
+            address: None,
+            gateway: None,
+            dns: Vec::new(),
+        }
+    }
+}
+
+/// One allow/drop egress policy: allow entries match first, then drop
+/// entries, then `default` decides the rest.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EgressPolicy {
+    /// Destinations let through (`CIDR`, `IP`, `IP:port`, `CIDR:port`).
+    pub allow: Vec<String>,
+    /// Destinations dropped (same forms).
+    pub drop: Vec<String>,
+    /// What happens to traffic no entry matches.
+    pub default: DefaultAction,
 }
 
 /// An optional string that is `""` on the wire when absent (Slicer's
@@ -357,7 +388,7 @@ pub struct VmInfo {
     pub arch: String,
     /// The host group's root filesystem image.
     pub image: String,
-    /// The network: mode, policy and, once attached, the NIC.
+    /// Network mode, policy and addresses (mode `none` without a NIC).
     pub network: VmNetworkInfo,
     /// The tine-vmm process id while it runs.
     #[serde(default)]
@@ -875,8 +906,8 @@ pub struct ForkRequest {
 }
 
 /// A fork's network choice: `"none"` (no NIC) or a policy override.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(try_from = "ForkNetworkWire", into = "ForkNetworkWire")]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(into = "ForkNetworkWire")]
 pub enum ForkNetwork {
     /// `"none"`: no NIC.
     None,
@@ -884,34 +915,51 @@ pub enum ForkNetwork {
     Policy(NetworkPolicy),
 }
 
-/// How [`ForkNetwork`] looks in JSON; a string other than `none` is
-/// refused with a message naming the allowed values.
-#[derive(Serialize, Deserialize)]
+/// How [`ForkNetwork`] is written in JSON.
+#[derive(Serialize)]
 #[serde(untagged)]
 enum ForkNetworkWire {
-    Text(String),
+    Text(&'static str),
     Policy(NetworkPolicy),
-}
-
-impl TryFrom<ForkNetworkWire> for ForkNetwork {
-    type Error = String;
-    fn try_from(w: ForkNetworkWire) -> Result<Self, String> {
-        match w {
-            ForkNetworkWire::Text(t) if t == "none" => Ok(ForkNetwork::None),
-            ForkNetworkWire::Text(t) => Err(format!(
-                "network `{t}` is not `none` or a policy {{allow, drop}}"
-            )),
-            ForkNetworkWire::Policy(p) => Ok(ForkNetwork::Policy(p)),
-        }
-    }
 }
 
 impl From<ForkNetwork> for ForkNetworkWire {
     fn from(n: ForkNetwork) -> Self {
         match n {
-            ForkNetwork::None => ForkNetworkWire::Text("none".into()),
+            ForkNetwork::None => ForkNetworkWire::Text("none"),
             ForkNetwork::Policy(p) => ForkNetworkWire::Policy(p),
         }
+    }
+}
+
+/// Reads `"none"` or a policy object; another string, or a policy with an
+/// unknown field, is refused with a message that names the problem.
+impl<'de> Deserialize<'de> for ForkNetwork {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Choice;
+        impl<'de> serde::de::Visitor<'de> for Choice {
+            type Value = ForkNetwork;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("`none` or a policy {allow, drop}")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<ForkNetwork, E> {
+                if v == "none" {
+                    Ok(ForkNetwork::None)
+                } else {
+                    Err(E::custom(format!(
+                        "network `{v}` is not `none` or a policy {{allow, drop}}"
+                    )))
+                }
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                map: A,
+            ) -> Result<ForkNetwork, A::Error> {
+                NetworkPolicy::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+                    .map(ForkNetwork::Policy)
+            }
+        }
+        d.deserialize_any(Choice)
     }
 }
 
@@ -1121,6 +1169,9 @@ mod tests {
             err.to_string().contains("network `bridge` is not `none`"),
             "{err}"
         );
+        let err =
+            serde_json::from_str::<ForkRequest>(r#"{"network":{"alow":[]}}"#).expect_err("typo");
+        assert!(err.to_string().contains("unknown field `alow`"), "{err}");
         let r: ForkRequest = serde_json::from_str(r#"{"network":{"allow":[]}}"#).expect("policy");
         assert_eq!(
             r.network,
@@ -1302,7 +1353,7 @@ wire_enum! {
 wire_enum! {
     /// How a VM with a NIC is attached to the host.
     NetworkMode, "network mode" {
-        /// No NIC.
+        /// No network device (exec, cp, shell and forward use vsock).
         None = "none",
         /// On the group's bridge, with the host's LAN.
         Bridge = "bridge",
@@ -1318,6 +1369,16 @@ wire_enum! {
         HostGroup = "host_group",
         /// The VM's own override.
         Override = "override",
+    }
+}
+
+wire_enum! {
+    /// What an egress policy does with traffic no entry matches.
+    DefaultAction, "default action" {
+        /// Let it through (no allow list, or both lists given).
+        Allow = "allow",
+        /// Drop it (only an allow list given, or no network device).
+        Deny = "deny",
     }
 }
 
@@ -1378,18 +1439,6 @@ wire_enum! {
     StorageKind, "storage" {
         /// A disk file per VM (qcow2 over the image, or a raw reflink copy).
         Image = "image",
-    }
-}
-
-wire_enum! {
-    /// What happens to traffic that no allow/drop entry matches.
-    #[derive(Default)]
-    DefaultAction, "default" {
-        /// Let through (no allow list, or both lists given).
-        #[default]
-        Allow = "allow",
-        /// Dropped (only an allow list given).
-        Deny = "deny",
     }
 }
 

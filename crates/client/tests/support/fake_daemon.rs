@@ -50,9 +50,8 @@ use futures_util::StreamExt;
 use tine_proto::api::{
     CommitInfo, CommitRequest, CpResponse, CreateVmRequest, CreateVmResponse, DaemonInfo,
     DeleteCommitResponse, DeleteStatus, ErrorBody, ErrorCode, ExecFrame, ForkRequest, ForkResponse,
-    HostGroupInfo, LifecycleResponse, LogsResponse, NetworkMode, PolicyLists, PolicySource,
-    StdioEncoding, StopMode, StorageInfo, StorageKind, TagsPatch, TagsResponse, VmHealth, VmInfo,
-    VmNetworkInfo, VmState,
+    HostGroupInfo, LifecycleResponse, LogsResponse, StdioEncoding, StopMode, StorageInfo,
+    StorageKind, TagsPatch, TagsResponse, VmHealth, VmInfo, VmNetworkInfo, VmState,
 };
 use tokio::sync::mpsc;
 
@@ -392,17 +391,7 @@ fn vm(hostname: &str) -> Option<VmInfo> {
         ip,
         arch: "amd64".into(),
         image: "min".into(),
-        network: VmNetworkInfo {
-            mode: NetworkMode::None,
-            policy_source: PolicySource::HostGroup,
-            host_group: PolicyLists::default(),
-            overrides: None,
-            effective: PolicyLists::default(),
-            tap: None,
-            mac: None,
-            address: None,
-            gateway: None,
-        },
+        network: VmNetworkInfo::no_device(),
         pid: None,
         reason,
         stop_mode: None,

@@ -77,6 +77,8 @@ pub fn routes() -> Routes {
         .add(M::DELETE, "/vm/{hostname}", vms::delete)
         .add(M::GET, "/vm/{hostname}/tags", vms::tags)
         .add(M::PATCH, "/vm/{hostname}/tags", vms::patch_tags)
+        .add(M::GET, "/vm/{hostname}/network", vms::network)
+        .add(M::PUT, "/vm/{hostname}/network", vms::set_network)
         .add(M::GET, "/vm/{hostname}/health", guest::health)
         .add(M::GET, "/vm/{hostname}/logs", vms::logs)
         .add(M::POST, "/vm/{hostname}/shutdown", vms::shutdown)

@@ -196,6 +196,23 @@ pub(super) async fn patch_tags(
     Ok(Json(d.patch_tags(&hostname, patch).await?))
 }
 
+pub(super) async fn network(
+    State(d): State<AppState>,
+    Path(hostname): Path<String>,
+) -> ApiResult<Json<api::VmNetworkInfo>> {
+    let vm = d.vm(&hostname)?;
+    Ok(Json(d.describe(&vm).network))
+}
+
+pub(super) async fn set_network(
+    State(d): State<AppState>,
+    Path(hostname): Path<String>,
+    body: Bytes,
+) -> ApiResult<Json<api::VmNetworkInfo>> {
+    let policy: api::NetworkPolicy = parse_json(&body)?;
+    Ok(Json(d.set_network_policy(&hostname, policy).await?))
+}
+
 pub(super) async fn logs(
     State(d): State<AppState>,
     Path(hostname): Path<String>,

@@ -41,7 +41,7 @@ impl Daemon {
     pub fn describe(&self, vm: &VmRecord) -> api::VmInfo {
         let (size, allocated, format) = storage::describe(Path::new(&vm.disk));
         let group = self.config.group(&vm.host_group);
-        let network = describe_network(group, vm);
+        let network = describe_network(vm, group.map(|g| &g.network));
         api::VmInfo {
             hostname: vm.hostname.clone(),
             host_group: vm.host_group.clone(),

@@ -8,7 +8,7 @@ use tine_proto::api::{self, CreateVmRequest, Fixup, ForkNetwork, ForkRequest, Ta
 use super::error::{Error, Result};
 use crate::config::{HostGroup, MIN_RAM_MB};
 use crate::db::{CommitRecord, NewVm};
-use crate::network::PolicyEntry;
+use crate::network::{NetMode, PolicyEntry};
 
 /// Most bytes of userdata: it travels to the agent in one frame, with its
 /// request around it.
@@ -60,6 +60,18 @@ pub fn validate_policy(policy: &api::NetworkPolicy) -> Result<()> {
             .map_err(|e| Error::BadRequest(format!("network policy entry `{entry}`: {e}")))?;
     }
     Ok(())
+}
+
+/// Checks a per-VM policy override against the VM's group: only isolated
+/// groups have a policy, so an override elsewhere would do nothing.
+pub fn validate_group_policy(group: &HostGroup, policy: &api::NetworkPolicy) -> Result<()> {
+    if group.network.mode != NetMode::Isolated {
+        return Err(Error::BadRequest(format!(
+            "network: allow/drop apply only in isolated mode; host group `{}` has network mode {}",
+            group.name, group.network.mode
+        )));
+    }
+    validate_policy(policy)
 }
 
 /// Checks userdata against what the agent protocol can carry.
@@ -184,7 +196,7 @@ pub fn create(
         validate_userdata(u)?;
     }
     if let Some(p) = &req.network {
-        validate_policy(p)?;
+        validate_group_policy(group, p)?;
     }
     Ok(NewVm {
         host_group: group.name.clone(),
@@ -222,7 +234,7 @@ pub fn fork(
     }
     let fixups = req.fixups.clone().unwrap_or_else(|| Fixup::ALL.to_vec());
     if let Some(ForkNetwork::Policy(p)) = &req.network {
-        validate_policy(p)?;
+        validate_group_policy(group, p)?;
     }
     let mut tags = match req.tag_mode.unwrap_or_default() {
         TagMode::Append => commit.source_tags.clone(),
@@ -309,6 +321,35 @@ mod tests {
                 .fixups,
             Some(vec![])
         );
+    }
+
+    #[test]
+    fn a_policy_is_refused_outside_isolated_groups() {
+        let closed = ForkRequest {
+            network: Some(ForkNetwork::Policy(api::NetworkPolicy {
+                allow: Some(vec![]),
+                drop: Some(vec!["0.0.0.0/0".into()]),
+            })),
+            ..ForkRequest::default()
+        };
+        let err = fork(&group(), &commit(), &closed, false).expect_err("mode none");
+        assert!(
+            err.to_string().contains(
+                "allow/drop apply only in isolated mode; host group `dev` has network mode none"
+            ),
+            "{err}"
+        );
+        let iso: HostGroup = serde_yaml::from_str(
+            "name: iso\ncpus: 1\nram_mb: 256\nnetwork:\n  mode: isolated\n  allow: [0.0.0.0/0]\n",
+        )
+        .expect("group");
+        let vm = fork(&iso, &commit(), &closed, false).expect("isolated");
+        assert_eq!(vm.policy, closed.network);
+        let no_nic = ForkRequest {
+            network: Some(ForkNetwork::None),
+            ..ForkRequest::default()
+        };
+        fork(&group(), &commit(), &no_nic, false).expect("network none is fine anywhere");
     }
 
     #[test]

@@ -352,11 +352,18 @@ impl NetworkManager {
 
     /// Re-applies only the VM's nft rules, e.g. after
     /// [`VmNetwork::set_policy`] on a running VM; links are left alone.
-    /// Connections already established stay up.
+    /// Then the VM's conntrack entries are deleted, so an established
+    /// connection the new policy forbids is cut: its next packet is judged
+    /// by the new rules as if it were new (the kernel picks up a TCP stream
+    /// mid-way), and dropped.
     pub fn update_policy(&self, vm: &VmNetwork) -> Result<(), NetworkError> {
         Self::check_record(vm)?;
         let _guard = self.lock();
-        sys::nft_apply(&self.rules_script(vm)?)
+        sys::nft_apply(&self.rules_script(vm)?)?;
+        if vm.mode == NetMode::Isolated {
+            sys::conntrack_flush(vm.address)?;
+        }
+        Ok(())
     }
 
     /// The nft script that asserts the VM's rules.

@@ -63,6 +63,23 @@ pub(crate) fn nft_apply(script: &str) -> Result<(), NetworkError> {
     run("nft", &["-f", "-"], Some(script)).map(drop)
 }
 
+/// Deletes the conntrack entries of connections from `address` (the VM's
+/// address, the original source of everything it opened), so that packets
+/// of a connection set up under an older policy are judged again by the
+/// current one. `conntrack` exits 1 when there was nothing to delete.
+pub(crate) fn conntrack_flush(address: Ipv4Addr) -> Result<(), NetworkError> {
+    let source = address.to_string();
+    match run("conntrack", &["-D", "-s", &source], None) {
+        Ok(_) => Ok(()),
+        Err(NetworkError::Command { stderr, .. })
+            if stderr.contains("0 flow entries have been deleted") =>
+        {
+            Ok(())
+        }
+        Err(e) => Err(e),
+    }
+}
+
 /// Runs `ip args…`.
 pub(crate) fn ip(args: &[&str]) -> Result<(), NetworkError> {
     run("ip", args, None).map(drop)
@@ -137,9 +154,16 @@ pub(crate) fn links() -> Result<Vec<Link>, NetworkError> {
     parse_links("ip -j -d link show", &json)
 }
 
-/// The interface called `name`, if any.
+/// The interface called `name`, if any. Asks for that one interface only,
+/// so the cost does not grow with the number of VMs.
 pub(crate) fn link(name: &str) -> Result<Option<Link>, NetworkError> {
-    Ok(links()?.into_iter().find(|l| l.name == name))
+    match run("ip", &["-j", "-d", "link", "show", "dev", name], None) {
+        Ok(json) => Ok(parse_links("ip -j -d link show dev", &json)?
+            .into_iter()
+            .find(|l| l.name == name)),
+        Err(NetworkError::Command { stderr, .. }) if stderr.contains("does not exist") => Ok(None),
+        Err(e) => Err(e),
+    }
 }
 
 #[derive(Deserialize)]
