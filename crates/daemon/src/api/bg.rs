@@ -297,13 +297,21 @@ pub(super) async fn logs(
                             stderr_to: end.stderr_to,
                         },
                     };
-                    let _ = tx.send(Ok(line(&frame))).await;
+                    if tx.send(Ok(line(&frame))).await.is_err() {
+                        tracing::debug!("background exec logs: the client left before the end");
+                    }
                     return;
                 }
                 Ok(None) => return,
                 Err(e) => {
                     // The body aborts: the client sees a cut stream.
-                    let _ = tx.send(Err(std::io::Error::other(e.to_string()))).await;
+                    if tx
+                        .send(Err(std::io::Error::other(e.to_string())))
+                        .await
+                        .is_err()
+                    {
+                        tracing::debug!("background exec logs: the client left before {e}");
+                    }
                     return;
                 }
             };

@@ -839,7 +839,9 @@ async fn run_exec(stream: Stream, req: tine_proto::agent::ExecRequest) {
             return;
         }
     };
-    let _ = tx.send_msg(&Response::Exited(status)).await;
+    if let Err(e) = tx.send_msg(&Response::Exited(status)).await {
+        tracing::debug!("fake agent: cannot send an exit status: {e}");
+    }
 }
 
 /// An I/O error as the agent reports it.
