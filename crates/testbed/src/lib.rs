@@ -249,8 +249,8 @@ pub fn run_tests(tests: Vec<Trial>) -> ! {
             .status()
     };
     // The nested bed (QEMU/TCG with emulated SVM) stops running now and then
-    // whatever the command does: L1's console, heartbeat included, goes
-    // silent and QEMU spins. kvm-run notices the silence and exits
+    // whatever the command does: its heartbeat stops (the kernel may still
+    // print soft-lockup warnings) and QEMU spins. kvm-run notices the silence and exits
     // KVM_RUN_L1_STOPPED; that says nothing about the code under test, so
     // such a run is repeated, up to L1_STOPPED_ATTEMPTS in all. A test's own
     // failure, or a run past its time limit while L1 still runs, is never
@@ -277,7 +277,7 @@ pub fn run_tests(tests: Vec<Trial>) -> ! {
     }
 }
 
-/// kvm-run's exit status when L1's console went silent (L1 stopped running).
+/// kvm-run's exit status when L1's heartbeat stopped (L1 stopped running).
 const KVM_RUN_L1_STOPPED: i32 = 123;
 
 /// How many times a test binary runs through the bed when L1 keeps stopping.
