@@ -12,9 +12,7 @@ use std::time::{Duration, Instant};
 
 use tine_daemon::config::{Config, HostGroup};
 use tine_daemon::core::{Daemon, Deadlines, Parts};
-use tine_daemon::db::Store;
 use tine_daemon::launcher::fake::FakeLauncher;
-use tine_daemon::network::NetworkManager;
 use tine_proto::api::{CommitRequest, CreateVmRequest, ForkRequest, ShutdownAction, Wait};
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -37,17 +35,12 @@ fn daemon(dir: &std::path::Path) -> anyhow::Result<Arc<Daemon>> {
         ram_mb: 256,
         ..config.host_groups[0].clone()
     }];
-    let data_dir = dir.join("data");
-    std::fs::create_dir_all(data_dir.join("vms"))?;
-    Ok(Daemon::from_parts(Parts {
+    Ok(Daemon::from_parts(Parts::on_launcher(
         config,
-        store: Store::open(&data_dir.join("tine.db"))?,
-        data_dir,
-        kernel: PathBuf::from("/fake/vmlinux"),
-        launcher: Arc::new(FakeLauncher::new()),
-        network: NetworkManager::default(),
-        deadlines: Deadlines::default(),
-    }))
+        dir.join("data"),
+        Arc::new(FakeLauncher::new()),
+        Deadlines::default(),
+    )?))
 }
 
 fn main() -> anyhow::Result<()> {

@@ -7,7 +7,6 @@
 //! types: a field the SDK reads is required here, so a missing or retyped
 //! field fails the test.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use axum::body::Body;
@@ -19,9 +18,7 @@ use serde::Deserialize;
 
 use crate::config::{Config, HostGroup};
 use crate::core::{Daemon, Deadlines, Parts};
-use crate::db::Store;
 use crate::launcher::fake::FakeLauncher;
-use crate::network::NetworkManager;
 
 /// A daemon on the fake launcher behind the real router.
 struct Sdk {
@@ -67,18 +64,14 @@ impl Sdk {
             ram_mb: 256,
             ..config.host_groups[0].clone()
         }];
-        let data_dir = dir.path().join("data");
-        std::fs::create_dir_all(data_dir.join("vms")).expect("data dir");
         let fake = FakeLauncher::new();
-        let daemon = Daemon::from_parts(Parts {
+        let parts = Parts::on_launcher(
             config,
-            store: Store::open(&data_dir.join("tine.db")).expect("store"),
-            data_dir,
-            kernel: PathBuf::from("/fake/vmlinux"),
-            launcher: Arc::new(fake.clone()),
-            network: NetworkManager::default(),
-            deadlines: Deadlines::default(),
-        });
+            dir.path().join("data"),
+            Arc::new(fake.clone()),
+            Deadlines::default(),
+        );
+        let daemon = Daemon::from_parts(parts.expect("daemon parts"));
         Sdk {
             app: super::app(daemon),
             fake,

@@ -6,6 +6,7 @@ use axum::extract::{Path, State};
 use axum::http::Uri;
 use axum::Json;
 use tine_client::agent::ClientError;
+use tine_client::AgentClient;
 use tine_proto::agent::{ErrorCode as AgentCode, FileAttrs, FileKind, FileStat, MkdirRequest};
 use tine_proto::api::{self, FsEntry, FsKind, FsMkdirRequest};
 
@@ -29,6 +30,17 @@ fn fs_err(path: &str, e: ClientError) -> ApiError {
         Some(_) => ApiError::bad_request(format!("{path}: {e}")),
         None => call_err(e, |msg| ApiError::agent(format!("{path}: {msg}"))),
     }
+}
+
+/// The entry for `path` (named by its last component) as the guest sees
+/// it now.
+async fn stat_entry(client: &AgentClient, path: &str) -> ApiResult<FsEntry> {
+    let stat = client
+        .stat(path, false)
+        .await
+        .map_err(|e| fs_err(path, e))?;
+    let name = path.rsplit('/').next().unwrap_or_default().to_owned();
+    Ok(entry(name, &stat))
 }
 
 fn entry(name: String, stat: &FileStat) -> FsEntry {
@@ -71,12 +83,7 @@ pub(super) async fn stat(
     query_only(&q, &["path"])?;
     let path = absolute(query_get(&q, "path"))?;
     let client = agent(&d, &hostname).await?;
-    let stat = client
-        .stat(&path, false)
-        .await
-        .map_err(|e| fs_err(&path, e))?;
-    let name = path.rsplit('/').next().unwrap_or_default().to_owned();
-    Ok(Json(entry(name, &stat)))
+    stat_entry(&client, &path).await.map(Json)
 }
 
 pub(super) async fn readdir(
@@ -118,12 +125,7 @@ pub(super) async fn mkdir(
         })
         .await
         .map_err(|e| fs_err(&path, e))?;
-    let stat = client
-        .stat(&path, false)
-        .await
-        .map_err(|e| fs_err(&path, e))?;
-    let name = path.rsplit('/').next().unwrap_or_default().to_owned();
-    Ok(Json(entry(name, &stat)))
+    stat_entry(&client, &path).await.map(Json)
 }
 
 pub(super) async fn remove(

@@ -66,6 +66,30 @@ pub struct Parts {
     pub deadlines: Deadlines,
 }
 
+impl Parts {
+    /// Parts for a daemon whose VMs `launcher` runs (the fake one, in tests
+    /// and benchmarks), its state in `data_dir` (made, with its `vms`
+    /// folder), no guest kernel and no host network.
+    pub fn on_launcher(
+        config: Config,
+        data_dir: PathBuf,
+        launcher: Arc<dyn Launcher>,
+        deadlines: Deadlines,
+    ) -> Result<Parts> {
+        std::fs::create_dir_all(data_dir.join("vms"))
+            .map_err(|e| Error::io("create the data directory", e))?;
+        Ok(Parts {
+            config,
+            store: Store::open(&data_dir.join("tine.db"))?,
+            data_dir,
+            kernel: PathBuf::from("/fake/vmlinux"),
+            launcher,
+            network: NetworkManager::default(),
+            deadlines,
+        })
+    }
+}
+
 /// The daemon's core.
 #[derive(Debug)]
 pub struct Daemon {

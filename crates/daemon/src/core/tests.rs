@@ -2,7 +2,7 @@
 //! fail, boot slots, reconciliation after a `kill -9`, deletes during boot.
 //! No KVM, no test bed.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,11 +15,9 @@ use tine_proto::vmm::StopReason;
 
 use super::{Daemon, Deadlines, Parts};
 use crate::config::{Config, HostGroup};
-use crate::db::Store;
 use crate::error::ApiError;
 use crate::launcher::fake::{FakeLauncher, Guest, Seen};
 use crate::launcher::Stop;
-use crate::network::NetworkManager;
 use crate::storage;
 
 const WAIT: Duration = Duration::from_secs(10);
@@ -48,17 +46,8 @@ fn config(dir: &Path, persistent: bool, slots: u32) -> Config {
 }
 
 fn open(dir: &Path, fake: &FakeLauncher, config: Config, deadlines: Deadlines) -> Arc<Daemon> {
-    let data_dir = dir.join("data");
-    std::fs::create_dir_all(data_dir.join("vms")).expect("data dir");
-    Daemon::from_parts(Parts {
-        config,
-        store: Store::open(&data_dir.join("tine.db")).expect("store"),
-        data_dir,
-        kernel: PathBuf::from("/fake/vmlinux"),
-        launcher: Arc::new(fake.clone()),
-        network: NetworkManager::default(),
-        deadlines,
-    })
+    let parts = Parts::on_launcher(config, dir.join("data"), Arc::new(fake.clone()), deadlines);
+    Daemon::from_parts(parts.expect("daemon parts"))
 }
 
 fn bed_with(persistent: bool, slots: u32, deadlines: Deadlines) -> Bed {
