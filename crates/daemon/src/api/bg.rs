@@ -15,7 +15,7 @@ use tine_proto::api::{
     BgWaitResponse, StdioEncoding,
 };
 
-use super::guest::{agent, call_err, exit_fields};
+use super::agent_call::{agent, call_err, exit_fields};
 use super::params::AppState;
 use super::params::{parse_json, parse_timeout, query_get, query_num, query_only, query_pairs};
 use crate::error::{ApiError, ApiResult};

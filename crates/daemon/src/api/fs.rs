@@ -10,7 +10,7 @@ use tine_client::AgentClient;
 use tine_proto::agent::{ErrorCode as AgentCode, FileAttrs, FileKind, FileStat, MkdirRequest};
 use tine_proto::api::{self, FsEntry, FsKind, FsMkdirRequest};
 
-use super::guest::{agent, call_err};
+use super::agent_call::{agent, call_err};
 use super::params::{parse_json, query_get, query_only, query_pairs, AppState};
 use crate::error::{ApiError, ApiResult};
 

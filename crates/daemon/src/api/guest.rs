@@ -15,7 +15,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use base64::Engine;
 use futures_util::{SinkExt, StreamExt, TryStreamExt};
-use tine_client::agent::{ClientError, ExecEvent, Limits, ShellEvent};
+use tine_client::agent::{ClientError, ExecEvent, ShellEvent};
 use tine_client::AgentClient;
 use tine_proto::agent::{
     Command, ExecRequest, FileAttrs, ForwardTarget, ProcessOptions, ShellRequest, UploadRequest,
@@ -27,70 +27,15 @@ use tine_proto::api::{
 };
 use tokio_util::io::{ReaderStream, StreamReader};
 
+use super::agent_call::{
+    agent, agent_err, call_err, exit_fields, shell_exit_code, Deadlines, DEADLINES,
+};
 use super::params::{parse_timeout, query_get, query_num, query_only, query_pairs, AppState};
 use crate::error::{ApiError, ApiResult};
-
-/// Host-side limits on the agent for the calls handlers make.
-#[derive(Debug, Clone, Copy)]
-struct Deadlines {
-    /// An answer that needs no long work (health without `wait`, stat,
-    /// exec's and shell's start, forward's connect).
-    reply: Duration,
-    /// A file transfer without progress (a frame of a download, credit for
-    /// an upload, an upload's final answer, which may wait for an fsync).
-    transfer: Duration,
-    /// How long past its own `timeout` an exec may go before the host ends
-    /// it (the agent is meant to kill it at `timeout`).
-    exec_grace: Duration,
-    /// Most bytes one download may bring.
-    download_bytes: u64,
-}
-
-/// The cap on one download (`GET /vm/{vm}/cp`): 16 GiB (docs/api.md).
-pub const MAX_DOWNLOAD_BYTES: u64 = 16 << 30;
-
-/// The deadlines of every handler here.
-const DEADLINES: Deadlines = Deadlines {
-    reply: Duration::from_secs(10),
-    transfer: Duration::from_secs(60),
-    exec_grace: Duration::from_secs(5),
-    download_bytes: MAX_DOWNLOAD_BYTES,
-};
 
 /// `health?wait=agent` gets at least this long for the agent's answer
 /// once the VM is running, even when the wait used up its `timeout`.
 const MIN_HEALTH_BUDGET: Duration = Duration::from_secs(1);
-
-impl Deadlines {
-    fn limits(&self) -> Limits {
-        Limits {
-            reply: Some(self.reply),
-            transfer: Some(self.transfer),
-            download_bytes: self.download_bytes,
-        }
-    }
-}
-
-/// A handler's agent connection, with [`DEADLINES`] on its calls.
-pub(super) async fn agent(d: &AppState, hostname: &str) -> ApiResult<AgentClient> {
-    let (_vm, client) = d.agent(hostname).await?;
-    Ok(client.with_limits(DEADLINES.limits()))
-}
-
-fn agent_err(e: impl std::fmt::Display) -> ApiError {
-    ApiError::agent(e.to_string())
-}
-
-/// An error from a call: a deadline or a lost connection as 503, any
-/// other as `other` makes it.
-pub(super) fn call_err(e: ClientError, other: impl FnOnce(String) -> ApiError) -> ApiError {
-    match e {
-        ClientError::Timeout { .. } | ClientError::ConnectionLost(_) | ClientError::StreamEnded => {
-            agent_err(e)
-        }
-        e => other(e.to_string()),
-    }
-}
 
 fn millis(d: Duration) -> String {
     humantime::format_duration(Duration::from_millis(d.as_millis() as u64)).to_string()
@@ -266,20 +211,6 @@ fn incomplete_tail(data: &[u8]) -> usize {
         return if needs > back { back } else { 0 };
     }
     0
-}
-
-/// The exit frame's fields: the code (128+N for signal N), the signal's
-/// name and number.
-pub(super) fn exit_fields(
-    status: &tine_proto::agent::ExitStatus,
-) -> (i32, Option<String>, Option<i32>) {
-    let signal = status.code.is_none().then_some(status.signal).flatten();
-    let name = signal.and_then(|n| {
-        nix::sys::signal::Signal::try_from(n)
-            .ok()
-            .map(|s| s.as_str().to_owned())
-    });
-    (shell_exit_code(status), name, signal)
 }
 
 /// What an exec request asks, parsed from its query.
@@ -903,17 +834,6 @@ async fn pump_shell(socket: WebSocket, mut session: tine_client::agent::ShellSes
     input.abort();
 }
 
-/// The code a shell's end is reported with: its exit code, else 128+N for
-/// signal N. The agent reports these numbers; a signal outside 1..=127
-/// (no real one) gives 128 rather than overflowing.
-fn shell_exit_code(status: &tine_proto::agent::ExitStatus) -> i32 {
-    match (status.code, status.signal) {
-        (Some(code), _) => code,
-        (None, Some(signal @ 1..=127)) => 128 + signal,
-        (None, _) => 128,
-    }
-}
-
 /// Parses `tcp:PORT`, `tcp:HOST:PORT` or `unix:PATH`.
 pub fn parse_target(t: &str) -> ApiResult<ForwardTarget> {
     let bad = || {
@@ -1029,6 +949,7 @@ pub(super) async fn forward(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tine_client::agent::Limits;
     use tine_proto::agent::Response as AgentResponse;
     use tine_proto::agent::{Channel, ErrorCode as AgentCode, Request};
     use tine_testbed::hostile_agent::{HostileAgent, Step};

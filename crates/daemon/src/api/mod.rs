@@ -1,6 +1,7 @@
 //! The REST API (docs/api.md, docs/openapi.yaml): routes onto [`Daemon`]
 //! methods, errors as `{error, code}`, the bearer token on TCP.
 
+mod agent_call;
 mod bg;
 mod commits;
 #[cfg(test)]
