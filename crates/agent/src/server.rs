@@ -211,5 +211,11 @@ async fn run(
             ops::system::userdata_run(&agent.config.system_root, req).await
         }
         Request::Shutdown(req) => ops::system::shutdown(req).await,
+        Request::SecretsSync(req) => {
+            ops::system::secrets_sync(&agent.config.system_root, req).await
+        }
+        Request::AuthorizedKeys(req) => {
+            ops::system::authorized_keys(&agent.config.system_root, req).await
+        }
     }
 }

@@ -13,11 +13,12 @@ use std::time::Duration;
 
 use tine_proto::agent::mux::{Inbound, Mux, MuxConfig, MuxError, StreamReceiver, StreamSender};
 use tine_proto::agent::{
-    client_handshake, BackgroundOptions, BgIdRequest, BgJob, BgKillRequest, BgLogsRequest,
-    BgWaitRequest, Channel, CloseReason, Control, DirEntry, ErrorCode, ExecRequest, ExitStatus,
-    FileAttrs, FileStat, FixupReport, FixupRequest, ForwardRequest, ForwardTarget, HandshakeError,
-    Health, Hello, MkdirRequest, NetworkRequest, PathRequest, RemoveRequest, Request, Response,
-    ShellRequest, ShutdownAction, ShutdownRequest, StatRequest, UploadRequest, UploadTarRequest,
+    client_handshake, AuthorizedKeysRequest, BackgroundOptions, BgIdRequest, BgJob, BgKillRequest,
+    BgLogsRequest, BgWaitRequest, Channel, CloseReason, Control, DirEntry, ErrorCode, ExecRequest,
+    ExitStatus, FileAttrs, FileStat, FixupReport, FixupRequest, ForwardRequest, ForwardTarget,
+    HandshakeError, Health, Hello, KeysReport, MkdirRequest, NetworkRequest, PathRequest,
+    RemoveRequest, Request, Response, SecretFile, SecretsReport, SecretsSyncRequest, ShellRequest,
+    ShutdownAction, ShutdownRequest, StatRequest, UploadRequest, UploadTarRequest,
     UserdataRunRequest, UserdataStatus, Welcome, PROTOCOL_VERSION,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -995,6 +996,28 @@ impl AgentClient {
     pub async fn fixups(&self, req: FixupRequest) -> Result<FixupReport> {
         match self.call(&Request::Fixups(req)).await? {
             Response::Fixups(report) => Ok(report),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Makes the guest's secrets folder hold exactly `secrets`.
+    pub async fn secrets_sync(&self, secrets: Vec<SecretFile>) -> Result<SecretsReport> {
+        match self
+            .call(&Request::SecretsSync(SecretsSyncRequest { secrets }))
+            .await?
+        {
+            Response::Secrets(report) => Ok(report),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Adds public SSH keys for root and the guest's login user.
+    pub async fn authorized_keys(&self, keys: Vec<String>) -> Result<KeysReport> {
+        match self
+            .call(&Request::AuthorizedKeys(AuthorizedKeysRequest { keys }))
+            .await?
+        {
+            Response::Keys(report) => Ok(report),
             other => Err(unexpected(other)),
         }
     }

@@ -4,8 +4,10 @@
 use std::path::Path;
 use std::time::Duration;
 
+use base64::Engine as _;
 use tine_proto::agent::{
-    ErrorCode, FixupReport, FixupRequest, Health, NetworkRequest, Response, ShutdownRequest,
+    AuthorizedKeysRequest, ErrorCode, FixupReport, FixupRequest, Health, KeysReport,
+    NetworkRequest, Response, SecretsReport, SecretsSyncRequest, ShutdownRequest,
     UserdataRunRequest, UserdataStatus, PROTOCOL_VERSION,
 };
 
@@ -136,4 +138,70 @@ pub(crate) async fn shutdown(req: ShutdownRequest) -> Result<Response, OpError> 
     })
     .await?;
     Ok(Response::Ok)
+}
+
+/// Makes the secrets folder under `root` hold exactly the request's
+/// secrets and answers [`Response::Secrets`]. A tmpfs is mounted there
+/// first when `root` is the real `/`.
+pub(crate) async fn secrets_sync(
+    root: &Path,
+    req: SecretsSyncRequest,
+) -> Result<Response, OpError> {
+    let mut secrets = Vec::with_capacity(req.secrets.len());
+    for s in req.secrets {
+        let data = base64::engine::general_purpose::STANDARD
+            .decode(&s.data)
+            .map_err(|e| {
+                OpError::bad_request(format!("secret {}: data is not base64: {e}", s.name))
+            })?;
+        secrets.push(system::secrets::Secret {
+            name: s.name,
+            data,
+            mode: s.mode,
+            uid: s.uid,
+            gid: s.gid,
+        });
+    }
+    let root = root.to_path_buf();
+    let report = blocking(move || {
+        let mount = root == Path::new("/");
+        system::secrets::sync(&root, &secrets, mount).map_err(|e| {
+            let code = if e.kind() == std::io::ErrorKind::InvalidInput {
+                ErrorCode::BadRequest
+            } else {
+                ErrorCode::Io
+            };
+            OpError::new(code, format!("sync secrets: {}", describe_error(&e)))
+        })
+    })
+    .await?;
+    Ok(Response::Secrets(SecretsReport {
+        dir: system::secrets::SECRETS_DIR.to_owned(),
+        written: report.written,
+        removed: report.removed,
+    }))
+}
+
+/// Adds public SSH keys for root and the login user under `root` and
+/// answers [`Response::Keys`].
+pub(crate) async fn authorized_keys(
+    root: &Path,
+    req: AuthorizedKeysRequest,
+) -> Result<Response, OpError> {
+    let root = root.to_path_buf();
+    let outcome = blocking(move || {
+        system::authorized_keys::install(&root, &req.keys).map_err(|e| {
+            let code = if e.kind() == std::io::ErrorKind::InvalidInput {
+                ErrorCode::BadRequest
+            } else {
+                ErrorCode::Io
+            };
+            OpError::new(code, format!("authorized keys: {}", describe_error(&e)))
+        })
+    })
+    .await?;
+    Ok(Response::Keys(KeysReport {
+        users: outcome.users,
+        added: outcome.added,
+    }))
 }

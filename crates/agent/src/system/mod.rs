@@ -19,6 +19,8 @@
 //!   `VMADDR_CID_ANY` and returns a [`vsock::VsockListener`] (tokio-vsock)
 //!   whose `accept()` yields [`vsock::VsockStream`]s, which implement tokio's
 //!   `AsyncRead + AsyncWrite`.
+//! - [`secrets`]: the granted secrets in `/run/tine/secrets` (a tmpfs);
+//!   [`authorized_keys`]: public SSH keys for root and the login user.
 //! - [`init`]: the PID 1 pieces (mounts, signals, shutdown and power off
 //!   through the VMM's debug-exit port 0x501).
 //!
@@ -26,6 +28,7 @@
 //! `fs` (guest paths, atomic writes) and `hostname` sit below the others,
 //! and no submodule imports this one.
 
+pub mod authorized_keys;
 pub mod cmdline;
 mod fixups;
 mod fs;
@@ -33,6 +36,7 @@ mod hostname;
 pub mod init;
 pub mod net;
 pub mod reaper;
+pub mod secrets;
 mod ssh;
 pub mod userdata;
 pub mod vsock;

@@ -155,6 +155,12 @@ pub enum Request {
     /// Shut the guest down cleanly: stop every process, sync, remount `/`
     /// read-only, then power off (or reboot). Answered before it begins.
     Shutdown(ShutdownRequest),
+    /// Make the guest's secrets folder (`/run/tine/secrets`, a tmpfs) hold
+    /// exactly these files: write each, remove every other.
+    SecretsSync(SecretsSyncRequest),
+    /// Add public SSH keys to `authorized_keys` of root and of the image's
+    /// login user (uid 1000), if there is one.
+    AuthorizedKeys(AuthorizedKeysRequest),
 }
 
 impl Request {
@@ -182,6 +188,8 @@ impl Request {
         "userdata_run",
         "network",
         "shutdown",
+        "secrets_sync",
+        "authorized_keys",
     ];
 }
 
@@ -597,6 +605,97 @@ pub struct ShutdownRequest {
     pub action: ShutdownAction,
 }
 
+/// One secret as the guest gets it ([`Request::SecretsSync`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SecretFile {
+    /// File name (`[A-Za-z0-9._-]`, not starting with a dot).
+    pub name: String,
+    /// The value, base64.
+    pub data: String,
+    /// File mode (permission bits only).
+    pub mode: u32,
+    /// Owner.
+    pub uid: u32,
+    /// Group.
+    pub gid: u32,
+}
+
+impl SecretFile {
+    /// Longest name.
+    pub const MAX_NAME_LEN: usize = 128;
+
+    /// Why `name` cannot be a secret's file name, if it cannot: the rule
+    /// the daemon applies at create and the agent again before writing.
+    pub fn name_problem(name: &str) -> Option<&'static str> {
+        if name.is_empty() {
+            Some("is empty")
+        } else if name.len() > Self::MAX_NAME_LEN {
+            Some("is longer than 128 characters")
+        } else if name.starts_with('.') {
+            Some("must not start with a dot")
+        } else if !name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+        {
+            Some("may hold only letters, digits, '.', '_' and '-'")
+        } else {
+            None
+        }
+    }
+}
+
+/// The secrets a guest holds ([`Request::SecretsSync`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SecretsSyncRequest {
+    /// Every secret the guest may hold; an empty list removes them all.
+    #[serde(default)]
+    pub secrets: Vec<SecretFile>,
+}
+
+/// What [`Request::SecretsSync`] changed.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SecretsReport {
+    /// The folder the secrets are in.
+    pub dir: String,
+    /// Names written.
+    #[serde(default)]
+    pub written: Vec<String>,
+    /// Names removed (no longer granted).
+    #[serde(default)]
+    pub removed: Vec<String>,
+}
+
+/// Public keys to authorize ([`Request::AuthorizedKeys`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AuthorizedKeysRequest {
+    /// `authorized_keys` lines; a key already there is not added twice.
+    pub keys: Vec<String>,
+}
+
+impl AuthorizedKeysRequest {
+    /// Longest key line (RSA 16384 is about 2.8 KiB).
+    pub const MAX_KEY_LEN: usize = 16 * 1024;
+
+    /// Whether `key` is one `authorized_keys` line: no control characters
+    /// (so no line break), at least a type and a base64 field.
+    pub fn valid_key(key: &str) -> bool {
+        key.len() <= Self::MAX_KEY_LEN
+            && !key.chars().any(|c| c.is_control())
+            && key.split_whitespace().count() >= 2
+    }
+}
+
+/// What [`Request::AuthorizedKeys`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeysReport {
+    /// Each user whose `authorized_keys` holds the keys now.
+    #[serde(default)]
+    pub users: Vec<String>,
+    /// Keys newly added (over all users).
+    #[serde(default)]
+    pub added: u32,
+}
+
 /// Installs and starts the userdata script ([`Request::UserdataRun`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct UserdataRunRequest {
@@ -859,6 +958,10 @@ pub enum Response {
     Fixups(FixupReport),
     /// Answer to [`Request::UserdataStatus`].
     Userdata(UserdataStatus),
+    /// Answer to [`Request::SecretsSync`].
+    Secrets(SecretsReport),
+    /// Answer to [`Request::AuthorizedKeys`].
+    Keys(KeysReport),
 }
 
 impl Response {
