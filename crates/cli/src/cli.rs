@@ -83,6 +83,12 @@ pub enum Command {
         #[command(subcommand)]
         command: Option<GroupCommand>,
     },
+    /// Host secrets, synced into the VMs granted them
+    Secret {
+        /// The secret command.
+        #[command(subcommand)]
+        command: crate::secret::SecretCommand,
+    },
 }
 
 /// `tine group ...`
@@ -304,6 +310,20 @@ pub struct AddArgs {
     /// Friendly name, usable in place of the hostname
     #[arg(long)]
     pub name: Option<String>,
+    /// Grant a host secret (repeatable, or comma-separated)
+    #[arg(
+        long = "secret",
+        visible_alias = "secrets",
+        value_delimiter = ',',
+        value_name = "NAME"
+    )]
+    pub secrets: Vec<String>,
+    /// A public SSH key to authorize, the key itself or a .pub file (repeatable)
+    #[arg(long = "ssh-key", value_name = "KEY|FILE")]
+    pub ssh_keys: Vec<String>,
+    /// Authorize the public SSH keys of this GitHub user
+    #[arg(long, value_name = "GITHUB_USER")]
+    pub import_user: Option<String>,
     /// The VM's network policy override (isolated groups).
     #[command(flatten)]
     pub policy: PolicyArgs,
@@ -676,9 +696,18 @@ pub struct ForkArgs {
     /// Apply no fix-ups
     #[arg(long)]
     pub no_fixups: bool,
-    /// Delete inherited secrets (refused by the daemon until tine has secrets)
-    #[arg(long)]
+    /// Clear the inherited secret grants (their files are removed)
+    #[arg(long, conflicts_with = "secrets")]
     pub no_secrets: bool,
+    /// Grant these secrets instead of the inherited ones (repeatable, or
+    /// comma-separated)
+    #[arg(
+        long = "secret",
+        visible_alias = "secrets",
+        value_delimiter = ',',
+        value_name = "NAME"
+    )]
+    pub secrets: Vec<String>,
     /// `none`: give the fork no network device
     #[arg(long, value_enum, conflicts_with_all = ["allow", "no_allow", "drop", "no_drop"])]
     pub network: Option<ForkNet>,

@@ -99,6 +99,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
         },
         Command::Ls(args) => list(g, &args).await,
         Command::Vm { command } => vm(g, command).await,
+        Command::Secret { command } => crate::secret::run(g, command).await,
     }
 }
 
@@ -228,6 +229,28 @@ async fn pick_group(c: &TineClient, named: Option<String>) -> anyhow::Result<Str
     }
 }
 
+/// `--ssh-key` values: a key line as it is, or a file of key lines (a
+/// `.pub` file, an `authorized_keys`).
+fn ssh_keys_of(values: &[String]) -> anyhow::Result<Vec<String>> {
+    let mut keys = Vec::new();
+    for v in values {
+        let path = std::path::Path::new(v);
+        if v.split_whitespace().count() < 2 && path.is_file() {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading the SSH key file {v}"))?;
+            keys.extend(
+                text.lines()
+                    .map(str::trim)
+                    .filter(|l| !l.is_empty() && !l.starts_with('#'))
+                    .map(str::to_owned),
+            );
+        } else {
+            keys.push(v.clone());
+        }
+    }
+    Ok(keys)
+}
+
 async fn add(g: &GlobalArgs, c: &TineClient, args: AddArgs) -> anyhow::Result<i32> {
     let userdata = match (&args.userdata, &args.userdata_file) {
         (Some(script), _) => Some(script.clone()),
@@ -249,6 +272,9 @@ async fn add(g: &GlobalArgs, c: &TineClient, args: AddArgs) -> anyhow::Result<i3
         tags: args.tag,
         name: args.name,
         network: policy_of(&args.policy),
+        secrets: args.secrets,
+        ssh_keys: ssh_keys_of(&args.ssh_keys)?,
+        import_user: args.import_user,
         ..CreateVmRequest::default()
     };
     let wait = wait_of(&args.wait);
@@ -624,7 +650,7 @@ pub fn fork_request(args: &ForkArgs) -> ForkRequest {
             Some(args.fixup.clone())
         },
         no_secrets: args.no_secrets,
-        secrets: None,
+        secrets: (!args.secrets.is_empty()).then(|| args.secrets.clone()),
         cpus: args.cpu,
         ram_bytes: args.ram_mb.map(mib),
         network,

@@ -8,6 +8,7 @@ mod commands;
 mod config;
 mod exit;
 mod output;
+mod secret;
 mod stream;
 mod terminal;
 mod untar;

@@ -133,10 +133,30 @@ fn cli_against_a_real_daemon() -> R {
     assert!(String::from_utf8_lossy(&none.stderr).contains("tine up"));
 
     let _up = start_daemon()?;
+    ok(&[
+        "secret",
+        "create",
+        "token",
+        "--from-literal",
+        "s3cret",
+        "--permissions",
+        "0440",
+    ])?;
+    let dup = tine(&["secret", "create", "token", "--from-literal", "x"])?;
+    assert_eq!(dup.status.code(), Some(1), "{dup:?}");
+    assert!(String::from_utf8_lossy(&dup.stderr).contains("already exists"));
+    let listed = ok(&["secret", "list"])?;
+    assert!(
+        listed.contains("token") && listed.contains("0440"),
+        "{listed}"
+    );
+    assert!(!listed.contains("s3cret"), "a value is never listed");
     let h = ok(&[
         "vm",
         "add",
         "--persistent",
+        "--secret",
+        "token",
         "--tag",
         "role=ci",
         "--timeout",
@@ -145,6 +165,18 @@ fn cli_against_a_real_daemon() -> R {
     ])?;
     let h = h.trim().to_owned();
     assert_eq!(h, "vm-1");
+    assert_eq!(
+        ok(&[
+            "vm",
+            "exec",
+            &h,
+            "--",
+            "sh",
+            "-c",
+            "stat -c %a /run/tine/secrets/token; cat /run/tine/secrets/token"
+        ])?,
+        "440\ns3cret"
+    );
 
     // The command's own exit code, its output on our stdout/stderr.
     let out = tine(&[
@@ -255,11 +287,34 @@ fn cli_against_a_real_daemon() -> R {
         ok(&["vm", "commit", "list", "--cache-key", "cli-e2e", "--quiet"])?.trim(),
         c
     );
-    let f = ok(&["vm", "fork", &c, "--rm", "--timeout", "240s", "--quiet"])?;
+    let f = ok(&[
+        "vm",
+        "fork",
+        &c,
+        "--rm",
+        "--no-secrets",
+        "--timeout",
+        "240s",
+        "--quiet",
+    ])?;
     let f = f.trim().to_owned();
     assert_eq!(
         ok(&["vm", "exec", &f, "--", "cat", "/root/payload"])?,
         "payload\n"
+    );
+    assert_eq!(
+        ok(&[
+            "vm",
+            "exec",
+            &f,
+            "--",
+            "sh",
+            "-c",
+            "ls -A /run/tine/secrets | wc -l"
+        ])?
+        .trim(),
+        "0",
+        "--no-secrets leaves the fork no secret"
     );
     let guard = tine(&["vm", "commit", "delete", &c])?;
     assert_eq!(guard.status.code(), Some(1));
@@ -267,6 +322,8 @@ fn cli_against_a_real_daemon() -> R {
     ok(&["vm", "delete", &f, &h])?;
     ok(&["vm", "commit", "delete", &c])?;
     assert_eq!(ok(&["vm", "list", "--quiet"])?, "");
+    ok(&["secret", "remove", "token"])?;
+    assert_eq!(ok(&["secret", "list", "--quiet"])?, "");
     Ok(())
 }
 

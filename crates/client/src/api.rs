@@ -28,10 +28,10 @@ use percent_encoding::{utf8_percent_encode, AsciiSet, CONTROLS};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tine_proto::api::{
-    CommitInfo, CommitRequest, CreateVmRequest, CreateVmResponse, DaemonInfo, ErrorBody, ErrorCode,
-    ExecFrame, ForkRequest, ForkResponse, HostGroupInfo, LifecycleResponse, ListQuery,
-    LogsResponse, NetworkPolicy, StdioEncoding, TagsPatch, TagsResponse, VmHealth, VmInfo,
-    VmNetworkInfo,
+    CommitInfo, CommitRequest, CreateSecretRequest, CreateVmRequest, CreateVmResponse, DaemonInfo,
+    DeleteSecretResponse, ErrorBody, ErrorCode, ExecFrame, ForkRequest, ForkResponse,
+    HostGroupInfo, LifecycleResponse, ListQuery, LogsResponse, NetworkPolicy, SecretInfo,
+    StdioEncoding, TagsPatch, TagsResponse, UpdateSecretRequest, VmHealth, VmInfo, VmNetworkInfo,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpStream, UnixStream};
@@ -1085,6 +1085,37 @@ impl TineClient {
             .wait(wait, timeout)
             .finish(format!("/vm/commits/{}/fork", seg(id)));
         self.call(Method::POST, &path, Some(json_body(request)?))
+            .await
+    }
+
+    /// `GET /secrets`: every secret's metadata (never a value).
+    pub async fn list_secrets(&self) -> Result<Vec<SecretInfo>> {
+        self.get("/secrets").await
+    }
+
+    /// `POST /secrets`.
+    pub async fn create_secret(&self, request: &CreateSecretRequest) -> Result<SecretInfo> {
+        self.call(Method::POST, "/secrets", Some(json_body(request)?))
+            .await
+    }
+
+    /// `PATCH /secrets/{name}`.
+    pub async fn update_secret(
+        &self,
+        name: &str,
+        request: &UpdateSecretRequest,
+    ) -> Result<SecretInfo> {
+        self.call(
+            Method::PATCH,
+            &format!("/secrets/{}", seg(name)),
+            Some(json_body(request)?),
+        )
+        .await
+    }
+
+    /// `DELETE /secrets/{name}`.
+    pub async fn delete_secret(&self, name: &str) -> Result<DeleteSecretResponse> {
+        self.call(Method::DELETE, &format!("/secrets/{}", seg(name)), None)
             .await
     }
 }

@@ -99,6 +99,10 @@ pub struct Config {
     /// Default: the host's CPU count.
     #[serde(default)]
     pub boot_concurrency: Option<u32>,
+    /// Where `import_user` keys come from, `{user}` replaced by the name
+    /// (default `https://github.com/{user}.keys`).
+    #[serde(default)]
+    pub import_keys_url: Option<String>,
     /// Host groups (at least one).
     pub host_groups: Vec<HostGroup>,
 }
@@ -254,6 +258,7 @@ impl Config {
             api: ApiConfig::default(),
             reconcile: Reconcile::Relaunch,
             boot_concurrency: None,
+            import_keys_url: None,
             host_groups: vec![HostGroup {
                 name: "vm".into(),
                 count: 0,
@@ -302,6 +307,15 @@ impl Config {
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.host_groups.is_empty() {
             return Err(invalid("host_groups", "at least one host group is needed"));
+        }
+        if let Some(url) = &self.import_keys_url {
+            let scheme_ok = url.starts_with("https://") || url.starts_with("http://");
+            if !scheme_ok || !url.contains("{user}") {
+                return Err(invalid(
+                    "import_keys_url",
+                    format!("`{url}` must be an http(s) URL holding `{{user}}`"),
+                ));
+            }
         }
         let mut seen = HashSet::new();
         for (i, g) in self.host_groups.iter().enumerate() {

@@ -108,6 +108,11 @@ const MIGRATIONS: &[&str] = &[
     // 3: a VM without a NIC is stored as the network choice `"none"`, not
     // as a policy-shaped object.
     "UPDATE vms SET policy = '\"none\"' WHERE policy = '{\"mode\":\"none\"}';",
+    // 4: secret grants (names) of VMs and of commits (forks inherit them),
+    // and the public SSH keys a VM's first boot installs.
+    "ALTER TABLE vms ADD COLUMN secrets TEXT NOT NULL DEFAULT '[]';
+    ALTER TABLE vms ADD COLUMN ssh_keys TEXT NOT NULL DEFAULT '[]';
+    ALTER TABLE commits ADD COLUMN secrets TEXT NOT NULL DEFAULT '[]';",
 ];
 
 /// One VM as recorded.
@@ -164,6 +169,10 @@ pub struct VmRecord {
     pub parent_commit_id: Option<String>,
     /// Fix-ups still to apply at the next agent-ready (JSON list).
     pub fixups: Option<Vec<Fixup>>,
+    /// Names of the secrets granted to it.
+    pub secrets: Vec<String>,
+    /// Public SSH keys its first boot installs.
+    pub ssh_keys: Vec<String>,
 }
 
 impl VmRecord {
@@ -201,6 +210,10 @@ pub struct NewVm {
     pub fixups: Option<Vec<Fixup>>,
     /// Whether first-boot set-up is already done (forks inherit it).
     pub booted_once: bool,
+    /// Names of the secrets granted to it.
+    pub secrets: Vec<String>,
+    /// Public SSH keys its first boot installs.
+    pub ssh_keys: Vec<String>,
 }
 
 /// One commit as recorded.
@@ -234,6 +247,8 @@ pub struct CommitRecord {
     pub created_ms: u64,
     /// How long the commit took.
     pub elapsed_ms: u64,
+    /// The source's secret grants (forks inherit them).
+    pub secrets: Vec<String>,
 }
 
 /// An image imported into the data directory.
@@ -282,7 +297,7 @@ fn to_json<T: serde::Serialize>(v: &T) -> String {
 
 const VM_COLUMNS: &str = "hostname, host_group, idx, state, cpus, ram_bytes, persistent, managed, \
      tags, name, userdata, disk, network, policy, pid, pid_start, reason, created_ms, started_ms, \
-     boot_ms, booted_once, commit_id, parent_commit_id, fixups, stop_mode";
+     boot_ms, booted_once, commit_id, parent_commit_id, fixups, stop_mode, secrets, ssh_keys";
 
 fn vm_from_row(row: &Row<'_>) -> rusqlite::Result<std::result::Result<VmRecord, DbError>> {
     let state: String = row.get(3)?;
@@ -291,6 +306,8 @@ fn vm_from_row(row: &Row<'_>) -> rusqlite::Result<std::result::Result<VmRecord, 
     let policy: Option<String> = row.get(13)?;
     let fixups: Option<String> = row.get(23)?;
     let stop_mode: Option<String> = row.get(24)?;
+    let secrets: String = row.get(25)?;
+    let ssh_keys: String = row.get(26)?;
     let build = || -> Result<VmRecord> {
         Ok(VmRecord {
             hostname: row.get(0)?,
@@ -328,18 +345,21 @@ fn vm_from_row(row: &Row<'_>) -> rusqlite::Result<std::result::Result<VmRecord, 
                     })
                 })
                 .transpose()?,
+            secrets: json_vec(&secrets, "vms.secrets")?,
+            ssh_keys: json_vec(&ssh_keys, "vms.ssh_keys")?,
         })
     };
     Ok(build())
 }
 
 const COMMIT_COLUMNS: &str = "id, host_group, source, disk, tags, labels, cache_key, \
-     parent_commit_id, cpus, ram_bytes, size_bytes, created_ms, elapsed_ms, source_tags";
+     parent_commit_id, cpus, ram_bytes, size_bytes, created_ms, elapsed_ms, source_tags, secrets";
 
 fn commit_from_row(row: &Row<'_>) -> rusqlite::Result<std::result::Result<CommitRecord, DbError>> {
     let tags: String = row.get(4)?;
     let labels: String = row.get(5)?;
     let source_tags: String = row.get(13)?;
+    let secrets: String = row.get(14)?;
     let build = || -> Result<CommitRecord> {
         Ok(CommitRecord {
             id: row.get(0)?,
@@ -359,6 +379,7 @@ fn commit_from_row(row: &Row<'_>) -> rusqlite::Result<std::result::Result<Commit
             created_ms: row.get::<_, i64>(11)? as u64,
             elapsed_ms: row.get::<_, i64>(12)? as u64,
             source_tags: json_vec(&source_tags, "commits.source_tags")?,
+            secrets: json_vec(&secrets, "commits.secrets")?,
         })
     };
     Ok(build())
@@ -630,7 +651,7 @@ impl Store {
                     c.source
                 )));
             }
-            tx.prepare_cached(&format!("INSERT INTO commits ({COMMIT_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)"))?.execute(params![
+            tx.prepare_cached(&format!("INSERT INTO commits ({COMMIT_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)"))?.execute(params![
                     c.id,
                     c.host_group,
                     c.source,
@@ -645,6 +666,7 @@ impl Store {
                     c.created_ms as i64,
                     c.elapsed_ms as i64,
                     to_json(&c.source_tags),
+                    to_json(&c.secrets),
                 ],
             )?;
             tx.prepare_cached("UPDATE vms SET commit_id = ?2, disk = ?3 WHERE hostname = ?1")?.execute(params![c.source, c.id, source_new_disk],
@@ -806,9 +828,9 @@ fn insert_vm_tx(
     tx.prepare_cached(
         "INSERT INTO vms (hostname, host_group, idx, state, cpus, ram_bytes, persistent, \
              managed, tags, name, userdata, disk, policy, created_ms, booted_once, \
-             parent_commit_id, fixups) \
+             parent_commit_id, fixups, secrets, ssh_keys) \
              VALUES (?1, ?2, ?3, 'starting', ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, \
-             ?15, ?16)",
+             ?15, ?16, ?17, ?18)",
     )?
     .execute(params![
         hostname,
@@ -827,6 +849,8 @@ fn insert_vm_tx(
         new.booted_once,
         new.parent_commit_id,
         new.fixups.as_ref().map(to_json),
+        to_json(&new.secrets),
+        to_json(&new.ssh_keys),
     ])?;
     get_vm_tx(tx, &hostname)?.ok_or_else(|| DbError::Corrupt {
         what: "vms",
@@ -948,6 +972,7 @@ mod tests {
             size_bytes: 1,
             created_ms: 1,
             elapsed_ms: 1,
+            secrets: vec![],
         }
     }
 

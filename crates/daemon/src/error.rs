@@ -6,6 +6,7 @@ use tine_proto::api::{ErrorBody, ErrorCode};
 
 use crate::core::{chain, Error as CoreError};
 use crate::db::DbError;
+use crate::secrets::SecretError;
 
 /// An error answered to a client as `{error, code}`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -69,6 +70,19 @@ impl From<CoreError> for ApiError {
             CoreError::Conflict(_) | CoreError::Store(DbError::Conflict(_)) => ErrorCode::Conflict,
             CoreError::Timeout(_) => ErrorCode::Timeout,
             CoreError::AgentUnavailable(_) | CoreError::Agent { .. } => ErrorCode::AgentUnavailable,
+            CoreError::Secret(e) => match e {
+                SecretError::NotFound(_) => ErrorCode::NotFound,
+                SecretError::Exists(_) => ErrorCode::Conflict,
+                SecretError::Corrupt { .. } | SecretError::Io { .. } => ErrorCode::Internal,
+                SecretError::BadName { .. }
+                | SecretError::BadData { .. }
+                | SecretError::TooLarge { .. }
+                | SecretError::BadPermissions { .. }
+                | SecretError::BadGrants(_)
+                | SecretError::GrantsTooLarge { .. } => ErrorCode::BadRequest,
+            },
+            // A key that cannot be fetched is the request's `import_user`.
+            CoreError::Keys(_) => ErrorCode::BadRequest,
             CoreError::Failed(_)
             | CoreError::Store(_)
             | CoreError::Disk { .. }

@@ -25,7 +25,9 @@ pub mod failpoint;
 pub mod launcher;
 pub mod network;
 pub mod process;
+pub mod secrets;
 pub mod server;
+pub mod ssh_keys;
 pub mod storage;
 
 pub use server::run_from_cli;

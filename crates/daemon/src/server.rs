@@ -337,10 +337,12 @@ pub fn open_daemon(
         vmm,
         data_dir.clone(),
     ));
+    let secrets = crate::secrets::SecretStore::open(&data_dir.join("secrets"))?;
     Ok(Daemon::from_parts(crate::core::Parts {
         config,
         data_dir,
         store,
+        secrets,
         kernel,
         launcher,
         network: crate::network::NetworkManager::default(),

@@ -711,6 +711,153 @@ fn commit_and_fork() -> R {
     })
 }
 
+/// Secrets and SSH keys in a real guest: a VM granted two secrets holds
+/// them in `/run/tine/secrets` (a tmpfs) with their modes and owners, a
+/// changed secret reaches it while it runs, its keys are in root's
+/// `authorized_keys`; its commit holds no secret file, a fork inherits the
+/// grants, a fork with `no_secrets` holds none.
+fn secrets_and_ssh_keys() -> R {
+    use base64::Engine as _;
+    use tine_proto::api::{CreateSecretRequest, UpdateSecretRequest};
+    let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
+    let d = Daemon::start("secrets", "", None)?;
+    let r = rt();
+    r.block_on(async {
+        let c = &d.client;
+        for (name, value, mode, uid) in [("db", "hunter2", "0400", 1000), ("api", "k1", "0640", 0)]
+        {
+            c.create_secret(&CreateSecretRequest {
+                name: name.into(),
+                data: b64(value),
+                permissions: Some(mode.into()),
+                uid: Some(uid),
+                gid: Some(uid),
+            })
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        }
+        let key = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBedTestKey tester@bed";
+        let req = CreateVmRequest {
+            secrets: vec!["db".into(), "api".into()],
+            ssh_keys: vec![key.into()],
+            ..create_req(true)
+        };
+        let h = c
+            .create_vm("t", &req, Wait::Agent, Some(BOOT))
+            .await
+            .map_err(|e| fail(e.to_string()))?
+            .hostname;
+        let dir = "/run/tine/secrets";
+        assert_eq!(
+            sh_ok(
+                c,
+                &h,
+                &format!("cd {dir} && stat -c '%n %a %u %g' * | sort")
+            )
+            .await?,
+            "api 640 0 0\ndb 400 1000 1000\n"
+        );
+        assert_eq!(sh_ok(c, &h, &format!("cat {dir}/db")).await?, "hunter2");
+        assert_eq!(
+            sh_ok(c, &h, &format!("stat -f -c %t {dir}")).await?,
+            "1021994\n",
+            "secrets live on a tmpfs (TMPFS_MAGIC), never on the disk"
+        );
+        assert_eq!(sh_ok(c, &h, "cat /run/slicer/secrets/api").await?, "k1");
+        assert_eq!(
+            sh_ok(
+                c,
+                &h,
+                "cat /root/.ssh/authorized_keys; stat -c %a /root/.ssh/authorized_keys"
+            )
+            .await?,
+            format!("{key}\n600\n")
+        );
+        // A change reaches the running guest.
+        c.update_secret(
+            "db",
+            &UpdateSecretRequest {
+                data: Some(b64("swordfish")),
+                ..UpdateSecretRequest::default()
+            },
+        )
+        .await
+        .map_err(|e| fail(e.to_string()))?;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if sh_ok(c, &h, &format!("cat {dir}/db")).await? == "swordfish" {
+                break;
+            }
+            if Instant::now() > deadline {
+                return Err(fail("the changed secret never reached the guest"));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        c.shutdown(&h, ShutdownAction::Shutdown, None)
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        let commit = c
+            .commit(&h, &CommitRequest::default())
+            .await
+            .map_err(|e| fail(e.to_string()))?
+            .commit_id;
+        let inherit = c
+            .fork(&commit, &ForkRequest::default(), Wait::Agent, Some(BOOT))
+            .await
+            .map_err(|e| fail(e.to_string()))?
+            .hostname;
+        assert_eq!(
+            sh_ok(c, &inherit, &format!("ls {dir}")).await?,
+            "api\ndb\n",
+            "a fork keeps its source's grants"
+        );
+        assert_eq!(
+            sh_ok(c, &inherit, &format!("cat {dir}/db")).await?,
+            "swordfish"
+        );
+        assert_eq!(
+            sh_ok(c, &inherit, "cat /root/.ssh/authorized_keys").await?,
+            format!("{key}\n"),
+            "the source's keys came with its disk, once"
+        );
+        let cleared = c
+            .fork(
+                &commit,
+                &ForkRequest {
+                    no_secrets: true,
+                    ..ForkRequest::default()
+                },
+                Wait::Agent,
+                Some(BOOT),
+            )
+            .await
+            .map_err(|e| fail(e.to_string()))?
+            .hostname;
+        assert_eq!(
+            sh_ok(c, &cleared, &format!("ls -A {dir} | wc -l"))
+                .await?
+                .trim(),
+            "0",
+            "no_secrets leaves no secret file"
+        );
+        // Deleting a secret removes it from the running VMs granted it.
+        c.delete_secret("api")
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while sh(c, &inherit, &format!("test -e {dir}/api")).await?.0 == 0 {
+            if Instant::now() > deadline {
+                return Err(fail("a deleted secret stayed in a running guest"));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        for vm in [&inherit, &cleared, &h] {
+            c.delete(vm).await.map_err(|e| fail(e.to_string()))?;
+        }
+        Ok(())
+    })
+}
+
 /// A commit that runs out of disk space records nothing; after space is
 /// freed the same VM commits.
 fn commit_on_a_full_disk() -> R {
@@ -812,6 +959,7 @@ fn main() {
             Trial::test("concurrent_creates", concurrent_creates),
             Trial::test("commit_and_fork", commit_and_fork),
             Trial::test("commit_on_a_full_disk", commit_on_a_full_disk),
+            Trial::test("secrets_and_ssh_keys", secrets_and_ssh_keys),
         ],
     );
 }

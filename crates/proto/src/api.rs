@@ -259,18 +259,20 @@ pub struct CreateVmRequest {
     /// Slicer's per-VM image: refused (a VM boots its host group's image).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub disk_image: Option<String>,
-    /// Slicer's user whose SSH keys to import: refused until tine installs
-    /// keys.
+    /// A GitHub user whose public SSH keys the daemon fetches at create
+    /// (`https://github.com/USER.keys`, or the daemon's `import_keys_url`)
+    /// and installs with `ssh_keys`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub import_user: Option<String>,
-    /// Slicer's authorized keys: refused until tine installs keys.
+    /// Public SSH keys (`authorized_keys` lines) the agent installs at first
+    /// boot for root and for the image's login user (uid 1000), if any.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub ssh_keys: Vec<String>,
     /// Slicer's fixed address: refused (tine allocates each VM's address).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ip: Option<String>,
-    /// Slicer's secret grants: refused until tine has secrets (an empty
-    /// list, no grants, is accepted).
+    /// Names of host secrets (`/secrets`) granted to the VM: synced into
+    /// the guest's `/run/tine/secrets` at every boot.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub secrets: Vec<String>,
 }
@@ -381,6 +383,9 @@ pub struct VmInfo {
     pub persistent: bool,
     /// Tags.
     pub tags: Vec<String>,
+    /// Names of the secrets granted to it (never their values).
+    #[serde(default)]
+    pub secrets: Vec<String>,
     /// Guest IPv4 address; `""` without a network.
     #[serde(default, with = "empty_is_none")]
     pub ip: Option<String>,
@@ -886,12 +891,12 @@ pub struct ForkRequest {
     /// none, not even the hostname).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fixups: Option<Vec<Fixup>>,
-    /// Delete inherited secrets. Refused (400) until tine has secrets: it
-    /// would otherwise be an option that does nothing.
+    /// Clear the inherited secret grants (the same as `secrets: []`): the
+    /// fork's fix-ups delete their files from the guest.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub no_secrets: bool,
-    /// Slicer's secret grants for the fork (`[]` clears): refused until
-    /// tine has secrets.
+    /// The fork's secret grants, replacing the inherited ones (`[]`
+    /// clears); left out, the fork keeps its source's grants.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secrets: Option<Vec<String>>,
     /// vCPUs (within the group's limits); Slicer's SDKs send `vcpu`.
@@ -1088,6 +1093,71 @@ pub fn rfc3339_millis(unix_ms: u64) -> String {
     let mo = if mp < 10 { mp + 3 } else { mp - 9 };
     let y = if mo <= 2 { y + 1 } else { y };
     format!("{y:04}-{mo:02}-{d:02}T{h:02}:{m:02}:{s:02}.{ms:03}Z")
+}
+
+/// A host secret as `GET /secrets` lists it: metadata only, never the
+/// value.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SecretInfo {
+    /// Its name (the file name in the guest).
+    pub name: String,
+    /// Bytes of data.
+    pub size: u64,
+    /// Mode of the file in the guest, four octal digits (`0600`).
+    pub permissions: String,
+    /// Owner of the file in the guest.
+    pub uid: u32,
+    /// Group of the file in the guest.
+    pub gid: u32,
+    /// Last changed (RFC 3339).
+    pub modified_at: String,
+}
+
+/// `POST /secrets` body.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSecretRequest {
+    /// `[A-Za-z0-9._-]`, 1-128 characters, not starting with a dot.
+    pub name: String,
+    /// The value, base64-encoded (as Slicer's SDKs send it).
+    pub data: String,
+    /// Octal mode of the file in the guest (default `0600`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub permissions: Option<String>,
+    /// Owner in the guest (default 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uid: Option<u32>,
+    /// Group in the guest (default 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gid: Option<u32>,
+}
+
+/// `DELETE /secrets/{name}` response.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeleteSecretResponse {
+    /// The secret.
+    pub name: String,
+    /// Always `deleted`.
+    pub status: DeleteStatus,
+}
+
+/// `PATCH /secrets/{name}` body: what is given changes.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UpdateSecretRequest {
+    /// The new value, base64-encoded. Left out or `""` keeps the value
+    /// (Slicer's Go SDK always sends the field).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<String>,
+    /// New octal mode.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub permissions: Option<String>,
+    /// New owner.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uid: Option<u32>,
+    /// New group.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gid: Option<u32>,
 }
 
 #[cfg(test)]

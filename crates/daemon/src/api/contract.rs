@@ -53,6 +53,16 @@ impl Answer {
 
 impl Sdk {
     fn new() -> Self {
+        Self::with_config(|_| {})
+    }
+
+    /// A new daemon whose `import_user` keys come from `url`.
+    fn set_import_url(&mut self, url: &str) {
+        let url = url.to_owned();
+        *self = Self::with_config(move |c| c.import_keys_url = Some(url));
+    }
+
+    fn with_config(edit: impl FnOnce(&mut Config)) -> Self {
         let dir = tempfile::tempdir().expect("tmp");
         let image = dir.path().join("base.img");
         std::fs::write(&image, vec![0u8; 1 << 20]).expect("image");
@@ -64,6 +74,7 @@ impl Sdk {
             ram_mb: 256,
             ..config.host_groups[0].clone()
         }];
+        edit(&mut config);
         let fake = FakeLauncher::new();
         let parts = Parts::on_launcher(
             config,
@@ -936,16 +947,16 @@ async fn create_fields_the_sdks_send_work_or_are_refused_by_name() {
             "ip `192.168.137.9` is not supported",
         ),
         (
-            serde_json::json!({"ssh_keys": ["ssh-ed25519 AAAA"]}),
-            "ssh_keys and import_user",
+            serde_json::json!({"ssh_keys": ["ssh-ed25519"]}),
+            "ssh_keys[0] is not one authorized_keys line",
         ),
         (
-            serde_json::json!({"import_user": "alex"}),
-            "ssh_keys and import_user",
+            serde_json::json!({"import_user": "not/a/user"}),
+            "is not a GitHub user name",
         ),
         (
             serde_json::json!({"secrets": ["db"]}),
-            "secrets [\"db\"] are not supported",
+            "no secret named \"db\"",
         ),
     ] {
         let a = sdk
@@ -964,20 +975,259 @@ async fn create_fields_the_sdks_send_work_or_are_refused_by_name() {
         "{}",
         e.error
     );
-    // Go WithSecrets(...) on a fork: refused until tine has secrets.
-    let (_, c) = sdk.committed(&[], "k").await;
+}
+
+/// Go `Secret`, TS `WireSecret`.
+#[derive(Debug, Deserialize)]
+#[allow(dead_code)]
+struct SdkSecret {
+    name: String,
+    size: i64,
+    permissions: String,
+    #[serde(default)]
+    uid: u32,
+    #[serde(default)]
+    gid: u32,
+    modified_at: Option<String>,
+}
+
+/// What the fake guest was sent by `secrets_sync`, as (name, value, mode).
+fn synced(sdk: &Sdk, hostname: &str) -> Vec<Vec<(String, String, u32)>> {
+    use base64::Engine as _;
+    use tine_proto::agent::Request as AgentRequest;
+    sdk.fake
+        .seen(hostname)
+        .into_iter()
+        .filter_map(|s| match s {
+            crate::launcher::fake::Seen::Agent(AgentRequest::SecretsSync(req)) => Some(
+                req.secrets
+                    .into_iter()
+                    .map(|f| {
+                        let value = base64::engine::general_purpose::STANDARD
+                            .decode(&f.data)
+                            .expect("base64");
+                        (f.name, String::from_utf8_lossy(&value).into_owned(), f.mode)
+                    })
+                    .collect(),
+            ),
+            _ => None,
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn secrets_create_list_patch_delete_and_grants() {
+    use base64::Engine as _;
+    let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
+    let sdk = Sdk::new();
+    // TS secrets.create / Go CreateSecret: 201, then 409 for the same name.
+    let body = serde_json::json!({"name": "db", "data": b64("hunter2"), "permissions": "0400", "uid": 1000, "gid": 1000});
+    let a = sdk.json(Method::POST, "/secrets", body.clone()).await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.text());
+    let a = sdk.json(Method::POST, "/secrets", body).await;
+    assert_eq!(
+        a.status,
+        StatusCode::CONFLICT,
+        "ErrSecretExists: {}",
+        a.text()
+    );
     let a = sdk
         .json(
             Method::POST,
-            &format!("/vm/commits/{}/fork?wait=agent", c.commit_id),
-            serde_json::json!({"secrets": []}),
+            "/secrets",
+            serde_json::json!({"name": "api", "data": b64("k1")}),
         )
         .await;
-    assert_eq!(a.status, StatusCode::BAD_REQUEST);
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.text());
+    // ListSecrets: metadata only.
+    let a = sdk.get("/secrets").await;
+    assert_eq!(a.status, StatusCode::OK);
     assert!(
-        a.decode::<SdkError>().error.contains("no secret store"),
+        !a.text().contains(&b64("hunter2")),
+        "a value leaked: {}",
+        a.text()
+    );
+    let list: Vec<SdkSecret> = a.decode();
+    assert_eq!(list.len(), 2);
+    let db = list.iter().find(|s| s.name == "db").expect("db listed");
+    assert_eq!(
+        (db.size, db.permissions.as_str(), db.uid),
+        (7, "0400", 1000)
+    );
+    rfc3339(db.modified_at.as_deref().expect("modified_at"));
+    // Bad input names the problem.
+    for (body, says) in [
+        (
+            serde_json::json!({"name": "../x", "data": b64("v")}),
+            "secret name",
+        ),
+        (serde_json::json!({"name": "x", "data": "%%%"}), "base64"),
+        (
+            serde_json::json!({"name": "x", "data": b64("v"), "permissions": "0999"}),
+            "octal",
+        ),
+    ] {
+        let a = sdk.json(Method::POST, "/secrets", body.clone()).await;
+        assert_eq!(a.status, StatusCode::BAD_REQUEST, "{body}");
+        assert!(
+            a.decode::<SdkError>().error.contains(says),
+            "{body}: {}",
+            a.text()
+        );
+    }
+
+    // Create with grants (Go SlicerCreateNodeRequest.Secrets): the boot
+    // syncs them into the guest with their modes.
+    let vm = sdk
+        .create(serde_json::json!({"persistent": true, "secrets": ["db", "api"]}))
+        .await;
+    let h = vm.hostname;
+    assert_eq!(
+        synced(&sdk, &h),
+        [vec![
+            ("db".to_string(), "hunter2".to_string(), 0o400),
+            ("api".to_string(), "k1".to_string(), 0o600)
+        ]]
+    );
+    let a = sdk.get(&format!("/vm/{h}")).await;
+    assert!(
+        a.text().contains(r#""secrets":["db","api"]"#),
         "{}",
         a.text()
+    );
+    assert!(!a.text().contains("hunter2"), "describe shows no value");
+
+    // PatchSecret (Go always sends `data`): a running VM granted it gets
+    // the new value.
+    let a = sdk
+        .json(
+            Method::PATCH,
+            "/secrets/db",
+            serde_json::json!({"data": b64("swordfish")}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while synced(&sdk, &h).len() < 2 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no resync after the change"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert_eq!(synced(&sdk, &h)[1][0].1, "swordfish");
+    let a = sdk
+        .json(
+            Method::PATCH,
+            "/secrets/nope",
+            serde_json::json!({"data": b64("x")}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::NOT_FOUND, "{}", a.text());
+
+    // Forks: inherit, replace (WithSecrets("api")), clear (WithSecrets()).
+    sdk.shutdown(&h).await;
+    let a = sdk
+        .json(
+            Method::POST,
+            &format!("/vm/{h}/commit"),
+            serde_json::json!({"cache_key": "secrets"}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    let c: SdkCommitResponse = a.decode();
+    for (body, want) in [
+        (serde_json::json!({}), vec!["db", "api"]),
+        (serde_json::json!({"secrets": ["api"]}), vec!["api"]),
+        (serde_json::json!({"secrets": []}), vec![]),
+        (serde_json::json!({"no_secrets": true}), vec![]),
+    ] {
+        let a = sdk
+            .json(
+                Method::POST,
+                &format!("/vm/commits/{}/fork?wait=agent", c.commit_id),
+                body.clone(),
+            )
+            .await;
+        assert_eq!(a.status, StatusCode::OK, "{body}: {}", a.text());
+        let fork: serde_json::Value = a.decode();
+        let child = fork["hostname"].as_str().expect("hostname").to_owned();
+        let sent = synced(&sdk, &child);
+        assert_eq!(sent.len(), 1, "{body}: one sync at the fork's boot");
+        let names: Vec<&str> = sent[0].iter().map(|(n, _, _)| n.as_str()).collect();
+        assert_eq!(names, want, "{body}");
+    }
+    let a = sdk
+        .json(
+            Method::POST,
+            &format!("/vm/commits/{}/fork", c.commit_id),
+            serde_json::json!({"secrets": ["missing"]}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST, "{}", a.text());
+    assert!(a.text().contains("missing"), "{}", a.text());
+
+    // DeleteSecret: 200; then 404.
+    let a = sdk.send(Method::DELETE, "/secrets/api", None).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    let a = sdk.send(Method::DELETE, "/secrets/api", None).await;
+    assert_eq!(a.status, StatusCode::NOT_FOUND, "{}", a.text());
+    let list: Vec<SdkSecret> = sdk.get("/secrets").await.decode();
+    assert_eq!(list.len(), 1);
+}
+
+#[tokio::test]
+async fn ssh_keys_and_import_user_reach_the_guest_at_first_boot() {
+    use std::io::{BufRead as _, BufReader, Write as _};
+    use tine_proto::agent::Request as AgentRequest;
+    // A stand-in for github.com/USER.keys.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    let server = std::thread::spawn(move || {
+        let (stream, _) = listener.accept().expect("accept");
+        let mut reader = BufReader::new(stream.try_clone().expect("clone"));
+        let mut line = String::new();
+        reader.read_line(&mut line).expect("request");
+        loop {
+            let mut h = String::new();
+            reader.read_line(&mut h).expect("header");
+            if h.trim().is_empty() {
+                break;
+            }
+        }
+        let body = "ssh-ed25519 AAAAimported\n";
+        let mut out = stream;
+        write!(
+            out,
+            "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .expect("answer");
+        line
+    });
+    let mut sdk = Sdk::new();
+    sdk.set_import_url(&format!("http://127.0.0.1:{port}/{{user}}.keys"));
+    let vm = sdk
+        .create(
+            serde_json::json!({"ssh_keys": ["ssh-rsa AAAAgiven me@laptop"], "import_user": "octo"}),
+        )
+        .await;
+    assert!(server.join().expect("server").starts_with("GET /octo.keys"));
+    let keys: Vec<Vec<String>> = sdk
+        .fake
+        .seen(&vm.hostname)
+        .into_iter()
+        .filter_map(|s| match s {
+            crate::launcher::fake::Seen::Agent(AgentRequest::AuthorizedKeys(r)) => Some(r.keys),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        keys,
+        [vec![
+            "ssh-rsa AAAAgiven me@laptop".to_string(),
+            "ssh-ed25519 AAAAimported octo@github".to_string()
+        ]]
     );
 }
 

@@ -9,6 +9,7 @@ mod contract;
 mod fs;
 mod guest;
 mod params;
+mod secrets;
 mod vms;
 
 use std::sync::Arc;
@@ -108,6 +109,10 @@ pub fn routes() -> Routes {
         .add(M::GET, "/vm/commits", commits::list)
         .add(M::DELETE, "/vm/commits/{id}", commits::delete)
         .add(M::POST, "/vm/commits/{id}/fork", commits::fork)
+        .add(M::GET, "/secrets", secrets::list)
+        .add(M::POST, "/secrets", secrets::create)
+        .add(M::PATCH, "/secrets/{name}", secrets::update)
+        .add(M::DELETE, "/secrets/{name}", secrets::delete)
 }
 
 /// The application: routes, fallbacks, state.

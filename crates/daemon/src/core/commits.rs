@@ -168,6 +168,7 @@ impl Daemon {
             size_bytes: size,
             created_ms: now_ms(),
             elapsed_ms: began.elapsed().as_millis() as u64,
+            secrets: vm.secrets.clone(),
         };
         failpoint::hit(Failpoint::CommitOverlayMade);
         if let Err(e) = self
@@ -217,6 +218,11 @@ impl Daemon {
             None => false,
         };
         let new = plan::fork(&group, &c, &req, name_taken)?;
+        if req.secrets.is_some() {
+            // Inherited grants are not checked: one whose secret was
+            // deleted since is skipped when the fork boots.
+            self.check_grants(&new.secrets)?;
+        }
         let commit_path = PathBuf::from(&c.disk);
         // A commit is immutable: its metadata is checked once per daemon
         // run, and again only when the file itself changed.

@@ -19,6 +19,7 @@ use crate::failpoint::{self, Failpoint};
 use crate::launcher::{Launcher, LauncherExt};
 use crate::network::NetworkManager;
 use crate::process::VmPaths;
+use crate::secrets::SecretStore;
 
 /// Time limits of a boot's set-up and of agent calls.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,6 +57,8 @@ pub struct Parts {
     pub data_dir: PathBuf,
     /// The state.
     pub store: Store,
+    /// Host secrets (`<data_dir>/secrets`).
+    pub secrets: SecretStore,
     /// Default guest kernel.
     pub kernel: PathBuf,
     /// What runs the VMs.
@@ -81,6 +84,7 @@ impl Parts {
         Ok(Parts {
             config,
             store: Store::open(&data_dir.join("tine.db"))?,
+            secrets: SecretStore::open(&data_dir.join("secrets"))?,
             data_dir,
             kernel: PathBuf::from("/fake/vmlinux"),
             launcher,
@@ -96,6 +100,7 @@ pub struct Daemon {
     pub(super) config: Config,
     pub(super) data_dir: PathBuf,
     pub(super) store: Store,
+    pub(super) secrets: SecretStore,
     pub(super) kernel: PathBuf,
     pub(super) launcher: Arc<dyn Launcher>,
     pub(super) network: NetworkManager,
@@ -161,6 +166,7 @@ impl Daemon {
             config: parts.config,
             data_dir: parts.data_dir,
             store: parts.store,
+            secrets: parts.secrets,
             kernel: parts.kernel,
             launcher: parts.launcher,
             network: parts.network,

@@ -5,6 +5,8 @@ use crate::artifacts::ArtifactError;
 use crate::db::DbError;
 use crate::launcher::LaunchError;
 use crate::network::NetworkError;
+use crate::secrets::SecretError;
+use crate::ssh_keys::KeyError;
 use crate::storage::DiskError;
 
 /// An error of a core operation.
@@ -91,6 +93,12 @@ pub enum Error {
         #[source]
         source: tokio::task::JoinError,
     },
+    /// A host secret or a VM's grants.
+    #[error(transparent)]
+    Secret(#[from] SecretError),
+    /// A VM's SSH keys.
+    #[error(transparent)]
+    Keys(#[from] KeyError),
     /// The daemon stops.
     #[error("the daemon is shutting down")]
     ShuttingDown,

@@ -55,6 +55,7 @@ impl Daemon {
             ram_bytes: vm.ram_bytes,
             persistent: vm.persistent,
             tags: vm.tags.clone(),
+            secrets: vm.secrets.clone(),
             ip: network
                 .address
                 .as_ref()
@@ -101,9 +102,26 @@ impl Daemon {
             Some(n) => self.store.find_vm(n)?.is_some(),
             None => false,
         };
-        let new = plan::create(&group, &req, name_taken, managed, || {
+        let mut new = plan::create(&group, &req, name_taken, managed, || {
             group.userdata().map_err(Error::from)
         })?;
+        self.check_grants(&new.secrets)?;
+        if let Some(user) = req.import_user.clone() {
+            let template = self
+                .config
+                .import_keys_url
+                .clone()
+                .unwrap_or_else(|| crate::ssh_keys::DEFAULT_IMPORT_URL.to_owned());
+            let keys =
+                tokio::task::spawn_blocking(move || crate::ssh_keys::import(&template, &user))
+                    .await
+                    .map_err(|source| Error::Task {
+                        what: "import SSH keys",
+                        source,
+                    })??;
+            new.ssh_keys.extend(keys);
+            crate::ssh_keys::check(&new.ssh_keys)?;
+        }
         let this = self.clone();
         let image = group.image.clone();
         let size = group.storage_bytes().map_err(|e| {

@@ -5,8 +5,9 @@
 //!
 //! Modules, each on top of the ones before it: `error`, `plan` (requests
 //! checked against their group), `daemon` (the state and what every part
-//! shares), `netattach`, `supervise` (launch, boot set-up, exit policy),
-//! `lifecycle`, `commits`, `reconcile`.
+//! shares), `netattach`, `secrets` (host secrets and their sync into
+//! guests), `supervise` (launch, boot set-up, exit policy), `lifecycle`,
+//! `commits`, `reconcile`.
 
 mod commits;
 mod daemon;
@@ -15,6 +16,7 @@ mod lifecycle;
 mod netattach;
 mod plan;
 mod reconcile;
+mod secrets;
 mod supervise;
 
 #[cfg(test)]

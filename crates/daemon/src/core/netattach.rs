@@ -280,6 +280,8 @@ mod tests {
             commit_id: None,
             parent_commit_id: None,
             fixups: None,
+            secrets: vec![],
+            ssh_keys: vec![],
         }
     }
 

@@ -156,17 +156,6 @@ fn refuse_unsupported(req: &CreateVmRequest) -> Result<()> {
             "ip `{ip}` is not supported: tine allocates each VM's address from its host group's network"
         ));
     }
-    if !req.ssh_keys.is_empty() || req.import_user.is_some() {
-        return refuse(
-            "ssh_keys and import_user are not supported yet: tine does not install SSH keys in the guest; use cp to write ~/.ssh/authorized_keys".into(),
-        );
-    }
-    if !req.secrets.is_empty() {
-        return refuse(format!(
-            "secrets {:?} are not supported yet: tine has no secret store",
-            req.secrets
-        ));
-    }
     Ok(())
 }
 
@@ -198,6 +187,7 @@ pub fn create(
     if let Some(p) = &req.network {
         validate_group_policy(group, p)?;
     }
+    crate::ssh_keys::check(&req.ssh_keys)?;
     Ok(NewVm {
         host_group: group.name.clone(),
         cpus,
@@ -211,6 +201,8 @@ pub fn create(
         parent_commit_id: None,
         fixups: None,
         booted_once: false,
+        secrets: req.secrets.clone(),
+        ssh_keys: req.ssh_keys.clone(),
     })
 }
 
@@ -222,16 +214,14 @@ pub fn fork(
     req: &ForkRequest,
     name_taken: bool,
 ) -> Result<NewVm> {
-    if req.no_secrets {
-        return Err(Error::BadRequest(
-            "no_secrets: tine has no secrets yet, so there are none to delete; leave it out".into(),
-        ));
-    }
-    if let Some(secrets) = &req.secrets {
-        return Err(Error::BadRequest(format!(
-            "secrets {secrets:?}: tine has no secret store yet, so a fork has no grants to replace or clear; leave it out"
-        )));
-    }
+    let secrets = match (&req.secrets, req.no_secrets) {
+        (Some(list), true) if !list.is_empty() => return Err(Error::BadRequest(format!(
+            "no_secrets clears the grants, but secrets {list:?} grants some: give one of the two"
+        ))),
+        (_, true) => Vec::new(),
+        (Some(list), false) => list.clone(),
+        (None, false) => commit.secrets.clone(),
+    };
     let fixups = req.fixups.clone().unwrap_or_else(|| Fixup::ALL.to_vec());
     if let Some(ForkNetwork::Policy(p)) = &req.network {
         validate_group_policy(group, p)?;
@@ -275,6 +265,9 @@ pub fn fork(
         parent_commit_id: Some(commit.id.clone()),
         fixups: Some(fixups),
         booted_once: true,
+        secrets,
+        // The source's keys are on the disk already.
+        ssh_keys: Vec::new(),
     })
 }
 
@@ -302,6 +295,7 @@ mod tests {
             size_bytes: 0,
             created_ms: 0,
             elapsed_ms: 0,
+            secrets: vec!["db".into(), "api".into()],
         }
     }
 
@@ -353,16 +347,55 @@ mod tests {
     }
 
     #[test]
-    fn no_secrets_is_refused_until_there_are_secrets() {
-        let req = ForkRequest {
-            no_secrets: true,
+    fn a_fork_inherits_replaces_or_clears_its_sources_grants() {
+        let inherit = fork(&group(), &commit(), &ForkRequest::default(), false).expect("fork");
+        assert_eq!(inherit.secrets, ["db", "api"]);
+        let replace = ForkRequest {
+            secrets: Some(vec!["api".into()]),
             ..ForkRequest::default()
         };
-        let err = fork(&group(), &commit(), &req, false).expect_err("refused");
+        let vm = fork(&group(), &commit(), &replace, false).expect("fork");
+        assert_eq!(vm.secrets, ["api"]);
+        for clear in [
+            ForkRequest {
+                no_secrets: true,
+                ..ForkRequest::default()
+            },
+            ForkRequest {
+                secrets: Some(vec![]),
+                ..ForkRequest::default()
+            },
+        ] {
+            let vm = fork(&group(), &commit(), &clear, false).expect("fork");
+            assert!(vm.secrets.is_empty(), "{clear:?}");
+        }
+        let both = ForkRequest {
+            no_secrets: true,
+            secrets: Some(vec!["db".into()]),
+            ..ForkRequest::default()
+        };
+        let err = fork(&group(), &commit(), &both, false).expect_err("contradiction");
         assert!(
             matches!(err, Error::BadRequest(ref m) if m.contains("no_secrets")),
             "{err}"
         );
+    }
+
+    #[test]
+    fn create_takes_grants_and_checks_ssh_keys() {
+        let req = CreateVmRequest {
+            secrets: vec!["db".into()],
+            ssh_keys: vec!["ssh-ed25519 AAAA me".into()],
+            ..CreateVmRequest::default()
+        };
+        let vm = create(&group(), &req, false, false, || Ok(None)).expect("create");
+        assert_eq!((vm.secrets.len(), vm.ssh_keys.len()), (1, 1));
+        let bad = CreateVmRequest {
+            ssh_keys: vec!["not-a-key".into()],
+            ..CreateVmRequest::default()
+        };
+        let err = create(&group(), &bad, false, false, || Ok(None)).expect_err("bad key");
+        assert!(err.to_string().contains("ssh_keys[0]"), "{err}");
     }
 
     #[test]

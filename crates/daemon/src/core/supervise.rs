@@ -226,6 +226,24 @@ impl Daemon {
         if let Some(n) = vm.network.as_ref().map(|n| n.agent_request()) {
             setup_call(step, "network set-up", client.network(n)).await?;
         }
+        if first && !vm.ssh_keys.is_empty() {
+            let keys = vm.ssh_keys.clone();
+            setup_call(step, "SSH keys", client.authorized_keys(keys)).await?;
+        }
+        // The guest's secrets are on a tmpfs: every boot syncs them. A fork
+        // syncs even without grants, so inherited files never survive.
+        if !vm.secrets.is_empty() || vm.is_unborn_fork() {
+            let synced = self.sync_secrets(hostname, &vm.secrets, &client);
+            match tokio::time::timeout(step, synced).await {
+                Ok(done) => done?,
+                Err(_) => {
+                    return Err(Error::Timeout(format!(
+                        "secrets: the agent did not answer within {}",
+                        humantime::format_duration(step)
+                    )))
+                }
+            }
+        }
         if first {
             if let Some(script) = &vm.userdata {
                 setup_call(step, "userdata", client.userdata_run(script)).await?;

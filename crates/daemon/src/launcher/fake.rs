@@ -15,8 +15,8 @@ use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
 use tine_proto::agent::mux::{Inbound, Mux, MuxConfig, Stream};
 use tine_proto::agent::{
-    server_handshake, ErrorCode, FixupReport, Health, Request, Response, UserdataStatus, Welcome,
-    MAX_FRAME_LEN, PROTOCOL_VERSION,
+    server_handshake, ErrorCode, FixupReport, Health, KeysReport, Request, Response, SecretsReport,
+    UserdataStatus, Welcome, MAX_FRAME_LEN, PROTOCOL_VERSION,
 };
 use tine_proto::vmm::StopReason;
 use tine_proto::vmm::{Request as VmmRequest, Response as VmmResponse};
@@ -477,6 +477,15 @@ impl FakeAgent {
                 ..FixupReport::default()
             }),
             Request::Network(_) | Request::UserdataRun(_) => Response::Ok,
+            Request::SecretsSync(req) => Response::Secrets(SecretsReport {
+                dir: "/run/tine/secrets".into(),
+                written: req.secrets.into_iter().map(|s| s.name).collect(),
+                removed: Vec::new(),
+            }),
+            Request::AuthorizedKeys(req) => Response::Keys(KeysReport {
+                users: vec!["root".into()],
+                added: req.keys.len() as u32,
+            }),
             Request::Stat(req) => host_stat(std::path::Path::new(&req.path), req.follow)
                 .map_or_else(io_reply, Response::Stat),
             Request::Mkdir(req) => host_mkdir(&req).map_or_else(io_reply, |()| Response::Ok),
