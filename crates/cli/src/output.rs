@@ -270,6 +270,14 @@ pub fn describe(v: &VmInfo, now: SystemTime) -> String {
                 v.tags.join(", ")
             },
         ),
+        (
+            "secrets",
+            if v.secrets.is_empty() {
+                "-".into()
+            } else {
+                v.secrets.join(", ")
+            },
+        ),
         ("ip", or_dash(&v.ip)),
         (
             "created",
@@ -401,6 +409,7 @@ mod tests {
             ram_bytes: 512 << 20,
             persistent: true,
             tags: tags.iter().map(|t| t.to_string()).collect(),
+            secrets: vec![],
             ip: ip.map(str::to_string),
             arch: "amd64".into(),
             image: "min".into(),

@@ -388,6 +388,7 @@ fn vm(hostname: &str) -> Option<VmInfo> {
         ram_bytes: 512 << 20,
         persistent: true,
         tags,
+        secrets: vec![],
         ip,
         arch: "amd64".into(),
         image: "min".into(),

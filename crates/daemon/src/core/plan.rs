@@ -215,9 +215,11 @@ pub fn fork(
     name_taken: bool,
 ) -> Result<NewVm> {
     let secrets = match (&req.secrets, req.no_secrets) {
-        (Some(list), true) if !list.is_empty() => return Err(Error::BadRequest(format!(
+        (Some(list), true) if !list.is_empty() => {
+            return Err(Error::BadRequest(format!(
             "no_secrets clears the grants, but secrets {list:?} grants some: give one of the two"
-        ))),
+        )))
+        }
         (_, true) => Vec::new(),
         (Some(list), false) => list.clone(),
         (None, false) => commit.secrets.clone(),
