@@ -87,8 +87,48 @@ pub enum Command {
     Secret {
         /// The secret command.
         #[command(subcommand)]
-        command: crate::secret::SecretCommand,
+        command: SecretCommand,
     },
+}
+
+/// `tine secret ...`
+#[derive(Debug, Subcommand)]
+pub enum SecretCommand {
+    /// Create a secret
+    Create(SecretValueArgs),
+    /// List secrets (names and metadata, never values)
+    #[command(visible_alias = "ls")]
+    List,
+    /// Change a secret's value or metadata
+    Update(SecretValueArgs),
+    /// Remove a secret (running VMs granted it lose the file)
+    #[command(visible_alias = "rm")]
+    Remove {
+        /// The secret.
+        name: String,
+    },
+}
+
+/// The name, value and guest file metadata of a secret.
+#[derive(Debug, Args)]
+pub struct SecretValueArgs {
+    /// The secret's name (the file name under /run/tine/secrets)
+    pub name: String,
+    /// The value, given on the command line
+    #[arg(long, conflicts_with = "from_file")]
+    pub from_literal: Option<String>,
+    /// Read the value from a file
+    #[arg(long, value_name = "FILE")]
+    pub from_file: Option<PathBuf>,
+    /// Octal mode of the guest's file (default 0600 at create)
+    #[arg(long)]
+    pub permissions: Option<String>,
+    /// Owner of the guest's file (default 0 at create)
+    #[arg(long)]
+    pub uid: Option<u32>,
+    /// Group of the guest's file (default 0 at create)
+    #[arg(long)]
+    pub gid: Option<u32>,
 }
 
 /// `tine group ...`

@@ -99,7 +99,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
         },
         Command::Ls(args) => list(g, &args).await,
         Command::Vm { command } => vm(g, command).await,
-        Command::Secret { command } => crate::secret::run(g, command).await,
+        Command::Secret { command } => crate::secret::run(g, &client(g)?, command).await,
     }
 }
 

@@ -1,61 +1,20 @@
 //! `tine secret create|list|update|remove`: host secrets, granted to VMs
 //! with `tine vm add --secret` and `tine vm fork --secret`.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::SystemTime;
 
 use anyhow::Context;
 use base64::Engine as _;
-use clap::{Args, Subcommand};
+use tine_client::TineClient;
 use tine_proto::api::{CreateSecretRequest, UpdateSecretRequest};
 
-use crate::cli::GlobalArgs;
-use crate::commands::client;
+use crate::cli::{GlobalArgs, SecretCommand, SecretValueArgs};
 use crate::exit;
 use crate::output::{self, print_json};
 
 /// Largest file `--from-file` reads (the daemon's limit per secret).
 const MAX_FILE_BYTES: u64 = 256 * 1024;
-
-/// `tine secret ...`
-#[derive(Debug, Subcommand)]
-pub enum SecretCommand {
-    /// Create a secret
-    Create(SecretValueArgs),
-    /// List secrets (names and metadata, never values)
-    #[command(visible_alias = "ls")]
-    List,
-    /// Change a secret's value or metadata
-    Update(SecretValueArgs),
-    /// Remove a secret (running VMs granted it lose the file)
-    #[command(visible_alias = "rm")]
-    Remove {
-        /// The secret.
-        name: String,
-    },
-}
-
-/// The name, value and guest file metadata of a secret.
-#[derive(Debug, Args)]
-pub struct SecretValueArgs {
-    /// The secret's name (the file name under /run/tine/secrets)
-    pub name: String,
-    /// The value, given on the command line
-    #[arg(long, conflicts_with = "from_file")]
-    pub from_literal: Option<String>,
-    /// Read the value from a file
-    #[arg(long, value_name = "FILE")]
-    pub from_file: Option<PathBuf>,
-    /// Octal mode of the guest's file (default 0600 at create)
-    #[arg(long)]
-    pub permissions: Option<String>,
-    /// Owner of the guest's file (default 0 at create)
-    #[arg(long)]
-    pub uid: Option<u32>,
-    /// Group of the guest's file (default 0 at create)
-    #[arg(long)]
-    pub gid: Option<u32>,
-}
 
 fn read_value(path: &Path) -> anyhow::Result<Vec<u8>> {
     let meta = std::fs::metadata(path).with_context(|| format!("reading {}", path.display()))?;
@@ -82,8 +41,7 @@ fn value_of(args: &SecretValueArgs) -> anyhow::Result<Option<String>> {
 }
 
 /// Runs a `tine secret` command.
-pub async fn run(g: &GlobalArgs, command: SecretCommand) -> anyhow::Result<i32> {
-    let c = client(g)?;
+pub async fn run(g: &GlobalArgs, c: &TineClient, command: SecretCommand) -> anyhow::Result<i32> {
     match command {
         SecretCommand::Create(args) => {
             let data = value_of(&args)?.ok_or_else(|| {
