@@ -21,11 +21,11 @@ use std::io;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use serde::{Deserialize, Serialize};
 use virtio_queue::{DescriptorChain, QueueT};
 use vm_memory::{Address, Bytes, GuestAddress, GuestMemory, Permissions};
 
 use super::features::{VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX};
-use super::persist::DiskIdentity;
 use super::request_type::{
     VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
 };
@@ -39,6 +39,17 @@ use crate::devices::virtio::{
 use crate::snapshot::Persist;
 use crate::vstate::memory::GuestMemoryMmap;
 use tine_disk::{BlockBackend, RawFile};
+
+/// Which disk a block device serves, as the guest saw it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DiskIdentity {
+    /// Path of the image.
+    pub path: PathBuf,
+    /// Exposed read-only.
+    pub read_only: bool,
+    /// Size in bytes.
+    pub size: u64,
+}
 
 /// Bytes moved between guest memory and the disk per backend call.
 const IO_CHUNK: usize = 128 * 1024;

@@ -10,8 +10,9 @@
 pub mod device;
 pub mod persist;
 
+pub use device::DiskIdentity;
 pub use device::{Block, BlockConfig, BlockError};
-pub use persist::{BlockConstructorArgs, BlockPersistError, BlockState, DiskIdentity};
+pub use persist::{BlockConstructorArgs, BlockPersistError, BlockState};
 
 /// Sector size of the virtio-blk protocol, whatever the disk's own.
 pub const SECTOR_SIZE: u64 = 512;

@@ -9,24 +9,13 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use super::device::Block;
+use super::device::{Block, DiskIdentity};
 use super::SERIAL_LEN;
 use crate::devices::virtio::persist::{QueueRestoreError, VirtioCommonState};
 use crate::devices::virtio::{ActivateError, IrqTrigger, VirtioDevice};
 use crate::snapshot::Persist;
 use crate::vstate::memory::GuestMemoryMmap;
 use tine_disk::BlockBackend;
-
-/// Which disk a block device serves, as the guest saw it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DiskIdentity {
-    /// Path of the image.
-    pub path: PathBuf,
-    /// Exposed read-only.
-    pub read_only: bool,
-    /// Size in bytes.
-    pub size: u64,
-}
 
 /// Snapshot state of [`Block`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -22,11 +22,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
+use serde::{Deserialize, Serialize};
 use virtio_queue::{DescriptorChain, QueueOwnedT, QueueT, Reader, Writer};
 
 use super::muxer::{Muxer, FIRST_LOCAL_PORT};
 use super::packet::{PacketHeader, EVENT_SIZE, EVENT_TRANSPORT_RESET, HDR_SIZE};
-use super::persist::TransportResetState;
 use super::{VsockError, EVQ, MAX_PKT_SIZE, QUEUE_SIZE, RXQ, TXQ};
 use crate::devices::virtio::persist::VirtioDeviceState;
 use crate::devices::virtio::{
@@ -35,6 +35,18 @@ use crate::devices::virtio::{
 };
 use crate::snapshot::Persist;
 use crate::vstate::memory::GuestMemoryMmap;
+
+/// Where the `VIRTIO_VSOCK_EVENT_TRANSPORT_RESET` event stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TransportResetState {
+    /// No reset in progress.
+    Idle,
+    /// A reset is due but the guest provided no event buffer yet.
+    Pending,
+    /// The event is in the used ring; RX waits for the guest to notify the
+    /// event queue, which it does after handling it.
+    Delivered,
+}
 
 /// A virtio-vsock device backed by Unix sockets.
 #[derive(Debug)]

@@ -27,9 +27,10 @@ mod tests;
 
 use std::path::PathBuf;
 
+pub use device::TransportResetState;
 pub use device::Vsock;
 pub use muxer::MAX_CONNECTIONS;
-pub use persist::{TransportResetState, VsockConstructorArgs, VsockPersistError, VsockState};
+pub use persist::{VsockConstructorArgs, VsockPersistError, VsockState};
 
 /// Index of the RX queue (device to guest).
 pub const RXQ: usize = 0;

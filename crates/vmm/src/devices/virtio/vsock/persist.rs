@@ -21,22 +21,10 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use super::device::Vsock;
+use super::device::{TransportResetState, Vsock};
 use super::VsockError;
 use crate::devices::virtio::persist::{QueueRestoreError, VirtioCommonState};
 use crate::snapshot::Persist;
-
-/// Where the `VIRTIO_VSOCK_EVENT_TRANSPORT_RESET` event stands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum TransportResetState {
-    /// No reset in progress.
-    Idle,
-    /// A reset is due but the guest provided no event buffer yet.
-    Pending,
-    /// The event is in the used ring; RX waits for the guest to notify the
-    /// event queue, which it does after handling it.
-    Delivered,
-}
 
 /// Saved state of a [`Vsock`] device.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
