@@ -154,7 +154,58 @@ pub enum NetworkError {
         /// What it should be.
         expected: &'static str,
     },
-    /// A command (`ip`, `nft`) could not be started.
+    /// A route netlink request (links, addresses) failed.
+    #[error("cannot {operation}")]
+    Netlink {
+        /// What was asked, e.g. `create bridge tbr-g`.
+        operation: String,
+        /// The kernel's answer.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The kernel's answer to a netlink request could not be decoded.
+    #[error("unexpected netlink answer to `{operation}`: {reason}")]
+    NetlinkReply {
+        /// What was asked.
+        operation: String,
+        /// What was wrong.
+        reason: String,
+    },
+    /// A TAP could not be created through `/dev/net/tun`.
+    #[error("cannot create TAP {name:?}: {operation} failed")]
+    Tun {
+        /// The step that failed (`open /dev/net/tun`, `TUNSETIFF`, ...).
+        operation: &'static str,
+        /// The TAP.
+        name: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// libnftables could not be loaded.
+    #[error("cannot load {library}, the library of nftables' `nft` (install nftables)")]
+    NftLibrary {
+        /// The library's file name.
+        library: &'static str,
+        /// Why.
+        #[source]
+        source: libloading::Error,
+    },
+    /// libnftables would not make a context.
+    #[error("{library} could not set up an nftables context")]
+    NftContext {
+        /// The library's file name.
+        library: &'static str,
+    },
+    /// An nft script was refused; nothing of it was applied.
+    #[error("nft failed: {error}\n--- input ---\n{input}")]
+    Nft {
+        /// What nft said.
+        error: String,
+        /// The script.
+        input: String,
+    },
+    /// A command (`conntrack`) could not be started.
     #[error("cannot run {program}")]
     Spawn {
         /// The program.
