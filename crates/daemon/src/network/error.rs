@@ -205,27 +205,8 @@ pub enum NetworkError {
         /// The script.
         input: String,
     },
-    /// A command (`conntrack`) could not be started.
-    #[error("cannot run {program}")]
-    Spawn {
-        /// The program.
-        program: String,
-        /// Why.
-        #[source]
-        source: std::io::Error,
-    },
-    /// A command failed.
-    #[error("`{command}` failed ({status}): {stderr}")]
-    Command {
-        /// The command line.
-        command: String,
-        /// Its exit status.
-        status: String,
-        /// What it printed on stderr.
-        stderr: String,
-    },
-    /// A command's output could not be understood.
-    #[error("unexpected output from `{command}`: {reason}")]
+    /// What nft listed could not be understood.
+    #[error("unexpected output from nft `{command}`: {reason}")]
     Output {
         /// The command line.
         command: String,

@@ -12,22 +12,24 @@
 //! what a stored VM lacks (e.g. after a host reboot).
 //!
 //! Host state is changed in-process, without spawning a command per change:
-//! links and addresses over rtnetlink, TAPs through `/dev/net/tun`, and nft
+//! links and addresses over rtnetlink, TAPs through `/dev/net/tun`, nft
 //! scripts through libnftables (the library of `nft`; one atomic
-//! transaction per change, only in our own `inet` table). It must run as
-//! root.
+//! transaction per change, only in our own `inet` table), and conntrack
+//! entries deleted over ctnetlink. It must run as root.
 //!
 //! The submodules form layers, each importing only from those before it:
 //! `config` (the data types), `error`, `names`, `addr`, `validation`;
-//! `nft` (needs `config`); `rtnl`, `tun` and `libnft` (need `error`) and
-//! `sys` (needs `error` and `libnft`). Only this module, the manager, uses
-//! them all, and none of them uses it.
+//! `nft` (needs `config`); `netlink`, `tun` and `libnft` (need `error`);
+//! `rtnl` and `ctnl` (need `netlink`) and `sys` (needs `libnft`). Only this
+//! module, the manager, uses them all, and none of them uses it.
 
 mod addr;
 mod config;
+mod ctnl;
 mod error;
 mod libnft;
 mod names;
+mod netlink;
 mod nft;
 mod rtnl;
 mod sys;
@@ -400,7 +402,7 @@ impl NetworkManager {
         let mut host = self.lock();
         host.nft_apply(&self.rules_script(vm)?)?;
         if vm.mode == NetMode::Isolated {
-            sys::conntrack_flush(vm.address)?;
+            ctnl::delete_from_source(vm.address)?;
         }
         Ok(())
     }

@@ -1,28 +1,23 @@
 //! Links and addresses over rtnetlink, in-process (what `ip link` and
 //! `ip addr` do, without a process per change).
 
-use std::io;
 use std::net::{IpAddr, Ipv4Addr};
 
-use netlink_packet_core::{
-    NetlinkHeader, NetlinkMessage, NetlinkPayload, Nla as _, NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP,
-    NLM_F_EXCL, NLM_F_REPLACE, NLM_F_REQUEST,
-};
+use netlink_packet_core::{Nla as _, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL, NLM_F_REPLACE};
 use netlink_packet_route::address::{AddressAttribute, AddressMessage};
 use netlink_packet_route::link::{
     InfoData, InfoKind, LinkAttribute, LinkFlags, LinkInfo, LinkMessage,
 };
 use netlink_packet_route::{AddressFamily, RouteNetlinkMessage};
-use netlink_sys::{protocols::NETLINK_ROUTE, Socket, SocketAddr};
+use netlink_sys::protocols::NETLINK_ROUTE;
 
 use super::error::NetworkError;
+use super::netlink::NetlinkSocket;
 
 /// `IFLA_TUN_TYPE` inside a tun device's `IFLA_INFO_DATA`.
 const IFLA_TUN_TYPE: u16 = 3;
 /// Its value for a TAP (`IFF_TAP`); a TUN has `IFF_TUN`.
 const TUN_TYPE_TAP: u8 = libc::IFF_TAP as u8;
-/// Receive buffer: larger than any datagram the kernel sends in a dump.
-const RECV_BUFFER: usize = 64 * 1024;
 
 /// One interface as the kernel describes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -82,110 +77,27 @@ impl Link {
     }
 }
 
-/// A route netlink socket. Each request waits for the kernel's answer.
+/// A route netlink socket.
+#[derive(Debug)]
 pub(crate) struct Rtnl {
-    socket: Socket,
-    sequence: u32,
-    buffer: Vec<u8>,
-}
-
-impl std::fmt::Debug for Rtnl {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Rtnl")
-            .field("sequence", &self.sequence)
-            .finish_non_exhaustive()
-    }
-}
-
-fn netlink_err(operation: impl Into<String>) -> impl FnOnce(io::Error) -> NetworkError {
-    let operation = operation.into();
-    move |source| NetworkError::Netlink { operation, source }
+    socket: NetlinkSocket,
 }
 
 impl Rtnl {
     /// Opens a socket in the caller's network namespace.
     pub(crate) fn open() -> Result<Self, NetworkError> {
-        let err = || netlink_err("open a route netlink socket");
-        let mut socket = Socket::new(NETLINK_ROUTE).map_err(err())?;
-        socket.bind_auto().map_err(err())?;
-        socket.connect(&SocketAddr::new(0, 0)).map_err(err())?;
         Ok(Self {
-            socket,
-            sequence: 0,
-            buffer: vec![0; RECV_BUFFER],
+            socket: NetlinkSocket::open(NETLINK_ROUTE, "route")?,
         })
     }
 
-    /// Sends one request and collects the messages of its answer: a dump's
-    /// parts up to its end, or what comes before the acknowledgement.
     fn request(
         &mut self,
         operation: &str,
         message: RouteNetlinkMessage,
         flags: u16,
     ) -> Result<Vec<RouteNetlinkMessage>, NetworkError> {
-        self.sequence = self.sequence.wrapping_add(1);
-        let sequence = self.sequence;
-        let mut header = NetlinkHeader::default();
-        header.flags = NLM_F_REQUEST | NLM_F_ACK | flags;
-        header.sequence_number = sequence;
-        let mut packet = NetlinkMessage::new(header, NetlinkPayload::from(message));
-        packet.finalize();
-        let mut out = vec![0; packet.buffer_len()];
-        packet.serialize(&mut out);
-        self.socket.send(&out, 0).map_err(netlink_err(operation))?;
-
-        let mut answer = Vec::new();
-        loop {
-            let size = self
-                .socket
-                .recv(&mut &mut self.buffer[..], 0)
-                .map_err(netlink_err(operation))?;
-            let mut offset = 0;
-            while offset < size {
-                let bytes = &self.buffer[offset..size];
-                let reply =
-                    NetlinkMessage::<RouteNetlinkMessage>::deserialize(bytes).map_err(|e| {
-                        NetworkError::NetlinkReply {
-                            operation: operation.to_owned(),
-                            reason: e.to_string(),
-                        }
-                    })?;
-                let length = reply.header.length as usize;
-                if length == 0 {
-                    break;
-                }
-                offset += (length + 3) & !3;
-                if reply.header.sequence_number != sequence {
-                    // Left over from an earlier request that failed half-way.
-                    continue;
-                }
-                match reply.payload {
-                    NetlinkPayload::InnerMessage(inner) => answer.push(inner),
-                    NetlinkPayload::Error(error) => {
-                        return match error.code {
-                            None => Ok(answer),
-                            Some(_) => Err(NetworkError::Netlink {
-                                operation: operation.to_owned(),
-                                source: error.to_io(),
-                            }),
-                        };
-                    }
-                    NetlinkPayload::Done(done) => {
-                        return if done.code == 0 {
-                            Ok(answer)
-                        } else {
-                            Err(NetworkError::Netlink {
-                                operation: operation.to_owned(),
-                                source: io::Error::from_raw_os_error(-done.code),
-                            })
-                        };
-                    }
-                    NetlinkPayload::Noop | NetlinkPayload::Overrun(_) => {}
-                    _ => {}
-                }
-            }
-        }
+        self.socket.request(operation, message, flags)
     }
 
     /// The interface called `name`, if any.

@@ -1,55 +1,9 @@
-//! The rest of the host side: the `conntrack` command, what our nft table
-//! holds, sysctls.
+//! The rest of the host side: what our nft table holds, sysctls.
 
 use std::collections::HashSet;
-use std::net::Ipv4Addr;
-use std::process::{Command, Stdio};
 
 use super::error::NetworkError;
 use super::libnft::Nftables;
-
-/// Runs `program args…` and returns stdout.
-pub(crate) fn run(program: &str, args: &[&str]) -> Result<String, NetworkError> {
-    let spawn_err = |source| NetworkError::Spawn {
-        program: program.to_owned(),
-        source,
-    };
-    let out = Command::new(program)
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .map_err(spawn_err)?;
-    if !out.status.success() {
-        let mut command = program.to_owned();
-        for a in args {
-            command.push(' ');
-            command.push_str(a);
-        }
-        return Err(NetworkError::Command {
-            command,
-            status: out.status.to_string(),
-            stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
-        });
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
-/// Deletes the conntrack entries of connections from `address` (the VM's
-/// address, the original source of everything it opened), so that packets
-/// of a connection set up under an older policy are judged again by the
-/// current one. `conntrack` exits 1 when there was nothing to delete.
-pub(crate) fn conntrack_flush(address: Ipv4Addr) -> Result<(), NetworkError> {
-    let source = address.to_string();
-    match run("conntrack", &["-D", "-s", &source]) {
-        Ok(_) => Ok(()),
-        Err(NetworkError::Command { stderr, .. })
-            if stderr.contains("0 flow entries have been deleted") =>
-        {
-            Ok(())
-        }
-        Err(e) => Err(e),
-    }
-}
 
 /// What our table holds: chain names and the elements of its sets and map.
 #[derive(Debug, Default, PartialEq, Eq)]
