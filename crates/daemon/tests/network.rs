@@ -868,3 +868,66 @@ fn real_tap_carries_guest_frames_under_the_policy() {
     fx.mgr.detach(&vm).expect("detach");
     assert!(link(&vm.tap).is_none());
 }
+
+/// The conntrack entries whose original source is `address`
+/// (`conntrack -L -s`), one line each.
+fn conntrack_entries(address: Ipv4Addr) -> Vec<String> {
+    sh("conntrack", &["-L", "-s", &address.to_string()])
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+#[test]
+fn a_policy_change_cuts_established_connections() {
+    let mut fx = Fixture::new("h");
+    let cfg = isolated_cfg("169.254.214.0/24", &["0.0.0.0/0"], &[]);
+    let mut vm = attach(&fx, "gh", &cfg, "gh-1", &[]);
+    let other = attach(&fx, "gh", &cfg, "gh-2", &[vm.address]);
+    fx.stand_in_guest(&vm, "tine-th-1");
+    fx.stand_in_guest(&other, "tine-th-2");
+    let dst = "tine-th-out";
+    fx.outside(dst, "sh-out", "169.254.215.1/24", &["169.254.215.2/24"]);
+    let server = v4("169.254.215.2");
+    let listener = listen(Some(dst), server, 8088);
+    let connect = |ns: &'static str| {
+        in_netns(Some(ns), move || {
+            TcpStream::connect_timeout(&SocketAddr::from((server, 8088)), REACH_TIMEOUT)
+        })
+        .expect("connect while allowed")
+    };
+    let echo = |client: &mut TcpStream, accepted: &mut TcpStream, byte: u8| -> bool {
+        client.write_all(&[byte]).expect("write");
+        accepted
+            .set_read_timeout(Some(BLOCKED_TIMEOUT))
+            .expect("timeout");
+        let mut got = [0u8; 1];
+        matches!(std::io::Read::read(accepted, &mut got), Ok(1) if got[0] == byte)
+    };
+    let mut client = connect("tine-th-1");
+    let (mut accepted, _) = listener.accept().expect("accept");
+    let mut other_client = connect("tine-th-2");
+    let (mut other_accepted, _) = listener.accept().expect("accept");
+    assert!(echo(&mut client, &mut accepted, 1), "open connection works");
+    assert!(!conntrack_entries(vm.address).is_empty(), "no entry to cut");
+    let others = conntrack_entries(other.address);
+    assert!(!others.is_empty());
+
+    // Closing the VM deletes its entries at once; the other VM's stay.
+    let closed = PolicyOverride {
+        allow: Some(vec![]),
+        drop: Some(vec!["0.0.0.0/0".into()]),
+    };
+    vm.set_policy(&cfg, Some(&closed)).expect("policy");
+    fx.mgr.update_policy(&vm).expect("update");
+    assert_eq!(conntrack_entries(vm.address), Vec::<String>::new());
+    assert_eq!(conntrack_entries(other.address), others);
+    // The established connection is judged again, and dropped.
+    assert!(!echo(&mut client, &mut accepted, 2), "connection survived");
+    assert!(
+        echo(&mut other_client, &mut other_accepted, 3),
+        "other VM cut"
+    );
+    // With nothing to delete, a change still succeeds.
+    fx.mgr.update_policy(&vm).expect("update again");
+}

@@ -154,27 +154,47 @@ pub enum NetworkError {
         /// What it should be.
         expected: &'static str,
     },
-    /// A command (`ip`, `nft`) could not be started.
-    #[error("cannot run {program}")]
-    Spawn {
-        /// The program.
-        program: String,
+    /// A route netlink request (links, addresses) failed.
+    #[error("cannot {operation}")]
+    Netlink {
+        /// What was asked, e.g. `create bridge tbr-g`.
+        operation: String,
+        /// The kernel's answer.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The kernel's answer to a netlink request could not be decoded.
+    #[error("unexpected netlink answer to `{operation}`: {reason}")]
+    NetlinkReply {
+        /// What was asked.
+        operation: String,
+        /// What was wrong.
+        reason: String,
+    },
+    /// A TAP could not be created through `/dev/net/tun`.
+    #[error("cannot create TAP {name:?}: {operation} failed")]
+    Tun {
+        /// The step that failed (`open /dev/net/tun`, `TUNSETIFF`, ...).
+        operation: &'static str,
+        /// The TAP.
+        name: String,
         /// Why.
         #[source]
         source: std::io::Error,
     },
-    /// A command failed.
-    #[error("`{command}` failed ({status}): {stderr}")]
-    Command {
-        /// The command line.
-        command: String,
-        /// Its exit status.
-        status: String,
-        /// What it printed on stderr.
-        stderr: String,
+    /// The `nft` command could not be run.
+    #[error("cannot run `nft` (install nftables)")]
+    NftSpawn(#[source] std::io::Error),
+    /// An nft script was refused; nothing of it was applied.
+    #[error("nft failed: {error}\n--- input ---\n{input}")]
+    Nft {
+        /// What nft said.
+        error: String,
+        /// The script.
+        input: String,
     },
-    /// A command's output could not be understood.
-    #[error("unexpected output from `{command}`: {reason}")]
+    /// What nft listed could not be understood.
+    #[error("unexpected output from nft `{command}`: {reason}")]
     Output {
         /// The command line.
         command: String,

@@ -11,26 +11,37 @@
 //! removes what no stored VM owns and [`NetworkManager::ensure`] re-creates
 //! what a stored VM lacks (e.g. after a host reboot).
 //!
-//! Host state is changed with `ip` (iproute2) and `nft -f` (one atomic
-//! transaction per change, only in our own `inet` table); it must run as
-//! root.
+//! Links and addresses change over rtnetlink, TAPs through `/dev/net/tun`
+//! and conntrack entries are deleted over ctnetlink, all in-process; rules
+//! change through the `nft` command (one `nft -f -` per change, one atomic
+//! transaction, only in our own `inet` table: libnftables is GPL-2.0-only,
+//! so this Apache-2.0 daemon does not load it). It must run as root.
 //!
 //! The submodules form layers, each importing only from those before it:
 //! `config` (the data types), `error`, `names`, `addr`, `validation`;
-//! `nft` (needs `config`) and `sys` (needs `error`). Only this module, the
-//! manager, uses them all, and none of them uses it.
+//! `nft` (needs `config`); `netlink`, `tun` and `nftcmd` (need `error`);
+//! `rtnl` and `ctnl` (need `netlink`) and `sys` (needs `nftcmd`). Only this
+//! module, the manager, uses them all, and none of them uses it.
 
 mod addr;
 mod config;
+mod ctnl;
 mod error;
 mod names;
+mod netlink;
 mod nft;
+mod nftcmd;
+mod rtnl;
 mod sys;
+mod tun;
 mod validation;
 
 use std::collections::{BTreeSet, HashSet};
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::{Mutex, MutexGuard};
+
+use nftcmd::Nftables;
+use rtnl::{LinkChange, Rtnl};
 
 use serde::{Deserialize, Serialize};
 use tine_proto::agent::NetworkRequest;
@@ -198,6 +209,35 @@ impl Default for ManagerOptions {
     }
 }
 
+/// The manager's handles on the host: a route netlink socket, opened on
+/// first use (so that planning works without root), and the nft runner.
+#[derive(Debug, Default)]
+struct Host {
+    rtnl: Option<Rtnl>,
+    nft: Option<Nftables>,
+}
+
+impl Host {
+    fn rtnl(&mut self) -> Result<&mut Rtnl, NetworkError> {
+        Ok(match self.rtnl {
+            Some(ref mut rtnl) => rtnl,
+            None => self.rtnl.insert(Rtnl::open()?),
+        })
+    }
+
+    fn nft(&mut self) -> Result<&mut Nftables, NetworkError> {
+        Ok(match self.nft {
+            Some(ref mut nft) => nft,
+            None => self.nft.insert(Nftables::open()?),
+        })
+    }
+
+    /// Applies one nft script atomically.
+    fn nft_apply(&mut self, script: &str) -> Result<(), NetworkError> {
+        self.nft()?.run(script).map(drop)
+    }
+}
+
 /// Creates and removes the host side of VM networks: bridges, TAPs,
 /// addresses and nftables rules. Operations are serialized by an internal
 /// lock; the host (the kernel's links and our nft table) is the only state,
@@ -205,14 +245,14 @@ impl Default for ManagerOptions {
 #[derive(Debug)]
 pub struct NetworkManager {
     options: ManagerOptions,
-    lock: Mutex<()>,
+    lock: Mutex<Host>,
 }
 
 impl Default for NetworkManager {
     fn default() -> Self {
         Self {
             options: ManagerOptions::default(),
-            lock: Mutex::new(()),
+            lock: Mutex::new(Host::default()),
         }
     }
 }
@@ -246,7 +286,7 @@ impl NetworkManager {
         }
         Ok(Self {
             options,
-            lock: Mutex::new(()),
+            lock: Mutex::new(Host::default()),
         })
     }
 
@@ -255,9 +295,9 @@ impl NetworkManager {
         &self.options
     }
 
-    fn lock(&self) -> MutexGuard<'_, ()> {
-        // The guarded state is on the host; a panic elsewhere leaves nothing
-        // half-written here.
+    fn lock(&self) -> MutexGuard<'_, Host> {
+        // The state that matters is on the host; the handles survive a
+        // panic elsewhere unharmed.
         self.lock.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -326,12 +366,12 @@ impl NetworkManager {
         let Some(vm) = self.plan(group, cfg, hostname, in_use, overrides)? else {
             return Ok(None);
         };
-        let _guard = self.lock();
-        let existed = sys::link(&vm.tap)?.is_some();
-        if let Err(err) = self.ensure_locked(&vm) {
+        let mut host = self.lock();
+        let existed = host.rtnl()?.link(&vm.tap)?.is_some();
+        if let Err(err) = self.ensure_locked(&mut host, &vm) {
             if !existed {
                 // Best effort: the original error is the one to report.
-                if let Err(e) = self.detach_locked(&vm) {
+                if let Err(e) = self.detach_locked(&mut host, &vm) {
                     tracing::warn!(tap = %vm.tap, "undo a failed attach: {e}");
                 }
             }
@@ -346,8 +386,7 @@ impl NetworkManager {
     /// hostname, up) on the bridge or with the gateway /30 (isolated), and
     /// IPv4 forwarding. Idempotent; also applies a changed policy.
     pub fn ensure(&self, vm: &VmNetwork) -> Result<(), NetworkError> {
-        let _guard = self.lock();
-        self.ensure_locked(vm)
+        self.ensure_locked(&mut self.lock(), vm)
     }
 
     /// Re-applies only the VM's nft rules, e.g. after
@@ -358,10 +397,10 @@ impl NetworkManager {
     /// mid-way), and dropped.
     pub fn update_policy(&self, vm: &VmNetwork) -> Result<(), NetworkError> {
         Self::check_record(vm)?;
-        let _guard = self.lock();
-        sys::nft_apply(&self.rules_script(vm)?)?;
+        let mut host = self.lock();
+        host.nft_apply(&self.rules_script(vm)?)?;
         if vm.mode == NetMode::Isolated {
-            sys::conntrack_flush(vm.address)?;
+            ctnl::delete_from_source(vm.address)?;
         }
         Ok(())
     }
@@ -407,7 +446,7 @@ impl NetworkManager {
         Ok(())
     }
 
-    fn ensure_locked(&self, vm: &VmNetwork) -> Result<(), NetworkError> {
+    fn ensure_locked(&self, host: &mut Host, vm: &VmNetwork) -> Result<(), NetworkError> {
         Self::check_record(vm)?;
         let bridge = match vm.mode {
             NetMode::None => return Ok(()),
@@ -416,7 +455,7 @@ impl NetworkManager {
         };
         // Check an existing TAP before touching anything: rules written for
         // another VM's TAP would break that VM.
-        let existing = sys::link(&vm.tap)?;
+        let existing = host.rtnl()?.link(&vm.tap)?;
         if let Some(link) = &existing {
             if link.kind.as_deref() != Some("tap") {
                 return Err(NetworkError::WrongKind {
@@ -428,42 +467,49 @@ impl NetworkManager {
             check_owner(link, vm)?;
         }
 
-        sys::nft_apply(&self.rules_script(vm)?)?;
-        if let Some(bridge) = bridge {
-            ensure_bridge(bridge, vm.gateway, vm.prefix)?;
-        }
-        if existing.is_none() {
-            sys::ip(&["tuntap", "add", "dev", &vm.tap, "mode", "tap", "vnet_hdr"])?;
-        }
-        sys::ip(&["link", "set", "dev", &vm.tap, "alias", &vm.hostname])?;
-
-        let link = sys::link(&vm.tap)?;
-        let master = link.and_then(|l| l.master);
-        let addrs = sys::addrs(&vm.tap)?;
-        match bridge {
-            Some(bridge) => {
-                if !addrs.is_empty() {
-                    sys::ip(&["-4", "addr", "flush", "dev", &vm.tap])?;
-                }
-                if master.as_deref() != Some(bridge) {
-                    sys::ip(&["link", "set", "dev", &vm.tap, "master", bridge])?;
-                }
-            }
+        host.nft_apply(&self.rules_script(vm)?)?;
+        let rtnl = host.rtnl()?;
+        let bridge_index = match bridge {
+            Some(bridge) => Some(ensure_bridge(rtnl, bridge, vm.gateway, vm.prefix)?),
+            None => None,
+        };
+        let link = match existing {
+            Some(link) => link,
             None => {
-                if master.is_some() {
-                    sys::ip(&["link", "set", "dev", &vm.tap, "nomaster"])?;
-                }
-                let want = (vm.gateway, vm.prefix);
-                if addrs != [want] {
-                    if !addrs.is_empty() {
-                        sys::ip(&["-4", "addr", "flush", "dev", &vm.tap])?;
-                    }
-                    let cidr = format!("{}/{}", vm.gateway, vm.prefix);
-                    sys::ip(&["addr", "add", &cidr, "dev", &vm.tap])?;
-                }
+                tun::create_tap(&vm.tap)?;
+                rtnl.link(&vm.tap)?.ok_or_else(|| NetworkError::Netlink {
+                    operation: format!("find the new TAP {}", vm.tap),
+                    source: std::io::Error::from_raw_os_error(libc::ENODEV),
+                })?
+            }
+        };
+
+        let addrs = rtnl.ipv4_addrs(link.index)?;
+        let want = match bridge_index {
+            // On a bridge the TAP has no address of its own.
+            Some(_) => vec![],
+            None => vec![(vm.gateway, vm.prefix)],
+        };
+        if addrs != want {
+            for &(address, prefix) in &addrs {
+                rtnl.del_addr(link.index, address, prefix)?;
             }
         }
-        sys::ip(&["link", "set", "dev", &vm.tap, "up"])?;
+        let master = bridge_index.unwrap_or(0);
+        let change = LinkChange {
+            alias: (link.alias.as_deref() != Some(vm.hostname.as_str()))
+                .then_some(vm.hostname.as_str()),
+            master: (link.master.unwrap_or(0) != master).then_some(master),
+            up: !link.up,
+        };
+        if change.alias.is_some() || change.master.is_some() || change.up {
+            rtnl.set_link(link.index, change)?;
+        }
+        if addrs != want {
+            for &(address, prefix) in &want {
+                rtnl.add_addr(link.index, address, prefix, false)?;
+            }
+        }
         sys::enable_ip_forward()
     }
 
@@ -472,22 +518,22 @@ impl NetworkManager {
     /// for the group's other VMs ([`NetworkManager::cleanup_orphans`]
     /// removes unused ones).
     pub fn detach(&self, vm: &VmNetwork) -> Result<(), NetworkError> {
-        let _guard = self.lock();
-        self.detach_locked(vm)
+        self.detach_locked(&mut self.lock(), vm)
     }
 
-    fn detach_locked(&self, vm: &VmNetwork) -> Result<(), NetworkError> {
+    fn detach_locked(&self, host: &mut Host, vm: &VmNetwork) -> Result<(), NetworkError> {
         Self::check_record(vm)?;
-        if let Some(link) = sys::link(&vm.tap)? {
+        let rtnl = host.rtnl()?;
+        if let Some(link) = rtnl.link(&vm.tap)? {
             check_owner(&link, vm)?;
             if link.kind.as_deref() == Some("tap") {
-                sys::ip(&["link", "del", "dev", &vm.tap])?;
+                rtnl.del_link(link.index, &link.name)?;
             }
         }
         let table = &self.options.table;
         let mut script = nft::base(table);
         script.push_str(&nft::remove_isolated(table, &vm.tap));
-        sys::nft_apply(&script)
+        host.nft_apply(&script)
     }
 
     /// Removes the TAPs and bridges with our prefixes, and the rules and set
@@ -496,7 +542,7 @@ impl NetworkManager {
     /// removed, sorted. Does not re-create what a kept VM lacks; call
     /// [`NetworkManager::ensure`] for that.
     pub fn cleanup_orphans(&self, keep: &[VmNetwork]) -> Result<Vec<String>, NetworkError> {
-        let _guard = self.lock();
+        let mut host = self.lock();
         let opts = &self.options;
         let keep_taps: HashSet<&str> = keep.iter().map(|v| v.tap.as_str()).collect();
         let keep_iso: HashSet<&str> = keep
@@ -507,7 +553,8 @@ impl NetworkManager {
         let keep_bridges: HashSet<&str> = keep.iter().filter_map(|v| v.bridge.as_deref()).collect();
         let mut removed = BTreeSet::new();
 
-        for link in sys::links()? {
+        let rtnl = host.rtnl()?;
+        for link in rtnl.links()? {
             let orphan_tap = link.name.starts_with(&opts.tap_prefix)
                 && link.kind.as_deref() == Some("tap")
                 && !keep_taps.contains(link.name.as_str());
@@ -515,14 +562,14 @@ impl NetworkManager {
                 && link.kind.as_deref() == Some("bridge")
                 && !keep_bridges.contains(link.name.as_str());
             if orphan_tap || orphan_bridge {
-                sys::ip(&["link", "del", "dev", &link.name])?;
+                rtnl.del_link(link.index, &link.name)?;
                 removed.insert(link.name);
             }
         }
 
         let table = &opts.table;
-        sys::nft_apply(&nft::base(table))?;
-        let state = sys::table_state(table)?;
+        host.nft_apply(&nft::base(table))?;
+        let state = sys::table_state(host.nft()?, table)?;
         let chain_taps = state
             .chains
             .iter()
@@ -553,7 +600,7 @@ impl NetworkManager {
             script.push_str(&nft::remove_bridge(table, name));
         }
         if !script.is_empty() {
-            sys::nft_apply(&script)?;
+            host.nft_apply(&script)?;
         }
         removed.extend(iso_orphans);
         removed.extend(nat_orphans);
@@ -565,8 +612,8 @@ impl NetworkManager {
     /// owner names removed.
     pub fn teardown(&self) -> Result<Vec<String>, NetworkError> {
         let removed = self.cleanup_orphans(&[])?;
-        let _guard = self.lock();
-        sys::nft_apply(&nft::delete_table(&self.options.table))?;
+        self.lock()
+            .nft_apply(&nft::delete_table(&self.options.table))?;
         Ok(removed)
     }
 }
@@ -580,7 +627,7 @@ fn record_bridge(vm: &VmNetwork) -> Result<&str, NetworkError> {
 }
 
 /// Fails when the TAP's alias names another VM.
-fn check_owner(link: &sys::Link, vm: &VmNetwork) -> Result<(), NetworkError> {
+fn check_owner(link: &rtnl::Link, vm: &VmNetwork) -> Result<(), NetworkError> {
     match link.alias.as_deref() {
         Some(owner) if !owner.is_empty() && owner != vm.hostname => {
             Err(NetworkError::NameCollision {
@@ -594,29 +641,43 @@ fn check_owner(link: &sys::Link, vm: &VmNetwork) -> Result<(), NetworkError> {
 }
 
 /// Creates the bridge (fixed MAC) if missing, gives it the gateway address
-/// and brings it up.
-fn ensure_bridge(bridge: &str, gateway: Ipv4Addr, prefix: u8) -> Result<(), NetworkError> {
-    match sys::link(bridge)? {
+/// and brings it up. Returns its interface index.
+fn ensure_bridge(
+    rtnl: &mut Rtnl,
+    bridge: &str,
+    gateway: Ipv4Addr,
+    prefix: u8,
+) -> Result<u32, NetworkError> {
+    let link = match rtnl.link(bridge)? {
+        Some(link) => link,
         None => {
-            let mac = names::bridge_mac(bridge);
-            sys::ip(&[
-                "link", "add", "name", bridge, "address", &mac, "type", "bridge",
-            ])?;
+            rtnl.add_bridge(bridge, names::bridge_mac(bridge))?;
+            rtnl.link(bridge)?.ok_or_else(|| NetworkError::Netlink {
+                operation: format!("find the new bridge {bridge}"),
+                source: std::io::Error::from_raw_os_error(libc::ENODEV),
+            })?
         }
-        Some(link) if link.kind.as_deref() != Some("bridge") => {
-            return Err(NetworkError::WrongKind {
-                name: bridge.to_owned(),
-                kind: link.kind.unwrap_or_else(|| "plain".to_owned()),
-                expected: "bridge",
-            });
-        }
-        Some(_) => {}
+    };
+    if link.kind.as_deref() != Some("bridge") {
+        return Err(NetworkError::WrongKind {
+            name: bridge.to_owned(),
+            kind: link.kind.unwrap_or_else(|| "plain".to_owned()),
+            expected: "bridge",
+        });
     }
-    if !sys::addrs(bridge)?.contains(&(gateway, prefix)) {
-        let cidr = format!("{gateway}/{prefix}");
-        sys::ip(&["addr", "replace", &cidr, "dev", bridge])?;
+    if !rtnl.ipv4_addrs(link.index)?.contains(&(gateway, prefix)) {
+        rtnl.add_addr(link.index, gateway, prefix, true)?;
     }
-    sys::ip(&["link", "set", "dev", bridge, "up"])
+    if !link.up {
+        rtnl.set_link(
+            link.index,
+            LinkChange {
+                up: true,
+                ..LinkChange::default()
+            },
+        )?;
+    }
+    Ok(link.index)
 }
 
 #[cfg(test)]

@@ -130,29 +130,32 @@ pub(crate) fn bridge_name(prefix: &str, group: &str, cfg: &NetworkConfig) -> Str
     }
 }
 
-/// Formats six bytes as a MAC address after making it locally administered
-/// and unicast.
-fn local_mac(seed: &str, salt: &[u8]) -> String {
+/// Six bytes from `salt` and `seed`, made locally administered and
+/// unicast.
+fn local_mac_bytes(seed: &str, salt: &[u8]) -> [u8; 6] {
     let mut data = salt.to_vec();
     data.extend_from_slice(seed.as_bytes());
     let b = fnv1a64(&data).to_be_bytes();
-    let first = (b[0] & 0xfe) | 0x02;
+    [(b[0] & 0xfe) | 0x02, b[1], b[2], b[3], b[4], b[5]]
+}
+
+fn format_mac(b: [u8; 6]) -> String {
     format!(
-        "{first:02x}:{:02x}:{:02x}:{:02x}:{:02x}:{:02x}",
-        b[1], b[2], b[3], b[4], b[5]
+        "{:02x}:{:02x}:{:02x}:{:02x}:{:02x}:{:02x}",
+        b[0], b[1], b[2], b[3], b[4], b[5]
     )
 }
 
 /// The guest MAC of a VM, derived from its hostname: locally administered,
 /// unicast, the same after a daemon restart.
 pub fn vm_mac(hostname: &str) -> String {
-    local_mac(hostname, b"tine-vm:")
+    format_mac(local_mac_bytes(hostname, b"tine-vm:"))
 }
 
 /// A fixed MAC for a bridge, so that it does not change as ports come and
 /// go (Linux otherwise takes the lowest port MAC).
-pub(crate) fn bridge_mac(bridge: &str) -> String {
-    local_mac(bridge, b"tine-bridge:")
+pub(crate) fn bridge_mac(bridge: &str) -> [u8; 6] {
+    local_mac_bytes(bridge, b"tine-bridge:")
 }
 
 #[cfg(test)]
@@ -247,7 +250,8 @@ mod tests {
         assert_eq!(bytes[0] & 0x01, 0, "unicast");
         assert_eq!(bytes[0] & 0x02, 0x02, "locally administered");
         assert_eq!(mac, mac.to_lowercase());
-        assert_ne!(bridge_mac("tbr-x"), vm_mac("tbr-x"));
+        assert_ne!(format_mac(bridge_mac("tbr-x")), vm_mac("tbr-x"));
+        assert_eq!(bridge_mac("tbr-x")[0] & 0x03, 0x02, "local unicast bridge");
     }
 
     #[test]
