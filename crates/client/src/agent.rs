@@ -15,10 +15,11 @@ use tine_proto::agent::mux::{Inbound, Mux, MuxConfig, MuxError, StreamReceiver, 
 use tine_proto::agent::{
     client_handshake, BackgroundOptions, BgIdRequest, BgJob, BgKillRequest, BgLogsRequest,
     BgWaitRequest, Channel, CloseReason, Control, DirEntry, ErrorCode, ExecRequest, ExitStatus,
-    FileAttrs, FileStat, FixupReport, FixupRequest, ForwardRequest, ForwardTarget, HandshakeError,
-    Health, Hello, MkdirRequest, NetworkRequest, PathRequest, RemoveRequest, Request, Response,
-    ShellRequest, ShutdownAction, ShutdownRequest, StatRequest, UploadRequest, UploadTarRequest,
-    UserdataRunRequest, UserdataStatus, Welcome, PROTOCOL_VERSION,
+    FileAttrs, FileStat, FixupReport, FixupRequest, ForwardRequest, ForwardTarget, GuestStats,
+    HandshakeError, Health, Hello, MkdirRequest, NetworkRequest, PathRequest, RemoveRequest,
+    Request, Response, ShellRequest, ShutdownAction, ShutdownRequest, StatRequest, UploadRequest,
+    UploadTarRequest, UserdataRunRequest, UserdataStatus, WatchEvent, WatchRequest, Welcome,
+    PROTOCOL_VERSION,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
@@ -465,6 +466,37 @@ impl ForwardStream {
         };
         let (sent, received) = tokio::try_join!(upstream, downstream)?;
         Ok((sent, received))
+    }
+}
+
+/// A running file-system watch ([`AgentClient::watch`]).
+#[derive(Debug)]
+pub struct FsWatch {
+    _tx: StreamSender,
+    rx: StreamReceiver,
+    watched: u64,
+}
+
+impl FsWatch {
+    /// Directories (and files) the agent watches.
+    pub fn watched(&self) -> u64 {
+        self.watched
+    }
+
+    /// The next batch of changes, oldest first; `None` if the agent ended
+    /// the watch without an error.
+    pub async fn next_batch(&mut self) -> Result<Option<Vec<WatchEvent>>> {
+        loop {
+            match self.rx.recv().await {
+                Some(Inbound::Msg(bytes)) => match parse_response(&bytes)? {
+                    Response::WatchEvents { events } => return Ok(Some(events)),
+                    Response::Ok => return Ok(None),
+                    other => return Err(unexpected(other)),
+                },
+                Some(_) => {}
+                None => return Err(ended(&self.rx)),
+            }
+        }
     }
 }
 
@@ -986,6 +1018,29 @@ impl AgentClient {
                 tx,
                 rx,
                 remote_eof: false,
+            }),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// A snapshot of the guest's figures (memory, load, CPU time, disk and
+    /// network counters, open files, entropy, root file system space).
+    pub async fn stats(&self) -> Result<GuestStats> {
+        match self.call(&Request::Stats).await? {
+            Response::Stats(stats) => Ok(stats),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Watches paths in the guest for changes; returns once the agent has
+    /// its watches in place. Dropping the [`FsWatch`] ends the watch.
+    pub async fn watch(&self, req: WatchRequest) -> Result<FsWatch> {
+        let (tx, mut rx) = self.open(&Request::Watch(req)).await?;
+        match self.reply(&mut rx).await? {
+            Response::Watching { watched } => Ok(FsWatch {
+                _tx: tx,
+                rx,
+                watched,
             }),
             other => Err(unexpected(other)),
         }

@@ -1464,3 +1464,7 @@ wire_enum! {
         Other = "other",
     }
 }
+
+// After `wire_enum!`, which it uses.
+mod observe;
+pub use observe::*;

@@ -7,6 +7,8 @@
 //! types: a field the SDK reads is required here, so a missing or retyped
 //! field fails the test.
 
+mod observe;
+
 use std::sync::Arc;
 
 use axum::body::Body;

@@ -9,6 +9,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+pub use super::observe::{CpuTimes, FsSpace, GuestStats, WatchEvent, WatchEventKind, WatchRequest};
+
 /// A protocol version. Peers with different `major` refuse each other;
 /// `minor` only adds optional fields and operations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -155,6 +157,11 @@ pub enum Request {
     /// Shut the guest down cleanly: stop every process, sync, remount `/`
     /// read-only, then power off (or reboot). Answered before it begins.
     Shutdown(ShutdownRequest),
+    /// A snapshot of the guest's figures: memory, load, CPU time, disk and
+    /// network counters, open files, entropy, root file system space.
+    Stats,
+    /// Watch paths for changes (inotify) until the client closes the stream.
+    Watch(WatchRequest),
 }
 
 impl Request {
@@ -182,6 +189,8 @@ impl Request {
         "userdata_run",
         "network",
         "shutdown",
+        "stats",
+        "watch",
     ];
 }
 
@@ -859,6 +868,19 @@ pub enum Response {
     Fixups(FixupReport),
     /// Answer to [`Request::UserdataStatus`].
     Userdata(UserdataStatus),
+    /// Answer to [`Request::Stats`].
+    Stats(GuestStats),
+    /// The watches of a [`Request::Watch`] are in place; batches of
+    /// [`Response::WatchEvents`] follow.
+    Watching {
+        /// Directories (and files) watched.
+        watched: u64,
+    },
+    /// Changes seen by a [`Request::Watch`], oldest first.
+    WatchEvents {
+        /// The batch.
+        events: Vec<WatchEvent>,
+    },
 }
 
 impl Response {
