@@ -8,6 +8,8 @@ mod commands;
 mod config;
 mod exit;
 mod output;
+mod pause;
+mod stats;
 mod stream;
 mod terminal;
 mod untar;

@@ -30,8 +30,8 @@ use serde::Serialize;
 use tine_proto::api::{
     CommitInfo, CommitRequest, CreateVmRequest, CreateVmResponse, DaemonInfo, ErrorBody, ErrorCode,
     ExecFrame, ForkRequest, ForkResponse, HostGroupInfo, LifecycleResponse, ListQuery,
-    LogsResponse, NetworkPolicy, StdioEncoding, TagsPatch, TagsResponse, VmHealth, VmInfo,
-    VmNetworkInfo,
+    LogsResponse, NetworkPolicy, NodeStat, StdioEncoding, TagsPatch, TagsResponse, VmHealth,
+    VmInfo, VmNetworkInfo,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpStream, UnixStream};
@@ -900,6 +900,29 @@ impl TineClient {
             .wait(wait, timeout)
             .finish(format!("/vm/{}/relaunch", seg(vm)));
         self.call(Method::POST, &path, None).await
+    }
+
+    /// `POST /vm/{vm}/pause`: parks the VM's vCPUs (its memory stays).
+    pub async fn pause(&self, vm: &str) -> Result<VmInfo> {
+        self.call(Method::POST, &format!("/vm/{}/pause", seg(vm)), None)
+            .await
+    }
+
+    /// `POST /vm/{vm}/resume`: runs a paused VM's vCPUs again.
+    pub async fn resume(&self, vm: &str) -> Result<VmInfo> {
+        self.call(Method::POST, &format!("/vm/{}/resume", seg(vm)), None)
+            .await
+    }
+
+    /// `GET /node/{vm}/stats` for one VM, or `GET /nodes/stats` for all:
+    /// the guest's figures and the host's; a VM whose guest did not answer
+    /// has `error` set and no `snapshot`.
+    pub async fn stats(&self, vm: Option<&str>) -> Result<Vec<NodeStat>> {
+        let path = match vm {
+            Some(vm) => format!("/node/{}/stats", seg(vm)),
+            None => "/nodes/stats".to_owned(),
+        };
+        self.get(&path).await
     }
 
     /// `POST /vm/{vm}/exec`: runs a command; its output and exit come as a
