@@ -507,9 +507,13 @@ pub struct BgLogs {
     pub stdout_from: u64,
     /// Offset of the first stderr byte that will be sent.
     pub stderr_from: u64,
+    /// Frames before the requested `from_id` that had left the rings.
+    pub dropped_frames: u64,
     rx: StreamReceiver,
     _tx: StreamSender,
     done: bool,
+    /// The id the agent gave the data that comes next (0: none given).
+    frame_id: u64,
 }
 
 /// The end of a logs stream.
@@ -523,15 +527,28 @@ pub struct LogsEnd {
     pub dropped: u64,
     /// How the process ended, if it has.
     pub exit: Option<ExitStatus>,
+    /// The next frame's id (the exit's once it ended): resume from here
+    /// with `from_id`.
+    pub next_id: u64,
 }
 
 /// One event of a logs stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LogEvent {
-    /// Stdout bytes.
-    Stdout(Vec<u8>),
-    /// Stderr bytes.
-    Stderr(Vec<u8>),
+    /// A frame of stdout bytes.
+    Stdout {
+        /// The frame's id (0 from an agent that gives none).
+        id: u64,
+        /// The bytes.
+        data: Vec<u8>,
+    },
+    /// A frame of stderr bytes.
+    Stderr {
+        /// The frame's id (0 from an agent that gives none).
+        id: u64,
+        /// The bytes.
+        data: Vec<u8>,
+    },
     /// The end; the last event.
     End(LogsEnd),
 }
@@ -555,29 +572,36 @@ impl BgLogs {
         }
         loop {
             match self.rx.recv().await {
-                Some(Inbound::Data(Channel::Stderr, chunk)) => {
-                    return Ok(Some(LogEvent::Stderr(chunk.into_vec())))
+                Some(Inbound::Data(channel, chunk)) => {
+                    let id = std::mem::take(&mut self.frame_id);
+                    let data = chunk.into_vec();
+                    return Ok(Some(match channel {
+                        Channel::Stderr => LogEvent::Stderr { id, data },
+                        _ => LogEvent::Stdout { id, data },
+                    }));
                 }
-                Some(Inbound::Data(_, chunk)) => {
-                    return Ok(Some(LogEvent::Stdout(chunk.into_vec())))
-                }
-                Some(Inbound::Msg(bytes)) => {
-                    self.done = true;
-                    return match parse_response(&bytes)? {
-                        Response::LogsEnd {
-                            stdout_to,
-                            stderr_to,
-                            dropped,
-                            exit,
-                        } => Ok(Some(LogEvent::End(LogsEnd {
-                            stdout_to,
-                            stderr_to,
-                            dropped,
-                            exit,
-                        }))),
-                        other => Err(unexpected(other)),
-                    };
-                }
+                Some(Inbound::Msg(bytes)) => match parse_response(&bytes) {
+                    Ok(Response::LogFrame { id }) => self.frame_id = id,
+                    other => {
+                        self.done = true;
+                        return match other? {
+                            Response::LogsEnd {
+                                stdout_to,
+                                stderr_to,
+                                dropped,
+                                exit,
+                                next_id,
+                            } => Ok(Some(LogEvent::End(LogsEnd {
+                                stdout_to,
+                                stderr_to,
+                                dropped,
+                                exit,
+                                next_id,
+                            }))),
+                            other => Err(unexpected(other)),
+                        };
+                    }
+                },
                 Some(Inbound::Eof(_)) => {}
                 None => {
                     self.done = true;
@@ -592,8 +616,8 @@ impl BgLogs {
         let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
         while let Some(event) = self.next_event().await? {
             match event {
-                LogEvent::Stdout(d) => stdout.extend_from_slice(&d),
-                LogEvent::Stderr(d) => stderr.extend_from_slice(&d),
+                LogEvent::Stdout { data, .. } => stdout.extend_from_slice(&data),
+                LogEvent::Stderr { data, .. } => stderr.extend_from_slice(&data),
                 LogEvent::End(end) => {
                     return Ok(BgOutput {
                         stdout,
@@ -796,13 +820,16 @@ impl AgentClient {
             Response::LogsStart {
                 stdout_from,
                 stderr_from,
+                dropped_frames,
                 ..
             } => Ok(BgLogs {
                 stdout_from,
                 stderr_from,
+                dropped_frames,
                 rx,
                 _tx: tx,
                 done: false,
+                frame_id: 0,
             }),
             other => Err(unexpected(other)),
         }

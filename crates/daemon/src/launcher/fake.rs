@@ -121,6 +121,7 @@ impl FakeJob {
             stdout_bytes: out.0.len() as u64,
             stderr_bytes: out.1.len() as u64,
             ring_bytes: self.ring_bytes,
+            next_id: 0,
         }
     }
 }
@@ -702,6 +703,12 @@ impl FakeAgent {
                 let Some(job) = self.job(req.id) else {
                     return Some(missing(req.id));
                 };
+                if req.from_id.is_some() {
+                    return Some(Response::error(
+                        ErrorCode::BadRequest,
+                        "the fake agent keeps no frame ids",
+                    ));
+                }
                 if req.follow {
                     let mut exit = job.exit.clone();
                     let _ = exit.wait_for(Option::is_some).await;
@@ -724,6 +731,7 @@ impl FakeAgent {
                     stdout_from: so,
                     stderr_from: se,
                     dropped: do_ + de,
+                    dropped_frames: 0,
                 };
                 if stream.send_msg(&start).await.is_err()
                     || stream.send_data(Channel::Stdout, &out).await.is_err()
@@ -737,6 +745,7 @@ impl FakeAgent {
                     stderr_to: te,
                     dropped: do_ + de,
                     exit,
+                    next_id: 0,
                 }
             }
             _ => return None,

@@ -73,8 +73,8 @@ struct SdkWatchEvent {
 }
 
 impl Sdk {
-    /// A daemon whose guests answer `stats` and `watch` with a real agent.
-    fn with_real_agent() -> (Self, tempfile::TempDir) {
+    /// A daemon whose guests answer the operations `ops` with a real agent.
+    pub(super) fn with_real_agent(ops: &[&'static str]) -> (Self, tempfile::TempDir) {
         let sdk = Sdk::new();
         let root = tempfile::tempdir().expect("tmp");
         let agent = tine_agent::Agent::new(tine_agent::AgentConfig {
@@ -82,7 +82,7 @@ impl Sdk {
             ..tine_agent::AgentConfig::default()
         });
         sdk.fake.delegate_agent(
-            &["stats", "watch"],
+            ops,
             Arc::new(move |io| {
                 tokio::spawn(agent.clone().serve_connection(io));
             }),
@@ -180,7 +180,7 @@ async fn ends(body: Body) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stats_for_every_vm_and_for_one() {
-    let (sdk, _root) = Sdk::with_real_agent();
+    let (sdk, _root) = Sdk::with_real_agent(&["stats", "watch"]);
     let running = sdk.create(serde_json::json!({})).await.hostname;
     let stopped = sdk
         .create(serde_json::json!({"persistent": true}))
@@ -267,7 +267,7 @@ async fn stats_of_a_silent_agent_name_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fs_watch_streams_inotify_events_as_the_sdks_read_them() {
-    let (sdk, _root) = Sdk::with_real_agent();
+    let (sdk, _root) = Sdk::with_real_agent(&["stats", "watch"]);
     let h = sdk.create(serde_json::json!({})).await.hostname;
     let dir = tempfile::tempdir().expect("tmp");
     let d = dir.path().to_str().expect("utf-8").to_owned();
