@@ -1054,7 +1054,7 @@ impl AgentClient {
     /// network counters, open files, entropy, root file system space).
     pub async fn stats(&self) -> Result<GuestStats> {
         match self.call(&Request::Stats).await? {
-            Response::Stats(stats) => Ok(stats),
+            Response::Stats(stats) => Ok(*stats),
             other => Err(unexpected(other)),
         }
     }

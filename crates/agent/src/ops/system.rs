@@ -51,7 +51,7 @@ pub(crate) async fn stats() -> Result<Response, OpError> {
         ))
     })
     .await?;
-    Ok(Response::Stats(stats))
+    Ok(Response::Stats(Box::new(stats)))
 }
 
 /// Applies fix-ups to the system at `root` and answers

@@ -82,11 +82,11 @@ pub fn read_stats(src: &StatsSources<'_>) -> GuestStats {
     }
     match nix::sys::statvfs::statvfs(src.root) {
         Ok(v) => {
-            let frag = v.fragment_size() as u64;
+            let frag = v.fragment_size();
             s.root_fs = FsSpace {
-                total_bytes: (v.blocks() as u64).saturating_mul(frag),
-                free_bytes: (v.blocks_free() as u64).saturating_mul(frag),
-                available_bytes: (v.blocks_available() as u64).saturating_mul(frag),
+                total_bytes: v.blocks().saturating_mul(frag),
+                free_bytes: v.blocks_free().saturating_mul(frag),
+                available_bytes: v.blocks_available().saturating_mul(frag),
             };
         }
         Err(e) => errors.push(format!("statvfs {}: {e}", src.root.display())),

@@ -890,8 +890,8 @@ pub enum Response {
     Fixups(FixupReport),
     /// Answer to [`Request::UserdataStatus`].
     Userdata(UserdataStatus),
-    /// Answer to [`Request::Stats`].
-    Stats(GuestStats),
+    /// Answer to [`Request::Stats`] (boxed: it is the largest answer).
+    Stats(Box<GuestStats>),
     /// The watches of a [`Request::Watch`] are in place; batches of
     /// [`Response::WatchEvents`] follow.
     Watching {
