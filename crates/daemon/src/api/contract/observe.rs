@@ -373,3 +373,58 @@ async fn fs_watch_streams_inotify_events_as_the_sdks_read_them() {
         .await;
     assert_eq!(a.status, StatusCode::CONFLICT, "{}", a.text());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rust_client_reads_stats_and_watch_events() {
+    use tine_client::api::WatchOptions;
+    use tine_proto::api::FsEventType;
+    let (sdk, _root) = Sdk::with_real_agent(&["stats", "watch"]);
+    let h = sdk.create(serde_json::json!({})).await.hostname;
+    let dir = tempfile::tempdir().expect("tmp");
+    let socket = dir.path().join("api.sock");
+    let listener = tokio::net::UnixListener::bind(&socket).expect("bind");
+    let app = sdk.app.clone();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let client = tine_client::TineClient::unix(&socket);
+
+    let stats = client.stats(Some(&h)).await.expect("stats");
+    assert_eq!(stats.len(), 1);
+    assert!(stats[0].snapshot.as_ref().is_some_and(|s| s.total_cpus > 0));
+    assert_eq!(client.stats(None).await.expect("all").len(), 1);
+
+    let watched = dir.path().join("w");
+    std::fs::create_dir(&watched).expect("mkdir");
+    let options = WatchOptions {
+        paths: vec![watched.to_str().expect("utf-8").to_owned()],
+        events: vec![FsEventType::Create],
+        max_events: Some(2),
+        ..WatchOptions::default()
+    };
+    let mut events = client.fs_watch(&h, &options).await.expect("watch");
+    std::fs::write(watched.join("a"), b"1").expect("write");
+    std::fs::write(watched.join("b"), b"22").expect("write");
+    let mut got = Vec::new();
+    while let Some(e) = tokio::time::timeout(Duration::from_secs(10), events.next_event())
+        .await
+        .expect("events in time")
+    {
+        got.push(e.expect("an event"));
+    }
+    let names: Vec<(u64, &str)> = got
+        .iter()
+        .map(|e| (e.id, e.path.rsplit('/').next().unwrap_or_default()))
+        .collect();
+    assert_eq!(names, [(1, "a"), (2, "b")], "{got:?}");
+    assert!(got.iter().all(|e| e.kind == FsEventType::Create));
+    let e = client
+        .fs_watch(
+            &h,
+            &WatchOptions {
+                paths: vec!["/no/such/dir".into()],
+                ..WatchOptions::default()
+            },
+        )
+        .await
+        .expect_err("missing");
+    assert_eq!(e.status(), Some(404), "{e}");
+}
