@@ -11,6 +11,9 @@ use tine_proto::agent::{CpuTimes, FsSpace, GuestStats};
 /// sockets than this reports this many established at most.
 const MAX_SOCKET_LINES: usize = 1 << 20;
 
+/// Most file descriptors counted: past it the count stops.
+const MAX_FDS_COUNTED: u64 = 1 << 20;
+
 /// Where the figures come from: `/proc` and `/sys` of the running kernel,
 /// and the file system whose space is reported.
 #[derive(Debug, Clone)]
@@ -70,8 +73,13 @@ pub fn read_stats(src: &StatsSources<'_>) -> GuestStats {
     if let Some(text) = read("net/tcp") {
         s.tcp_established = count_established(&text);
     }
-    if let Some(text) = read("sys/fs/file-nr") {
-        s.open_files = parse_file_nr(&text);
+    // The kernel's own count (file-nr) is approximate, batched per CPU,
+    // and reads 0 in a small guest: the descriptors are counted instead.
+    s.open_files = count_fds(src.proc);
+    if s.open_files == 0 {
+        if let Some(text) = read("sys/fs/file-nr") {
+            s.open_files = parse_file_nr(&text);
+        }
     }
     if let Some(text) = read("sys/kernel/random/entropy_avail") {
         s.entropy_bits = text.trim().parse().unwrap_or(0);
@@ -282,6 +290,28 @@ pub fn count_established(text: &str) -> u64 {
         .count() as u64
 }
 
+/// File descriptors open in every process (`/proc/PID/fd`), up to
+/// [`MAX_FDS_COUNTED`]; processes that cannot be read are left out.
+fn count_fds(proc: &Path) -> u64 {
+    let Ok(dir) = std::fs::read_dir(proc) else {
+        return 0;
+    };
+    let mut n = 0u64;
+    for entry in dir.filter_map(|e| e.ok()) {
+        let name = entry.file_name();
+        if !name.to_string_lossy().bytes().all(|b| b.is_ascii_digit()) {
+            continue;
+        }
+        if let Ok(fds) = std::fs::read_dir(entry.path().join("fd")) {
+            n = n.saturating_add(fds.count() as u64);
+            if n >= MAX_FDS_COUNTED {
+                return MAX_FDS_COUNTED;
+            }
+        }
+    }
+    n
+}
+
 /// Open file handles from `/proc/sys/fs/file-nr` (allocated less free).
 pub fn parse_file_nr(text: &str) -> u64 {
     let mut f = text
@@ -390,6 +420,21 @@ Inter-|   Receive                                                |  Transmit
    2: 0100007F:D2A4 0100007F:1F90 01 00000000:00000000 00:00000000 00000000     0        0 3 1
 ";
         assert_eq!(count_established(tcp), 2);
+    }
+
+    #[test]
+    fn test_fds_are_counted_per_process_directory() {
+        let proc = tempfile::tempdir().expect("tmp");
+        for (pid, fds) in [("123", 3), ("456", 1), ("self", 7)] {
+            let dir = proc.path().join(pid).join("fd");
+            std::fs::create_dir_all(&dir).expect("mkdir");
+            for fd in 0..fds {
+                std::fs::write(dir.join(fd.to_string()), b"").expect("fd");
+            }
+        }
+        std::fs::create_dir(proc.path().join("789")).expect("no fd dir");
+        assert_eq!(count_fds(proc.path()), 4);
+        assert_eq!(count_fds(&proc.path().join("absent")), 0);
     }
 
     #[test]

@@ -77,7 +77,8 @@ pub struct GuestStats {
     pub net_tx_bytes: u64,
     /// TCP connections in the established state, IPv4 and IPv6.
     pub tcp_established: u64,
-    /// File handles open in the kernel (`/proc/sys/fs/file-nr`).
+    /// File descriptors open in the guest's processes (`/proc/PID/fd`;
+    /// the kernel's `file-nr` when those cannot be read).
     pub open_files: u64,
     /// Entropy the kernel's pool holds, in bits.
     pub entropy_bits: u64,

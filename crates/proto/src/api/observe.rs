@@ -66,7 +66,7 @@ pub struct VmSnapshot {
     pub disk_io_inflight: u64,
     /// Established TCP connections.
     pub open_connections: u64,
-    /// File handles open in the guest's kernel.
+    /// File descriptors open in the guest's processes.
     pub open_files: u64,
     /// Bits in the guest kernel's entropy pool.
     pub entropy: u64,
