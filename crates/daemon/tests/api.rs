@@ -837,7 +837,7 @@ fn observe() -> R {
         assert!(snap.disk_write_total >= (8u64 << 20) as f64, "{snap:?}");
         assert!(snap.open_files > 0 && snap.uptime_ms > 0);
         let host = &s.host;
-        assert_eq!(host.vmm_pid, Some(d.vmm_pid(h)?));
+        assert_eq!(host.vmm_pid, Some(pid_of(c, h).await?));
         let (rss, pss, uss) = (
             host.rss_bytes.unwrap_or(0),
             host.pss_bytes.unwrap_or(0),
