@@ -16,6 +16,7 @@ use crate::error::OpError;
 use crate::listener::Listener;
 use crate::ops;
 use crate::ops::background::{Jobs, JobsConfig};
+use crate::ops::watch::WatchLimits;
 
 pub use crate::ops::system::AGENT_VERSION;
 
@@ -34,6 +35,11 @@ pub struct AgentConfig {
     pub max_background_jobs: usize,
     /// Total ring-buffer bytes all background execs may hold.
     pub max_background_ring_bytes: u64,
+    /// Directories (and files) one `watch` may cover.
+    pub max_watch_dirs: usize,
+    /// Events of one `watch` that may wait for a slow client; later ones
+    /// are dropped and reported as one `overflow` event.
+    pub max_watch_queue: usize,
 }
 
 impl Default for AgentConfig {
@@ -44,6 +50,17 @@ impl Default for AgentConfig {
             handshake_timeout: Duration::from_secs(10),
             max_background_jobs: 256,
             max_background_ring_bytes: 256 << 20,
+            max_watch_dirs: 8192,
+            max_watch_queue: 4096,
+        }
+    }
+}
+
+impl AgentConfig {
+    fn watch_limits(&self) -> WatchLimits {
+        WatchLimits {
+            max_dirs: self.max_watch_dirs,
+            max_queued: self.max_watch_queue,
         }
     }
 }
@@ -217,5 +234,7 @@ async fn run(
         Request::AuthorizedKeys(req) => {
             ops::system::authorized_keys(&agent.config.system_root, req).await
         }
+        Request::Stats => ops::system::stats().await,
+        Request::Watch(req) => ops::watch::run(req, &agent.config.watch_limits(), tx, rx).await,
     }
 }

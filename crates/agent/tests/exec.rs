@@ -467,3 +467,98 @@ pub fn process_alive(pid: u32) -> bool {
         Err(_) => false,
     }
 }
+
+/// The events of a whole logs answer, with their frame ids.
+async fn frames(
+    client: &tine_client::AgentClient,
+    req: BgLogsRequest,
+) -> (u64, Vec<(u64, bool, Vec<u8>)>, tine_client::agent::LogsEnd) {
+    use tine_client::agent::LogEvent;
+    let mut logs = client.bg_logs(req).await.expect("logs");
+    let dropped_frames = logs.dropped_frames;
+    let mut seen = Vec::new();
+    while let Some(event) = logs.next_event().await.expect("event") {
+        match event {
+            LogEvent::Stdout { id, data } => seen.push((id, false, data)),
+            LogEvent::Stderr { id, data } => seen.push((id, true, data)),
+            LogEvent::End(end) => return (dropped_frames, seen, end),
+        }
+    }
+    panic!("no end");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn test_background_logs_resume_by_frame_id() {
+    let agent = TestAgent::start().await;
+    let client = agent.client().await;
+    let (id, _) = client
+        .exec_background(
+            ExecRequest::shell("printf a; sleep 0.2; printf b >&2; sleep 0.2; printf c"),
+            None,
+        )
+        .await
+        .expect("start");
+    client
+        .bg_wait(id, Some(Duration::from_secs(10)))
+        .await
+        .expect("wait");
+    let all = |from_id| BgLogsRequest {
+        id,
+        from_id,
+        ..BgLogsRequest::default()
+    };
+    let (gap, seen, end) = frames(&client, all(None)).await;
+    assert_eq!(gap, 0);
+    assert_eq!(
+        seen,
+        vec![
+            (1, false, b"a".to_vec()),
+            (2, true, b"b".to_vec()),
+            (3, false, b"c".to_vec())
+        ]
+    );
+    assert_eq!(end.next_id, 4, "the exit is frame 4");
+    let job = client.bg_list().await.expect("list");
+    assert_eq!(job[0].next_id, 5);
+    let (_, seen, _) = frames(&client, all(Some(2))).await;
+    assert_eq!(seen.iter().map(|f| f.0).collect::<Vec<_>>(), [2, 3]);
+    let (_, seen, end) = frames(&client, all(Some(4))).await;
+    assert!(seen.is_empty());
+    assert_eq!(end.exit.and_then(|e| e.code), Some(0));
+    // A cursor and byte offsets are one or the other.
+    let e = client
+        .bg_logs(BgLogsRequest {
+            stdout_from: Some(0),
+            ..all(Some(1))
+        })
+        .await
+        .expect_err("both");
+    assert_eq!(e.code(), Some(ErrorCode::BadRequest));
+
+    // Frames the ring dropped are counted; the rest follow.
+    let (id, _) = client
+        .exec_background(
+            ExecRequest::shell(
+                "head -c 3000 /dev/zero; sleep 0.2; head -c 3000 /dev/zero; sleep 0.2; head -c 3000 /dev/zero",
+            ),
+            Some(4096),
+        )
+        .await
+        .expect("start");
+    client
+        .bg_wait(id, Some(Duration::from_secs(10)))
+        .await
+        .expect("wait");
+    let (gap, seen, _) = frames(
+        &client,
+        BgLogsRequest {
+            id,
+            from_id: Some(1),
+            ..BgLogsRequest::default()
+        },
+    )
+    .await;
+    assert_eq!(gap, 1, "frame 1 left the 4 KiB ring");
+    assert_eq!(seen.iter().map(|f| f.0).collect::<Vec<_>>(), [2, 3]);
+    assert_eq!(seen[0].2.len() + seen[1].2.len(), 4096);
+}

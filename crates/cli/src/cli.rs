@@ -287,6 +287,13 @@ pub enum VmCommand {
     Health(VmArg),
     /// Wait until a VM's agent answers (exit 1 on timeout)
     Ready(ReadyArgs),
+    /// Show VMs' figures: the guest's (memory, load, disk, network) and the
+    /// host's (the VMM's CPU time and memory, disk file, TAP counters)
+    Stats(StatsArgs),
+    /// Park a running VM's vCPUs (its memory stays; `resume` continues it)
+    Pause(VmArg),
+    /// Run a paused VM's vCPUs again
+    Resume(VmArg),
     /// Stop a VM (a persistent one keeps its disk)
     Shutdown(ShutdownArgs),
     /// Boot a stopped persistent VM from its disk
@@ -319,6 +326,13 @@ pub enum VmCommand {
 pub struct VmArg {
     /// The VM: hostname (GROUP-N) or friendly name
     pub vm: String,
+}
+
+/// `tine vm stats`
+#[derive(Debug, Args)]
+pub struct StatsArgs {
+    /// The VM (every VM when left out): hostname (GROUP-N) or friendly name
+    pub vm: Option<String>,
 }
 
 /// `tine vm add`

@@ -124,6 +124,9 @@ async fn vm(g: &GlobalArgs, command: VmCommand) -> anyhow::Result<i32> {
         VmCommand::Cp(args) => stream::cp(g, &c, args).await,
         VmCommand::Forward(args) => stream::forward(g, &c, args).await,
         VmCommand::Logs(args) => logs(g, &c, &args).await,
+        VmCommand::Stats(args) => crate::stats::run(g, &c, &args).await,
+        VmCommand::Pause(a) => crate::pause::run(g, &c, &a, false).await,
+        VmCommand::Resume(a) => crate::pause::run(g, &c, &a, true).await,
         VmCommand::Health(a) => {
             let h = c.health(&a.vm, Wait::None, None).await?;
             if g.json {

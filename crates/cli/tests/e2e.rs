@@ -641,3 +641,54 @@ async fn exec_exits_while_stdin_stays_open() {
         .expect("wait");
     assert_eq!(status.code(), Some(6));
 }
+
+#[tokio::test]
+async fn stats_show_guest_and_host_figures_and_say_why_some_are_missing() {
+    let fake = FakeDaemon::start(None).await;
+    let r = run(&fake, &["vm", "stats"]).await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(fake.last("/nodes").uri, "/nodes/stats");
+    let lines: Vec<&str> = r.stdout.lines().collect();
+    assert!(lines[0].starts_with("HOSTNAME"), "{}", r.stdout);
+    assert!(
+        lines[1].starts_with("dev-1 ") && lines[1].contains("128M/512M (25%)"),
+        "{}",
+        r.stdout
+    );
+    assert!(
+        lines[1].contains("200M") && lines[1].contains("80M"),
+        "{}",
+        r.stdout
+    );
+    assert!(lines[2].ends_with("dev-2 is stopped"), "{}", r.stdout);
+
+    let r = run(&fake, &["vm", "stats", "web", "--json"]).await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(fake.last("/node/").uri, "/node/web/stats");
+    let v: serde_json::Value = serde_json::from_str(&r.stdout).expect("one JSON document");
+    assert_eq!(v[0]["snapshot"]["totalCpus"], 1);
+    assert_eq!(v[0]["host"]["uss_bytes"], 80 << 20);
+
+    let r = run(&fake, &["vm", "stats", "dev-9"]).await;
+    assert_eq!(r.code, 1, "{}", r.stdout);
+    assert!(r.stderr.contains("not_found"), "{}", r.stderr);
+}
+
+#[tokio::test]
+async fn pause_and_resume_name_the_vm() {
+    let fake = FakeDaemon::start(None).await;
+    let r = run(&fake, &["vm", "pause", "dev-1"]).await;
+    assert_eq!(
+        (r.code, r.stdout.as_str()),
+        (0, "dev-1 paused\n"),
+        "{}",
+        r.stderr
+    );
+    assert_eq!(fake.last("/vm/dev-1/pause").method, "POST");
+    let r = run(&fake, &["vm", "resume", "dev-1", "-q"]).await;
+    assert_eq!((r.code, r.stdout.as_str()), (0, "dev-1\n"), "{}", r.stderr);
+    assert_eq!(fake.last("/vm/dev-1/resume").method, "POST");
+    let r = run(&fake, &["vm", "pause", "dev-2"]).await;
+    assert_eq!(r.code, 1);
+    assert!(r.stderr.contains("dev-2 is stopped"), "{}", r.stderr);
+}

@@ -19,7 +19,7 @@ use serde::Serialize;
 use serde_yaml::Value as Yaml;
 use tine_proto::api::{
     CommitInfo, CpResponse, CreateVmResponse, DaemonInfo, DeleteCommitResponse, ErrorBody,
-    ErrorCode, ExecFrame, ForkResponse, HostGroupInfo, LifecycleResponse, LogsResponse,
+    ErrorCode, ExecFrame, ForkResponse, HostGroupInfo, LifecycleResponse, LogsResponse, NodeStat,
     TagsResponse, VmHealth, VmInfo,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -236,6 +236,37 @@ fn cases() -> Vec<Case> {
             Error(ErrorCode::NotFound),
         ),
         case(M::GET, "/nodes", "/nodes", list::<VmInfo>()),
+        case(M::GET, "/nodes/stats", "/nodes/stats", list::<NodeStat>()),
+        case(
+            M::GET,
+            "/node/{hostname}/stats",
+            "/node/dev-2/stats",
+            list::<NodeStat>(),
+        ),
+        case(
+            M::GET,
+            "/node/{hostname}/stats",
+            "/node/dev-9/stats",
+            Error(ErrorCode::NotFound),
+        ),
+        case(
+            M::POST,
+            "/vm/{hostname}/pause",
+            "/vm/dev-1/pause",
+            json::<VmInfo>(200),
+        ),
+        case(
+            M::POST,
+            "/vm/{hostname}/pause",
+            "/vm/dev-2/pause",
+            Error(ErrorCode::Conflict),
+        ),
+        case(
+            M::POST,
+            "/vm/{hostname}/resume",
+            "/vm/dev-1/resume",
+            json::<VmInfo>(200),
+        ),
         case(M::GET, "/vm/commits", "/vm/commits", list::<CommitInfo>()),
         case(
             M::DELETE,

@@ -16,10 +16,10 @@ use tine_proto::agent::{
     client_handshake, AuthorizedKeysRequest, BackgroundOptions, BgIdRequest, BgJob, BgKillRequest,
     BgLogsRequest, BgWaitRequest, Channel, CloseReason, Control, DirEntry, ErrorCode, ExecRequest,
     ExitStatus, FileAttrs, FileStat, FixupReport, FixupRequest, ForwardRequest, ForwardTarget,
-    HandshakeError, Health, Hello, KeysReport, MkdirRequest, NetworkRequest, PathRequest,
-    RemoveRequest, Request, Response, SecretFile, SecretsReport, SecretsSyncRequest, ShellRequest,
-    ShutdownAction, ShutdownRequest, StatRequest, UploadRequest, UploadTarRequest,
-    UserdataRunRequest, UserdataStatus, Welcome, PROTOCOL_VERSION,
+    GuestStats, HandshakeError, Health, Hello, KeysReport, MkdirRequest, NetworkRequest,
+    PathRequest, RemoveRequest, Request, Response, SecretFile, SecretsReport, SecretsSyncRequest,
+    ShellRequest, ShutdownAction, ShutdownRequest, StatRequest, UploadRequest, UploadTarRequest,
+    UserdataRunRequest, UserdataStatus, WatchEvent, WatchRequest, Welcome, PROTOCOL_VERSION,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
@@ -469,6 +469,37 @@ impl ForwardStream {
     }
 }
 
+/// A running file-system watch ([`AgentClient::watch`]).
+#[derive(Debug)]
+pub struct FsWatch {
+    _tx: StreamSender,
+    rx: StreamReceiver,
+    watched: u64,
+}
+
+impl FsWatch {
+    /// Directories (and files) the agent watches.
+    pub fn watched(&self) -> u64 {
+        self.watched
+    }
+
+    /// The next batch of changes, oldest first; `None` if the agent ended
+    /// the watch without an error.
+    pub async fn next_batch(&mut self) -> Result<Option<Vec<WatchEvent>>> {
+        loop {
+            match self.rx.recv().await {
+                Some(Inbound::Msg(bytes)) => match parse_response(&bytes)? {
+                    Response::WatchEvents { events } => return Ok(Some(events)),
+                    Response::Ok => return Ok(None),
+                    other => return Err(unexpected(other)),
+                },
+                Some(_) => {}
+                None => return Err(ended(&self.rx)),
+            }
+        }
+    }
+}
+
 /// Streams a background exec's output.
 #[derive(Debug)]
 pub struct BgLogs {
@@ -476,9 +507,13 @@ pub struct BgLogs {
     pub stdout_from: u64,
     /// Offset of the first stderr byte that will be sent.
     pub stderr_from: u64,
+    /// Frames before the requested `from_id` that had left the rings.
+    pub dropped_frames: u64,
     rx: StreamReceiver,
     _tx: StreamSender,
     done: bool,
+    /// The id the agent gave the data that comes next (0: none given).
+    frame_id: u64,
 }
 
 /// The end of a logs stream.
@@ -492,15 +527,28 @@ pub struct LogsEnd {
     pub dropped: u64,
     /// How the process ended, if it has.
     pub exit: Option<ExitStatus>,
+    /// The next frame's id (the exit's once it ended): resume from here
+    /// with `from_id`.
+    pub next_id: u64,
 }
 
 /// One event of a logs stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LogEvent {
-    /// Stdout bytes.
-    Stdout(Vec<u8>),
-    /// Stderr bytes.
-    Stderr(Vec<u8>),
+    /// A frame of stdout bytes.
+    Stdout {
+        /// The frame's id (0 from an agent that gives none).
+        id: u64,
+        /// The bytes.
+        data: Vec<u8>,
+    },
+    /// A frame of stderr bytes.
+    Stderr {
+        /// The frame's id (0 from an agent that gives none).
+        id: u64,
+        /// The bytes.
+        data: Vec<u8>,
+    },
     /// The end; the last event.
     End(LogsEnd),
 }
@@ -524,29 +572,36 @@ impl BgLogs {
         }
         loop {
             match self.rx.recv().await {
-                Some(Inbound::Data(Channel::Stderr, chunk)) => {
-                    return Ok(Some(LogEvent::Stderr(chunk.into_vec())))
+                Some(Inbound::Data(channel, chunk)) => {
+                    let id = std::mem::take(&mut self.frame_id);
+                    let data = chunk.into_vec();
+                    return Ok(Some(match channel {
+                        Channel::Stderr => LogEvent::Stderr { id, data },
+                        _ => LogEvent::Stdout { id, data },
+                    }));
                 }
-                Some(Inbound::Data(_, chunk)) => {
-                    return Ok(Some(LogEvent::Stdout(chunk.into_vec())))
-                }
-                Some(Inbound::Msg(bytes)) => {
-                    self.done = true;
-                    return match parse_response(&bytes)? {
-                        Response::LogsEnd {
-                            stdout_to,
-                            stderr_to,
-                            dropped,
-                            exit,
-                        } => Ok(Some(LogEvent::End(LogsEnd {
-                            stdout_to,
-                            stderr_to,
-                            dropped,
-                            exit,
-                        }))),
-                        other => Err(unexpected(other)),
-                    };
-                }
+                Some(Inbound::Msg(bytes)) => match parse_response(&bytes) {
+                    Ok(Response::LogFrame { id }) => self.frame_id = id,
+                    other => {
+                        self.done = true;
+                        return match other? {
+                            Response::LogsEnd {
+                                stdout_to,
+                                stderr_to,
+                                dropped,
+                                exit,
+                                next_id,
+                            } => Ok(Some(LogEvent::End(LogsEnd {
+                                stdout_to,
+                                stderr_to,
+                                dropped,
+                                exit,
+                                next_id,
+                            }))),
+                            other => Err(unexpected(other)),
+                        };
+                    }
+                },
                 Some(Inbound::Eof(_)) => {}
                 None => {
                     self.done = true;
@@ -561,8 +616,8 @@ impl BgLogs {
         let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
         while let Some(event) = self.next_event().await? {
             match event {
-                LogEvent::Stdout(d) => stdout.extend_from_slice(&d),
-                LogEvent::Stderr(d) => stderr.extend_from_slice(&d),
+                LogEvent::Stdout { data, .. } => stdout.extend_from_slice(&data),
+                LogEvent::Stderr { data, .. } => stderr.extend_from_slice(&data),
                 LogEvent::End(end) => {
                     return Ok(BgOutput {
                         stdout,
@@ -765,13 +820,16 @@ impl AgentClient {
             Response::LogsStart {
                 stdout_from,
                 stderr_from,
+                dropped_frames,
                 ..
             } => Ok(BgLogs {
                 stdout_from,
                 stderr_from,
+                dropped_frames,
                 rx,
                 _tx: tx,
                 done: false,
+                frame_id: 0,
             }),
             other => Err(unexpected(other)),
         }
@@ -987,6 +1045,29 @@ impl AgentClient {
                 tx,
                 rx,
                 remote_eof: false,
+            }),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// A snapshot of the guest's figures (memory, load, CPU time, disk and
+    /// network counters, open files, entropy, root file system space).
+    pub async fn stats(&self) -> Result<GuestStats> {
+        match self.call(&Request::Stats).await? {
+            Response::Stats(stats) => Ok(*stats),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Watches paths in the guest for changes; returns once the agent has
+    /// its watches in place. Dropping the [`FsWatch`] ends the watch.
+    pub async fn watch(&self, req: WatchRequest) -> Result<FsWatch> {
+        let (tx, mut rx) = self.open(&Request::Watch(req)).await?;
+        match self.reply(&mut rx).await? {
+            Response::Watching { watched } => Ok(FsWatch {
+                _tx: tx,
+                rx,
+                watched,
             }),
             other => Err(unexpected(other)),
         }

@@ -29,9 +29,10 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tine_proto::api::{
     CommitInfo, CommitRequest, CreateSecretRequest, CreateVmRequest, CreateVmResponse, DaemonInfo,
-    DeleteSecretResponse, ErrorBody, ErrorCode, ExecFrame, ForkRequest, ForkResponse,
-    HostGroupInfo, LifecycleResponse, ListQuery, LogsResponse, NetworkPolicy, SecretInfo,
-    StdioEncoding, TagsPatch, TagsResponse, UpdateSecretRequest, VmHealth, VmInfo, VmNetworkInfo,
+    DeleteSecretResponse, ErrorBody, ErrorCode, ExecFrame, ForkRequest, ForkResponse, FsEventType,
+    FsWatchEvent, HostGroupInfo, LifecycleResponse, ListQuery, LogsResponse, NetworkPolicy,
+    NodeStat, SecretInfo, StdioEncoding, TagsPatch, TagsResponse, UpdateSecretRequest, VmHealth,
+    VmInfo, VmNetworkInfo,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpStream, UnixStream};
@@ -902,6 +903,59 @@ impl TineClient {
         self.call(Method::POST, &path, None).await
     }
 
+    /// `POST /vm/{vm}/pause`: parks the VM's vCPUs (its memory stays).
+    pub async fn pause(&self, vm: &str) -> Result<VmInfo> {
+        self.call(Method::POST, &format!("/vm/{}/pause", seg(vm)), None)
+            .await
+    }
+
+    /// `POST /vm/{vm}/resume`: runs a paused VM's vCPUs again.
+    pub async fn resume(&self, vm: &str) -> Result<VmInfo> {
+        self.call(Method::POST, &format!("/vm/{}/resume", seg(vm)), None)
+            .await
+    }
+
+    /// `GET /node/{vm}/stats` for one VM, or `GET /nodes/stats` for all:
+    /// the guest's figures and the host's; a VM whose guest did not answer
+    /// has `error` set and no `snapshot`.
+    pub async fn stats(&self, vm: Option<&str>) -> Result<Vec<NodeStat>> {
+        let path = match vm {
+            Some(vm) => format!("/node/{}/stats", seg(vm)),
+            None => "/nodes/stats".to_owned(),
+        };
+        self.get(&path).await
+    }
+
+    /// `GET /vm/{vm}/fs/watch`: the guest's file changes as they happen,
+    /// once the agent's watches are in place.
+    pub async fn fs_watch(&self, vm: &str, options: &WatchOptions) -> Result<FsWatchStream> {
+        let mut q = Query::new();
+        for p in &options.paths {
+            q.add("paths", p);
+        }
+        for p in &options.patterns {
+            q.add("patterns", p);
+        }
+        for e in &options.events {
+            q.add("events", e.as_str());
+        }
+        if options.recursive {
+            q.add("recursive", "true");
+        }
+        q.opt("max_events", options.max_events);
+        let go = |d: Duration| format!("{}ms", d.as_millis());
+        q.opt("timeout", options.timeout.map(go));
+        q.opt("debounce", options.debounce.map(go));
+        let path = q.finish(format!("/vm/{}/fs/watch", seg(vm)));
+        let response = self.send(Method::GET, &path, None, empty_body()).await?;
+        Ok(FsWatchStream {
+            body: response.into_body(),
+            lines: NdjsonDecoder::default(),
+            data: Vec::new(),
+            done: false,
+        })
+    }
+
     /// `POST /vm/{vm}/exec`: runs a command; its output and exit come as a
     /// stream of [`ExecFrame`]s while it runs. With `stdin`, the reader is
     /// streamed to the command's stdin as the request body (EOF closes it).
@@ -1147,6 +1201,17 @@ impl NdjsonDecoder {
         None
     }
 
+    /// The next complete line, without its newline, blank ones included.
+    fn next_line_raw(&mut self) -> Option<Bytes> {
+        let pos = self.buf.iter().position(|&b| b == b'\n')?;
+        let mut line = self.buf.split_to(pos + 1).freeze();
+        line.truncate(pos);
+        if line.last() == Some(&b'\r') {
+            line.truncate(pos - 1);
+        }
+        Some(line)
+    }
+
     /// What is left after the last newline (a last line without one).
     pub fn finish(&mut self) -> Option<Bytes> {
         let rest = self.buf.split().freeze();
@@ -1270,6 +1335,84 @@ impl Stream for ExecStream {
                 None => this.done = true,
             }
         }
+    }
+}
+
+/// What [`TineClient::fs_watch`] watches.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WatchOptions {
+    /// Absolute paths in the guest (or `~/...`).
+    pub paths: Vec<String>,
+    /// Watch the directories below them too.
+    pub recursive: bool,
+    /// Globs a path must match (on the file name without `/`).
+    pub patterns: Vec<String>,
+    /// The kinds to report (all when empty).
+    pub events: Vec<FsEventType>,
+    /// End after this many events.
+    pub max_events: Option<u64>,
+    /// End after this long.
+    pub timeout: Option<Duration>,
+    /// Report each (kind, path) once per window.
+    pub debounce: Option<Duration>,
+}
+
+/// The events of a file watch, read from its Server-Sent Events.
+/// Dropping it ends the watch.
+#[derive(Debug)]
+pub struct FsWatchStream {
+    body: Incoming,
+    lines: NdjsonDecoder,
+    /// The `data:` lines of the message being read.
+    data: Vec<Bytes>,
+    done: bool,
+}
+
+impl FsWatchStream {
+    /// The next event; `None` once the daemon ended the stream (its
+    /// `max_events` or `timeout`); an error when it was cut.
+    pub async fn next_event(&mut self) -> Option<Result<FsWatchEvent>> {
+        loop {
+            while let Some(line) = self.lines.next_line_raw() {
+                if line.is_empty() {
+                    if let Some(event) = self.message() {
+                        return Some(event);
+                    }
+                } else if let Some(data) = line.strip_prefix(b"data:") {
+                    self.data.push(Bytes::copy_from_slice(data.trim_ascii()));
+                }
+            }
+            if self.done {
+                return self.message();
+            }
+            match self.body.frame().await {
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        self.lines.push(&data);
+                    }
+                }
+                Some(Err(e)) => {
+                    self.done = true;
+                    return Some(Err(e.into()));
+                }
+                None => self.done = true,
+            }
+        }
+    }
+
+    /// The event the `data:` lines read so far make, if any.
+    fn message(&mut self) -> Option<Result<FsWatchEvent>> {
+        if self.data.is_empty() {
+            return None;
+        }
+        let joined = self.data.join(&b'\n');
+        self.data.clear();
+        Some(
+            serde_json::from_slice(&joined).map_err(|source| ApiError::Decode {
+                what: "a watch event".into(),
+                source,
+            }),
+        )
     }
 }
 

@@ -5,7 +5,8 @@
 //! migrations), `core` (VM life cycles, supervision, commits and forks,
 //! start-up reconciliation, each VM's network), `launcher` (what runs VMs:
 //! tine-vmm processes, or an in-process fake for tests), `process` (starting
-//! and recognising tine-vmm processes), `storage` (qcow2 disk chains),
+//! and recognising tine-vmm processes), `host_stats` (what the host
+//! measures of a VM's process and TAP for stats), `storage` (qcow2 disk chains),
 //! `network` (TAPs, bridges, nftables), `api` (the REST routes,
 //! docs/api.md) and `error` (core errors as HTTP), `server` (listeners, the
 //! data-directory lock, the token), `failpoint` (crash points for the
@@ -22,6 +23,7 @@ pub mod core;
 pub mod db;
 pub mod error;
 pub mod failpoint;
+pub mod host_stats;
 pub mod launcher;
 pub mod network;
 pub mod process;

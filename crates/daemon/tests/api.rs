@@ -949,6 +949,91 @@ fn commit_on_a_full_disk() -> R {
     })
 }
 
+/// Stats and the file watch of a booted guest: the figures its agent
+/// reads, the host's of its VMM, and inotify events from the guest.
+fn observe() -> R {
+    use tine_client::api::WatchOptions;
+    use tine_proto::api::FsEventType;
+    let d = Daemon::start("observe", "", None)?;
+    let c = &d.client;
+    rt().block_on(async {
+        let vm = c
+            .create_vm("t", &create_req(true), Wait::Agent, Some(BOOT))
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        let h = &vm.hostname;
+        // Some work, so the counters have something to count.
+        sh_ok(c, h, "dd if=/dev/zero of=/root/blob bs=1M count=8 && sync").await?;
+        let stats = c.stats(Some(h)).await.map_err(|e| fail(e.to_string()))?;
+        let s = &stats[0];
+        println!("{}", serde_json::to_string(s).unwrap_or_default());
+        let snap = s
+            .snapshot
+            .as_ref()
+            .ok_or_else(|| fail(format!("no snapshot: {}", s.error)))?;
+        assert_eq!(snap.total_cpus, 1, "the group's one vCPU");
+        assert!(
+            snap.total_memory > 128 << 20 && snap.total_memory <= 256 << 20,
+            "{snap:?}"
+        );
+        assert!(snap.memory_used > 0 && snap.memory_used < snap.total_memory);
+        assert!(
+            snap.disk_space_total > 0 && snap.disk_space_used >= 8 << 20,
+            "{snap:?}"
+        );
+        assert!(snap.disk_write_total >= (8u64 << 20) as f64, "{snap:?}");
+        assert!(snap.open_files > 0 && snap.uptime_ms > 0);
+        let host = &s.host;
+        assert_eq!(host.vmm_pid, Some(pid_of(c, h).await?));
+        let (rss, pss, uss) = (
+            host.rss_bytes.unwrap_or(0),
+            host.pss_bytes.unwrap_or(0),
+            host.uss_bytes.unwrap_or(0),
+        );
+        assert!(
+            rss > 0 && pss > 0 && uss > 0 && uss <= pss && pss <= rss,
+            "{host:?}"
+        );
+        assert!(host.cpu_user_ms.unwrap_or(0) + host.cpu_system_ms.unwrap_or(0) > 0);
+        assert!(host.disk.allocated_bytes >= 8 << 20, "{host:?}");
+
+        // A recursive watch in the guest sees a directory and a file made
+        // by an exec there.
+        let options = WatchOptions {
+            paths: vec!["/root".into()],
+            recursive: true,
+            events: vec![FsEventType::Create],
+            max_events: Some(2),
+            ..WatchOptions::default()
+        };
+        let mut events = c
+            .fs_watch(h, &options)
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        sh_ok(c, h, "mkdir /root/w && echo hi > /root/w/f").await?;
+        let mut paths = Vec::new();
+        while let Some(e) = tokio::time::timeout(Duration::from_secs(30), events.next_event())
+            .await
+            .map_err(|_| fail(format!("no more events after {paths:?}")))?
+        {
+            paths.push(e.map_err(|e| fail(e.to_string()))?.path);
+        }
+        assert_eq!(paths, ["/root/w", "/root/w/f"]);
+        // Stopped: no snapshot, and why.
+        c.shutdown(h, ShutdownAction::Shutdown, None)
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        let all = c.stats(None).await.map_err(|e| fail(e.to_string()))?;
+        let stopped = all
+            .iter()
+            .find(|s| &s.hostname == h)
+            .ok_or_else(|| fail(format!("{h} is not listed: {all:?}")))?;
+        assert!(stopped.snapshot.is_none(), "{stopped:?}");
+        assert_eq!(stopped.error, format!("{h} is stopped"));
+        Ok(())
+    })
+}
+
 fn main() {
     bed_main(
         "daemon api test",
@@ -960,6 +1045,7 @@ fn main() {
             Trial::test("commit_and_fork", commit_and_fork),
             Trial::test("commit_on_a_full_disk", commit_on_a_full_disk),
             Trial::test("secrets_and_ssh_keys", secrets_and_ssh_keys),
+            Trial::test("observe", observe),
         ],
     );
 }

@@ -672,6 +672,9 @@ pub struct BgExecInfo {
     pub stdout_bytes: u64,
     /// Stderr bytes written.
     pub stderr_bytes: u64,
+    /// The id the next log frame will get (`from_id` to read only what
+    /// comes after now); 0 from an agent that numbers no frames.
+    pub next_id: u64,
 }
 
 /// `POST /vm/{hostname}/exec/{id}/kill` body.
@@ -726,13 +729,25 @@ pub struct BgDeleteResponse {
     pub reaped: bool,
 }
 
-/// One NDJSON line of `GET /vm/{hostname}/exec/{id}/logs`.
+/// One NDJSON line of `GET /vm/{hostname}/exec/{id}/logs`. Each chunk of
+/// output, and the exit, is a frame with an id the agent gives it (from 1,
+/// the same in every answer), so `from_id=` resumes after the last seen.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum BgLogFrame {
+    /// Frames from `from_id` on that the rings no longer hold; the first
+    /// line when there are any.
+    Gap {
+        /// The first frame missing (`from_id`).
+        id: u64,
+        /// How many are missing.
+        dropped_frames: u64,
+        /// Which ones.
+        message: String,
+    },
     /// Stdout bytes, base64.
     Stdout {
-        /// Frame number in this answer, from 1.
+        /// The frame's id.
         id: u64,
         /// The bytes, base64.
         data: String,
@@ -741,7 +756,7 @@ pub enum BgLogFrame {
     },
     /// Stderr bytes, base64.
     Stderr {
-        /// Frame number in this answer, from 1.
+        /// The frame's id.
         id: u64,
         /// The bytes, base64.
         data: String,
@@ -750,7 +765,7 @@ pub enum BgLogFrame {
     },
     /// The end of what the rings hold (still running), with what was lost.
     End {
-        /// Frame number.
+        /// The next frame's id: `from_id=` to resume.
         id: u64,
         /// Requested bytes the rings had already dropped.
         dropped_bytes: u64,
@@ -761,7 +776,7 @@ pub enum BgLogFrame {
     },
     /// It ended; the last frame.
     Exit {
-        /// Frame number.
+        /// The exit's frame id.
         id: u64,
         /// Its exit code (128+N for signal N).
         exit_code: i32,
@@ -1534,3 +1549,7 @@ wire_enum! {
         Other = "other",
     }
 }
+
+// After `wire_enum!`, which it uses.
+mod observe;
+pub use observe::*;

@@ -19,6 +19,9 @@ use super::exec::READ_CHUNK;
 use super::process::{self, read_output, signal_group};
 use crate::error::OpError;
 
+// A frame is one read of a pipe, sent as one data frame.
+const _: () = assert!(READ_CHUNK <= MAX_DATA_CHUNK);
+
 /// Smallest ring a request may ask for.
 const MIN_RING_BYTES: u64 = 4 << 10;
 /// Largest ring a request may ask for (per stream).
@@ -33,12 +36,17 @@ pub(crate) struct JobsConfig {
     pub(crate) max_ring_total: u64,
 }
 
-/// A byte ring that remembers the absolute offset of its first byte.
+/// A byte ring that remembers the absolute offset of its first byte and
+/// where each frame (one chunk of output, with its id) starts.
 #[derive(Debug)]
 struct Ring {
     buf: VecDeque<u8>,
     start: u64,
     cap: usize,
+    /// `(id, absolute offset)` of each frame that still has bytes here.
+    marks: VecDeque<(u64, u64)>,
+    /// Most frames kept: past it the oldest go, with their bytes.
+    max_marks: usize,
 }
 
 impl Ring {
@@ -47,6 +55,8 @@ impl Ring {
             buf: VecDeque::new(),
             start: 0,
             cap,
+            marks: VecDeque::new(),
+            max_marks: (cap / 64).clamp(256, 65_536),
         }
     }
 
@@ -54,7 +64,12 @@ impl Ring {
         self.start + self.buf.len() as u64
     }
 
-    fn push(&mut self, data: &[u8]) {
+    /// Appends frame `id`.
+    fn push(&mut self, id: u64, data: &[u8]) {
+        if data.is_empty() {
+            return;
+        }
+        self.marks.push_back((id, self.end()));
         let data = if data.len() > self.cap {
             self.start += (self.buf.len() + data.len() - self.cap) as u64;
             self.buf.clear();
@@ -68,18 +83,53 @@ impl Ring {
             self.buf.drain(..excess);
             self.start += excess as u64;
         }
+        // Frames whose bytes are all gone go; so do the oldest past the
+        // frame limit, with their bytes.
+        while self.marks.len() >= 2 && self.marks[1].1 <= self.start {
+            self.marks.pop_front();
+        }
+        while self.marks.len() > self.max_marks {
+            self.marks.pop_front();
+            if let Some(&(_, offset)) = self.marks.front() {
+                let cut = offset.saturating_sub(self.start) as usize;
+                self.buf.drain(..cut.min(self.buf.len()));
+                self.start = self.start.max(offset);
+            }
+        }
     }
 
-    /// Up to `max` bytes from absolute offset `from` (moved forward to the
-    /// oldest kept byte). Returns the offset actually used and the bytes.
-    fn read(&self, from: u64, max: usize) -> (u64, Vec<u8>) {
-        let from = from.clamp(self.start, self.end());
-        let offset = (from - self.start) as usize;
-        let len = (self.buf.len() - offset).min(max);
-        (
-            from,
-            self.buf.range(offset..offset + len).copied().collect(),
-        )
+    /// The frame holding the byte at `pos` (moved up to the oldest byte
+    /// kept): its id, where `pos` lands in it, and where it ends.
+    fn frame_at(&self, pos: u64) -> Option<(u64, u64, u64)> {
+        let pos = pos.max(self.start);
+        if pos >= self.end() {
+            return None;
+        }
+        let i = self.marks.partition_point(|&(_, offset)| offset <= pos);
+        let (id, _) = *self.marks.get(i.checked_sub(1)?)?;
+        let end = self.marks.get(i).map_or(self.end(), |&(_, offset)| offset);
+        Some((id, pos, end))
+    }
+
+    /// Where the first frame with an id of at least `id` starts (the end
+    /// when there is none yet).
+    fn offset_of(&self, id: u64) -> u64 {
+        let i = self.marks.partition_point(|&(mark, _)| mark < id);
+        self.marks
+            .get(i)
+            .map_or(self.end(), |&(_, offset)| offset.max(self.start))
+    }
+
+    /// The oldest frame id kept.
+    fn first_id(&self) -> Option<u64> {
+        self.marks.front().map(|&(id, _)| id)
+    }
+
+    /// The bytes from absolute offset `from` to `to` (both kept).
+    fn read_range(&self, from: u64, to: u64) -> Vec<u8> {
+        let a = from.saturating_sub(self.start) as usize;
+        let b = (to.saturating_sub(self.start) as usize).min(self.buf.len());
+        self.buf.range(a.min(b)..b).copied().collect()
     }
 }
 
@@ -88,6 +138,10 @@ struct JobState {
     stdout: Ring,
     stderr: Ring,
     exit: Option<ExitStatus>,
+    /// The id of the next frame.
+    next_id: u64,
+    /// The exit's frame id, once it ended.
+    exit_id: Option<u64>,
 }
 
 /// One background exec.
@@ -111,16 +165,23 @@ impl Job {
     fn append(&self, channel: Channel, data: &[u8]) {
         {
             let mut state = self.lock();
+            let id = state.next_id;
+            state.next_id += 1;
             match channel {
-                Channel::Stderr => state.stderr.push(data),
-                _ => state.stdout.push(data),
+                Channel::Stderr => state.stderr.push(id, data),
+                _ => state.stdout.push(id, data),
             }
         }
         self.changes.send_modify(|v| *v += 1);
     }
 
     fn finish(&self, exit: ExitStatus) {
-        self.lock().exit = Some(exit);
+        {
+            let mut state = self.lock();
+            state.exit = Some(exit);
+            state.exit_id = Some(state.next_id);
+            state.next_id += 1;
+        }
         self.changes.send_modify(|v| *v += 1);
     }
 
@@ -139,6 +200,7 @@ impl Job {
             stdout_bytes: state.stdout.end(),
             stderr_bytes: state.stderr.end(),
             ring_bytes: self.ring_bytes,
+            next_id: state.next_id,
         }
     }
 }
@@ -297,6 +359,8 @@ pub(crate) async fn start(jobs: &Jobs, req: ExecRequest) -> Result<Response, OpE
             stdout: Ring::new(ring_bytes as usize),
             stderr: Ring::new(ring_bytes as usize),
             exit: None,
+            next_id: 1,
+            exit_id: None,
         }),
         changes,
     });
@@ -347,61 +411,106 @@ async fn pump_ring<R: AsyncRead + Unpin>(
 }
 
 /// Sends a job's buffered output (and, with `follow`, new output until it
-/// exits), then [`Response::LogsEnd`].
+/// exits) as frames, each a [`Response::LogFrame`] with its id and one data
+/// frame, in id order; then [`Response::LogsEnd`].
 pub(crate) async fn logs(
     jobs: &Jobs,
     req: BgLogsRequest,
     tx: StreamSender,
     mut rx: StreamReceiver,
 ) -> Result<Response, OpError> {
+    if req.from_id.is_some()
+        && (req.stdout_from.is_some() || req.stderr_from.is_some() || req.tail_bytes.is_some())
+    {
+        return Err(OpError::bad_request(
+            "from_id is a frame cursor: give it without stdout_from, stderr_from or tail_bytes",
+        ));
+    }
     let job = jobs.get(req.id)?;
     let mut changes = job.changes.subscribe();
-    let (mut out_pos, mut err_pos, mut dropped) = {
+    // Frames before `from_id` that arrive while following are skipped.
+    let min_id = req.from_id.unwrap_or(0);
+    let (mut out_pos, mut err_pos, mut dropped, dropped_frames) = {
         let state = job.lock();
-        let start = |ring: &Ring, from: Option<u64>| {
-            let mut pos = from.unwrap_or(ring.start);
-            if let Some(tail) = req.tail_bytes {
-                pos = pos.max(ring.end().saturating_sub(tail));
+        match req.from_id {
+            Some(from) => {
+                let oldest = [state.stdout.first_id(), state.stderr.first_id()]
+                    .into_iter()
+                    .flatten()
+                    .min()
+                    .or(state.exit_id)
+                    .unwrap_or(state.next_id);
+                (
+                    state.stdout.offset_of(from),
+                    state.stderr.offset_of(from),
+                    0,
+                    oldest.saturating_sub(from),
+                )
             }
-            let dropped = ring.start.saturating_sub(pos);
-            (pos.clamp(ring.start, ring.end()), dropped)
-        };
-        let (out, out_dropped) = start(&state.stdout, req.stdout_from);
-        let (err, err_dropped) = start(&state.stderr, req.stderr_from);
-        (out, err, out_dropped + err_dropped)
+            None => {
+                let start = |ring: &Ring, from: Option<u64>| {
+                    let mut pos = from.unwrap_or(ring.start);
+                    if let Some(tail) = req.tail_bytes {
+                        pos = pos.max(ring.end().saturating_sub(tail));
+                    }
+                    let dropped = ring.start.saturating_sub(pos);
+                    (pos.clamp(ring.start, ring.end()), dropped)
+                };
+                let (out, out_dropped) = start(&state.stdout, req.stdout_from);
+                let (err, err_dropped) = start(&state.stderr, req.stderr_from);
+                (out, err, out_dropped + err_dropped, 0)
+            }
+        }
     };
     tx.send_msg(&Response::LogsStart {
         stdout_from: out_pos,
         stderr_from: err_pos,
         dropped,
+        dropped_frames,
     })
     .await
     .map_err(|_| OpError::cancelled())?;
     loop {
         changes.borrow_and_update();
-        let (out, err, exited) = {
+        let (next, exited) = {
             let state = job.lock();
-            (
-                state.stdout.read(out_pos, MAX_DATA_CHUNK),
-                state.stderr.read(err_pos, MAX_DATA_CHUNK),
-                state.exit.is_some(),
-            )
-        };
-        let mut sent = false;
-        for ((from, data), pos, channel) in [
-            (out, &mut out_pos, Channel::Stdout),
-            (err, &mut err_pos, Channel::Stderr),
-        ] {
-            dropped += from - *pos;
-            *pos = from + data.len() as u64;
-            if !data.is_empty() {
-                sent = true;
-                tx.send_data_vec(channel, data)
-                    .await
-                    .map_err(|_| OpError::cancelled())?;
+            for (ring, pos) in [(&state.stdout, &mut out_pos), (&state.stderr, &mut err_pos)] {
+                if *pos < ring.start {
+                    dropped += ring.start - *pos;
+                    *pos = ring.start;
+                }
             }
-        }
-        if sent {
+            let out = state.stdout.frame_at(out_pos);
+            let err = state.stderr.frame_at(err_pos);
+            let pick = match (out, err) {
+                (Some(o), Some(e)) if e.0 < o.0 => Some((Channel::Stderr, e)),
+                (Some(o), _) => Some((Channel::Stdout, o)),
+                (None, Some(e)) => Some((Channel::Stderr, e)),
+                (None, None) => None,
+            };
+            let next = pick.map(|(channel, (id, from, to))| {
+                let ring = match channel {
+                    Channel::Stderr => &state.stderr,
+                    _ => &state.stdout,
+                };
+                (channel, id, to, ring.read_range(from, to))
+            });
+            (next, state.exit.is_some())
+        };
+        if let Some((channel, id, to, data)) = next {
+            match channel {
+                Channel::Stderr => err_pos = to,
+                _ => out_pos = to,
+            }
+            if id < min_id {
+                continue;
+            }
+            tx.send_msg(&Response::LogFrame { id })
+                .await
+                .map_err(|_| OpError::cancelled())?;
+            tx.send_data_vec(channel, data)
+                .await
+                .map_err(|_| OpError::cancelled())?;
             continue;
         }
         if !req.follow || exited {
@@ -414,11 +523,13 @@ pub(crate) async fn logs(
             },
         }
     }
+    let state = job.lock();
     Ok(Response::LogsEnd {
         stdout_to: out_pos,
         stderr_to: err_pos,
         dropped,
-        exit: job.exit(),
+        exit: state.exit,
+        next_id: state.exit_id.unwrap_or(state.next_id),
     })
 }
 
@@ -466,20 +577,47 @@ mod tests {
     #[test]
     fn test_ring_keeps_last_cap_bytes_with_offsets() {
         let mut ring = Ring::new(4);
-        ring.push(b"abc");
-        ring.push(b"def");
+        ring.push(1, b"abc");
+        ring.push(2, b"def");
         assert_eq!(ring.start, 2);
         assert_eq!(ring.end(), 6);
-        assert_eq!(ring.read(0, 100), (2, b"cdef".to_vec()));
-        assert_eq!(ring.read(4, 1), (4, b"e".to_vec()));
-        assert_eq!(ring.read(9, 10), (6, Vec::new()));
+        // Frame 1 lost its head, frame 2 is whole.
+        assert_eq!(ring.frame_at(0), Some((1, 2, 3)));
+        assert_eq!(ring.read_range(2, 3), b"c".to_vec());
+        assert_eq!(ring.frame_at(4), Some((2, 4, 6)));
+        assert_eq!(ring.read_range(4, 6), b"ef".to_vec());
+        assert_eq!(ring.frame_at(6), None);
+        assert_eq!(
+            (ring.offset_of(2), ring.offset_of(1), ring.offset_of(3)),
+            (3, 2, 6)
+        );
+        // Once all of frame 1 is gone, so is its mark.
+        ring.push(5, b"g");
+        assert_eq!(ring.first_id(), Some(2));
+        assert_eq!(ring.frame_at(0), Some((2, 3, 6)));
+        assert_eq!(ring.frame_at(6), Some((5, 6, 7)));
     }
 
     #[test]
     fn test_ring_push_larger_than_cap_keeps_tail() {
         let mut ring = Ring::new(3);
-        ring.push(b"x");
-        ring.push(b"123456");
-        assert_eq!(ring.read(0, 10), (4, b"456".to_vec()));
+        ring.push(1, b"x");
+        ring.push(2, b"123456");
+        assert_eq!(ring.first_id(), Some(2));
+        assert_eq!(ring.frame_at(0), Some((2, 4, 7)));
+        assert_eq!(ring.read_range(4, 7), b"456".to_vec());
+    }
+
+    #[test]
+    fn test_ring_past_its_frame_limit_drops_the_oldest_frames_and_bytes() {
+        let mut ring = Ring::new(1 << 20);
+        let limit = ring.max_marks as u64;
+        for id in 1..=limit + 10 {
+            ring.push(id, b"z");
+        }
+        assert_eq!(ring.marks.len() as u64, limit);
+        assert_eq!(ring.first_id(), Some(11));
+        assert_eq!((ring.start, ring.end()), (10, limit + 10));
+        assert_eq!(ring.frame_at(0), Some((11, 10, 11)));
     }
 }

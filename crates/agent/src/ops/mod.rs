@@ -10,3 +10,4 @@ pub(crate) mod forward;
 pub(crate) mod process;
 pub(crate) mod shell;
 pub(crate) mod system;
+pub(crate) mod watch;

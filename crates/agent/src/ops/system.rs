@@ -1,4 +1,4 @@
-//! Health, fix-ups, userdata, network and shutdown: thin wrappers over
+//! Health, stats, fix-ups, userdata, network and shutdown: thin wrappers over
 //! [`crate::system`].
 
 use std::path::Path;
@@ -43,6 +43,17 @@ pub(crate) async fn health(root: &Path, agent_uptime: Duration) -> Result<Respon
         system_uptime_ms: millis(system_uptime),
         userdata: userdata_wire(userdata),
     }))
+}
+
+/// Answers [`Response::Stats`] with the guest's figures.
+pub(crate) async fn stats() -> Result<Response, OpError> {
+    let stats = blocking(|| {
+        Ok(system::stats::read_stats(
+            &system::stats::StatsSources::default(),
+        ))
+    })
+    .await?;
+    Ok(Response::Stats(Box::new(stats)))
 }
 
 /// Applies fix-ups to the system at `root` and answers

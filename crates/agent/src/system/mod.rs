@@ -15,6 +15,8 @@
 //!   from the returned [`reaper::ExitWatch`], never through `Child::wait`**:
 //!   as PID 1 the reaper collects every child with `waitpid(-1)`.
 //! - [`net`]: IPv4 address, default route and DNS for eth0 via ioctls.
+//! - [`stats`]: the guest's figures (memory, load, CPU, disk, network,
+//!   open files, entropy, root file system space) from `/proc` and `/sys`.
 //! - [`vsock`]: [`vsock::listen`] binds an `AF_VSOCK` stream listener on
 //!   `VMADDR_CID_ANY` and returns a [`vsock::VsockListener`] (tokio-vsock)
 //!   whose `accept()` yields [`vsock::VsockStream`]s, which implement tokio's
@@ -38,6 +40,7 @@ pub mod net;
 pub mod reaper;
 pub mod secrets;
 mod ssh;
+pub mod stats;
 pub mod userdata;
 pub mod vsock;
 

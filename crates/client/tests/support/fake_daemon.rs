@@ -29,6 +29,9 @@
 //!   `resized R C`, ends with exit 3 on input `exit\r`, and goes away
 //!   without an exit message on `drop\r`.
 //! - forward: echoes, prefixed once with the target.
+//! - stats: `dev-1` with a snapshot and host figures, `dev-2` with
+//!   `error` "dev-2 is stopped"; pause and resume answer the VM for a
+//!   running one, 409 for the stopped one.
 
 #![allow(dead_code)]
 
@@ -50,8 +53,9 @@ use futures_util::StreamExt;
 use tine_proto::api::{
     CommitInfo, CommitRequest, CpResponse, CreateVmRequest, CreateVmResponse, DaemonInfo,
     DeleteCommitResponse, DeleteStatus, ErrorBody, ErrorCode, ExecFrame, ForkRequest, ForkResponse,
-    HostGroupInfo, LifecycleResponse, LogsResponse, StdioEncoding, StopMode, StorageInfo,
-    StorageKind, TagsPatch, TagsResponse, VmHealth, VmInfo, VmNetworkInfo, VmState,
+    HostGroupInfo, LifecycleResponse, LogsResponse, NodeStat, StdioEncoding, StopMode, StorageInfo,
+    StorageKind, TagsPatch, TagsResponse, VmHealth, VmHostStats, VmInfo, VmNetworkInfo, VmSnapshot,
+    VmState, VmStatus,
 };
 use tokio::sync::mpsc;
 
@@ -203,6 +207,10 @@ fn fake_routes() -> FakeRoutes {
     .add(M::POST, "/hostgroup/{group}/nodes", create)
     .add(M::DELETE, "/hostgroup/{group}/nodes/{hostname}", delete_vm)
     .add(M::GET, "/nodes", nodes)
+    .add(M::GET, "/nodes/stats", all_stats)
+    .add(M::GET, "/node/{hostname}/stats", one_stat)
+    .add(M::POST, "/vm/{hostname}/pause", pause)
+    .add(M::POST, "/vm/{hostname}/resume", resume)
     .add(M::GET, "/vm/commits", commits)
     .add(M::DELETE, "/vm/commits/{id}", delete_commit)
     .add(M::POST, "/vm/commits/{id}/fork", fork)
@@ -551,6 +559,79 @@ async fn create(
         }),
     )
         .into_response()
+}
+
+/// The stat of a listed VM: a snapshot for a running one.
+fn stat_of(v: VmInfo) -> NodeStat {
+    let running = v.state == VmState::Running;
+    let snapshot = running.then(|| {
+        serde_json::from_value::<VmSnapshot>(serde_json::json!({
+            "hostname": v.hostname, "arch": "amd64",
+            "timestamp": "2026-01-01T00:10:00.000Z", "uptime": "10m0s",
+            "totalCpus": 1, "totalMemory": 512u64 << 20, "memoryUsed": 128u64 << 20,
+            "memoryAvailable": 384u64 << 20, "memoryUsedPercent": 25.0,
+            "loadAvg1": 0.25, "loadAvg5": 0.1, "loadAvg15": 0.05,
+            "diskReadTotal": 1048576.0, "diskWriteTotal": 524288.0,
+            "networkReadTotal": 0.0, "networkWriteTotal": 0.0, "diskIOInflight": 0,
+            "openConnections": 0, "openFiles": 96, "entropy": 256,
+            "diskSpaceTotal": 4u64 << 30, "diskSpaceUsed": 1u64 << 30,
+            "diskSpaceFree": 3u64 << 30, "diskSpaceUsedPercent": 25.0,
+            "uptimeMs": 600_000, "memoryFree": 256u64 << 20, "cpuUserMs": 900,
+            "cpuSystemMs": 300, "cpuIdleMs": 598_000, "cpuIowaitMs": 0, "cpuStealMs": 0
+        }))
+        .expect("a snapshot")
+    });
+    let mut host = VmHostStats::disk_only(v.disk.clone());
+    if running {
+        host.vmm_pid = Some(4242);
+        host.cpu_user_ms = Some(1500);
+        host.cpu_system_ms = Some(500);
+        host.rss_bytes = Some(200 << 20);
+        host.pss_bytes = Some(120 << 20);
+        host.uss_bytes = Some(80 << 20);
+        host.swap_bytes = Some(0);
+    }
+    NodeStat {
+        error: if running {
+            String::new()
+        } else {
+            format!("{} is {}", v.hostname, v.state)
+        },
+        hostname: v.hostname,
+        ip: v.ip.unwrap_or_default(),
+        created_at: v.created_at,
+        snapshot,
+        host,
+    }
+}
+
+async fn all_stats() -> Json<Vec<NodeStat>> {
+    Json(all_vms().into_iter().map(stat_of).collect())
+}
+
+async fn one_stat(Path(h): Path<String>) -> Response {
+    match vm(&h) {
+        Some(v) => Json(vec![stat_of(v)]).into_response(),
+        None => not_found_vm(&h),
+    }
+}
+
+async fn pause(Path(h): Path<String>) -> Response {
+    match guest_vm(&h) {
+        Ok(v) => Json(VmInfo {
+            status: VmStatus::Paused,
+            ..v
+        })
+        .into_response(),
+        Err(e) => *e,
+    }
+}
+
+async fn resume(Path(h): Path<String>) -> Response {
+    match guest_vm(&h) {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => *e,
+    }
 }
 
 async fn describe(Path(h): Path<String>) -> Response {

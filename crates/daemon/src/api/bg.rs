@@ -17,7 +17,9 @@ use tine_proto::api::{
 
 use super::agent_call::{agent, call_err, exit_fields};
 use super::params::AppState;
-use super::params::{parse_json, parse_timeout, query_get, query_num, query_only, query_pairs};
+use super::params::{
+    parse_json, parse_timeout, query_bool, query_get, query_num, query_only, query_pairs,
+};
 use crate::error::{ApiError, ApiResult};
 
 /// Default grace before a kill escalates to `SIGKILL`.
@@ -66,6 +68,7 @@ fn info(job: &BgJob) -> BgExecInfo {
         ring_bytes: job.ring_bytes,
         stdout_bytes: job.stdout_bytes,
         stderr_bytes: job.stderr_bytes,
+        next_id: job.next_id,
     }
 }
 
@@ -246,52 +249,75 @@ pub(super) async fn logs(
             "tail_bytes",
         ],
     )?;
-    if let Some(from) = query_num::<u64>(&q, "from_id")?.filter(|f| *f > 0) {
-        return Err(ApiError::bad_request(format!(
-            "`from_id={from}` is not supported: tine resumes by byte offset; use stdout_from and stderr_from (the `end` frame gives them)"
-        )));
-    }
-    let follow = matches!(query_get(&q, "follow"), Some("true" | "1"));
+    let from_id = query_num::<u64>(&q, "from_id")?.filter(|f| *f > 0);
     let req = BgLogsRequest {
         id,
         stdout_from: query_num(&q, "stdout_from")?,
         stderr_from: query_num(&q, "stderr_from")?,
         tail_bytes: query_num(&q, "tail_bytes")?,
-        follow,
+        follow: query_bool(&q, "follow")?.unwrap_or(false),
+        from_id,
     };
+    if from_id.is_some()
+        && (req.stdout_from.is_some() || req.stderr_from.is_some() || req.tail_bytes.is_some())
+    {
+        return Err(ApiError::bad_request(
+            "`from_id` is a frame cursor: give it without stdout_from, stderr_from or tail_bytes",
+        ));
+    }
     let client = agent(&d, &hostname).await?;
     let mut logs = client.bg_logs(req).await.map_err(|e| bg_err(id, e))?;
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(32);
     tokio::spawn(async move {
         let _client = client;
         let b64 = base64::engine::general_purpose::STANDARD;
+        // The agent numbers its frames; one that does not (an older one)
+        // gets them numbered here, per answer.
         let mut n = 0u64;
+        let mut id_of = |given: u64| {
+            n = if given > 0 { given } else { n + 1 };
+            n
+        };
+        if logs.dropped_frames > 0 {
+            let from = from_id.unwrap_or(1);
+            let gap = BgLogFrame::Gap {
+                id: from,
+                dropped_frames: logs.dropped_frames,
+                message: format!(
+                    "frames {from} to {} are no longer in the ring",
+                    from + logs.dropped_frames - 1
+                ),
+            };
+            if tx.send(Ok(line(&gap))).await.is_err() {
+                return;
+            }
+        }
         loop {
-            n += 1;
             let frame = match logs.next_event().await {
-                Ok(Some(LogEvent::Stdout(data))) => BgLogFrame::Stdout {
-                    id: n,
+                Ok(Some(LogEvent::Stdout { id, data })) => BgLogFrame::Stdout {
+                    id: id_of(id),
                     data: b64.encode(data),
                     encoding: StdioEncoding::Base64,
                 },
-                Ok(Some(LogEvent::Stderr(data))) => BgLogFrame::Stderr {
-                    id: n,
+                Ok(Some(LogEvent::Stderr { id, data })) => BgLogFrame::Stderr {
+                    id: id_of(id),
                     data: b64.encode(data),
                     encoding: StdioEncoding::Base64,
                 },
                 Ok(Some(LogEvent::End(end))) => {
+                    let id = id_of(end.next_id);
                     let frame = match &end.exit {
                         Some(s) => {
                             let (exit_code, signal, _) = exit_fields(s);
                             BgLogFrame::Exit {
-                                id: n,
+                                id,
                                 exit_code,
                                 signal,
                                 dropped_bytes: end.dropped,
                             }
                         }
                         None => BgLogFrame::End {
-                            id: n,
+                            id,
                             dropped_bytes: end.dropped,
                             stdout_to: end.stdout_to,
                             stderr_to: end.stderr_to,

@@ -7,6 +7,9 @@
 //! types: a field the SDK reads is required here, so a missing or retyped
 //! field fails the test.
 
+mod frames;
+mod observe;
+
 use std::sync::Arc;
 
 use axum::body::Body;
@@ -1419,6 +1422,7 @@ struct SdkBgInfo {
     signal: Option<String>,
     bytes_written: i64,
     bytes_dropped: i64,
+    next_id: u64,
     ring_bytes: i64,
 }
 
@@ -1553,8 +1557,16 @@ async fn background_exec_logs_wait_kill_and_remove() {
         (end["type"].as_str(), end["dropped_bytes"].as_u64()),
         (Some("exit"), Some(6))
     );
-    let a = sdk.get(&format!("/vm/{h}/exec/{id}/logs?from_id=3")).await;
+    // A cursor and byte offsets together are refused by name (the frame
+    // ids themselves are tested with a real agent, in `frames`).
+    let a = sdk
+        .get(&format!("/vm/{h}/exec/{id}/logs?from_id=3&stdout_from=0"))
+        .await;
     assert_eq!(a.status, StatusCode::BAD_REQUEST);
+    assert!(a
+        .decode::<SdkError>()
+        .error
+        .contains("`from_id` is a frame cursor"));
 
     // Go ExecKill with a grace: TERM, then KILL if it stays.
     let long = sdk

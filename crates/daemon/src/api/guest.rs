@@ -30,7 +30,9 @@ use tokio_util::io::{ReaderStream, StreamReader};
 use super::agent_call::{
     agent, agent_err, call_err, exit_fields, shell_exit_code, Deadlines, DEADLINES,
 };
-use super::params::{parse_timeout, query_get, query_num, query_only, query_pairs, AppState};
+use super::params::{
+    parse_timeout, query_bool, query_get, query_num, query_only, query_pairs, AppState,
+};
 use crate::error::{ApiError, ApiResult};
 
 /// `health?wait=agent` gets at least this long for the agent's answer
@@ -124,18 +126,6 @@ fn frame_line(frame: &ExecFrame) -> Bytes {
     let mut line = serde_json::to_vec(frame).unwrap_or_default();
     line.push(b'\n');
     Bytes::from(line)
-}
-
-/// A boolean query value: `true`/`1` or `false`/`0`; another is a 400.
-fn query_bool(q: &[(String, String)], key: &str) -> ApiResult<Option<bool>> {
-    match query_get(q, key) {
-        None => Ok(None),
-        Some("true" | "1") => Ok(Some(true)),
-        Some("false" | "0" | "") => Ok(Some(false)),
-        Some(v) => Err(ApiError::bad_request(format!(
-            "`{key}={v}` is not true or false"
-        ))),
-    }
 }
 
 /// What `shell=` asks for: a shell path (Slicer's form, `shell=/bin/bash`),

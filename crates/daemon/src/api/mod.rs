@@ -10,7 +10,9 @@ mod fs;
 mod guest;
 mod params;
 mod secrets;
+mod stats;
 mod vms;
+mod watch;
 
 use std::sync::Arc;
 
@@ -75,6 +77,8 @@ pub fn routes() -> Routes {
             vms::delete_in_group,
         )
         .add(M::GET, "/nodes", vms::nodes)
+        .add(M::GET, "/nodes/stats", stats::all)
+        .add(M::GET, "/node/{hostname}/stats", stats::one)
         .add(M::GET, "/vm/{hostname}", vms::describe)
         .add(M::DELETE, "/vm/{hostname}", vms::delete)
         .add(M::GET, "/vm/{hostname}/tags", vms::tags)
@@ -103,6 +107,7 @@ pub fn routes() -> Routes {
         .add(M::GET, "/vm/{hostname}/fs/readdir", fs::readdir)
         .add(M::POST, "/vm/{hostname}/fs/mkdir", fs::mkdir)
         .add(M::DELETE, "/vm/{hostname}/fs/remove", fs::remove)
+        .add(M::GET, "/vm/{hostname}/fs/watch", watch::watch)
         .add(M::GET, "/vm/{hostname}/shell", guest::shell)
         .add(M::GET, "/vm/{hostname}/forward", guest::forward)
         .add(M::POST, "/vm/{hostname}/commit", commits::commit)

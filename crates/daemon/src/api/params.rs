@@ -99,6 +99,61 @@ pub fn query_only(pairs: &[(String, String)], allowed: &[&str]) -> ApiResult<()>
     Ok(())
 }
 
+/// A boolean query value: `true`/`1` or `false`/`0`; another is a 400.
+pub fn query_bool(q: &[(String, String)], key: &str) -> ApiResult<Option<bool>> {
+    match query_get(q, key) {
+        None => Ok(None),
+        Some("true" | "1") => Ok(Some(true)),
+        Some("false" | "0" | "") => Ok(Some(false)),
+        Some(v) => Err(ApiError::bad_request(format!(
+            "`{key}={v}` is not true or false"
+        ))),
+    }
+}
+
+/// Parses a Go duration (`300ms`, `1.5s`, `2m30s`, `1h`; units ns, us,
+/// µs, ms, s, m, h), as Slicer's SDKs send `debounce` and `timeout`.
+pub fn parse_go_duration(key: &str, value: &str) -> ApiResult<Duration> {
+    let bad = || {
+        ApiError::bad_request(format!(
+            "`{key}={value}` is not a duration like 300ms, 1.5s or 2m30s"
+        ))
+    };
+    let mut rest = value.trim();
+    if rest == "0" {
+        return Ok(Duration::ZERO);
+    }
+    let mut total = 0f64;
+    if rest.is_empty() {
+        return Err(bad());
+    }
+    while !rest.is_empty() {
+        let digits = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .ok_or_else(bad)?;
+        let number: f64 = rest[..digits].parse().map_err(|_| bad())?;
+        rest = &rest[digits..];
+        let unit_len = rest
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(rest.len());
+        let seconds = match &rest[..unit_len] {
+            "ns" => 1e-9,
+            "us" | "µs" | "μs" => 1e-6,
+            "ms" => 1e-3,
+            "s" => 1.0,
+            "m" => 60.0,
+            "h" => 3600.0,
+            _ => return Err(bad()),
+        };
+        total += number * seconds;
+        rest = &rest[unit_len..];
+    }
+    Duration::try_from_secs_f64(total)
+        .ok()
+        .filter(|d| d.as_secs() < 1 << 40)
+        .ok_or_else(bad)
+}
+
 /// Parses an optional numeric query value.
 pub fn query_num<T: std::str::FromStr>(
     pairs: &[(String, String)],
@@ -141,6 +196,21 @@ mod tests {
         );
         let ok: tine_proto::api::CreateVmRequest = parse_json(&Bytes::new()).expect("empty is {}");
         assert_eq!(ok, Default::default());
+    }
+
+    #[test]
+    fn go_durations_parse_as_the_sdks_write_them() {
+        let ms = |v: &str| parse_go_duration("t", v).map(|d| d.as_millis());
+        assert_eq!(ms("300ms"), Ok(300));
+        assert_eq!(ms("1.5s"), Ok(1500));
+        assert_eq!(ms("2m30s"), Ok(150_000));
+        assert_eq!(ms("1h"), Ok(3_600_000));
+        assert_eq!(ms("0"), Ok(0));
+        assert_eq!(ms("500us"), Ok(0));
+        for bad in ["", "5", "5x", "s", "1.2.3s", "-1s", "ms5"] {
+            let e = parse_go_duration("debounce", bad).expect_err(bad);
+            assert!(e.message.contains("`debounce="), "{}", e.message);
+        }
     }
 
     #[test]

@@ -77,6 +77,24 @@ struct State {
     /// Background execs per VM, by id.
     jobs: HashMap<String, HashMap<u64, FakeJob>>,
     next_job: u64,
+    /// Operations a real agent answers instead of the fake.
+    delegate: Option<Delegate>,
+}
+
+/// Serves the agent protocol on the given connection: a real agent (in
+/// process, on the host) for the operations the fake does not fake.
+pub type ServeAgent = Arc<dyn Fn(tokio::io::DuplexStream) + Send + Sync>;
+
+#[derive(Clone)]
+struct Delegate {
+    ops: Vec<&'static str>,
+    serve: ServeAgent,
+}
+
+impl std::fmt::Debug for Delegate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Delegate").field("ops", &self.ops).finish()
+    }
 }
 
 /// A fake guest's background exec: a host process and all it wrote (the
@@ -103,6 +121,7 @@ impl FakeJob {
             stdout_bytes: out.0.len() as u64,
             stderr_bytes: out.1.len() as u64,
             ring_bytes: self.ring_bytes,
+            next_id: 0,
         }
     }
 }
@@ -122,6 +141,16 @@ impl FakeLauncher {
 
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Has a real agent, served by `serve`, answer the operations `ops`
+    /// (their `op` names, e.g. `stats`, `watch`) of every healthy guest:
+    /// each such stream is relayed to a fresh connection to it.
+    pub fn delegate_agent(&self, ops: &[&'static str], serve: ServeAgent) {
+        self.lock().delegate = Some(Delegate {
+            ops: ops.to_vec(),
+            serve,
+        });
     }
 
     /// How the guest of `hostname` behaves from its next boot on.
@@ -430,6 +459,10 @@ impl FakeAgent {
         if self.guest == Guest::Hangs {
             std::future::pending::<()>().await;
         }
+        let delegate = self.launcher.lock().delegate.clone();
+        if let Some(d) = delegate.filter(|d| d.ops.iter().any(|op| *op == op_name(&bytes))) {
+            return relay(stream, &request, &d.serve).await;
+        }
         if let Request::Exec(req) = &request {
             if let Some(options) = &req.background {
                 let reply = self.start_job(req, options.ring_bytes);
@@ -679,6 +712,12 @@ impl FakeAgent {
                 let Some(job) = self.job(req.id) else {
                     return Some(missing(req.id));
                 };
+                if req.from_id.is_some() {
+                    return Some(Response::error(
+                        ErrorCode::BadRequest,
+                        "the fake agent keeps no frame ids",
+                    ));
+                }
                 if req.follow {
                     let mut exit = job.exit.clone();
                     let _ = exit.wait_for(Option::is_some).await;
@@ -701,6 +740,7 @@ impl FakeAgent {
                     stdout_from: so,
                     stderr_from: se,
                     dropped: do_ + de,
+                    dropped_frames: 0,
                 };
                 if stream.send_msg(&start).await.is_err()
                     || stream.send_data(Channel::Stdout, &out).await.is_err()
@@ -714,11 +754,75 @@ impl FakeAgent {
                     stderr_to: te,
                     dropped: do_ + de,
                     exit,
+                    next_id: 0,
                 }
             }
             _ => return None,
         })
     }
+}
+
+/// The `op` of a request message.
+fn op_name(bytes: &[u8]) -> String {
+    serde_json::from_slice::<serde_json::Value>(bytes)
+        .ok()
+        .and_then(|v| v.get("op").and_then(|op| op.as_str().map(str::to_owned)))
+        .unwrap_or_default()
+}
+
+/// Relays one stream to a new connection to the agent `serve` runs: the
+/// request, then every message, data frame and EOF both ways until
+/// either side ends.
+async fn relay(ours: Stream, request: &Request, serve: &ServeAgent) {
+    use tine_proto::agent::mux::StreamSender;
+    use tine_proto::agent::{client_handshake, Hello};
+    let (mut io, theirs) = tokio::io::duplex(1 << 20);
+    serve(theirs);
+    let hello = Hello {
+        version: PROTOCOL_VERSION,
+        client: "fake-relay".into(),
+    };
+    if let Err(e) = client_handshake(&mut io, &hello).await {
+        let reply = Response::error(ErrorCode::Other, format!("relay handshake: {e}"));
+        let _ = ours.send_msg(&reply).await;
+        return;
+    }
+    let config = MuxConfig {
+        max_frame_len: MAX_FRAME_LEN,
+        max_streams: 16,
+    };
+    let mux = Mux::client(io, config);
+    let theirs = match mux.open_with_msg(request) {
+        Ok(stream) => stream,
+        Err(e) => {
+            let _ = ours
+                .send_msg(&Response::error(ErrorCode::Other, format!("relay: {e}")))
+                .await;
+            return;
+        }
+    };
+    async fn pump(mut rx: tine_proto::agent::StreamReceiver, tx: StreamSender) {
+        while let Some(item) = rx.recv().await {
+            let sent = match item {
+                Inbound::Msg(bytes) => match serde_json::from_slice::<serde_json::Value>(&bytes) {
+                    Ok(msg) => tx.send_msg(&msg).await,
+                    Err(_) => return,
+                },
+                Inbound::Data(channel, chunk) => tx.send_data_vec(channel, chunk.into_vec()).await,
+                Inbound::Eof(channel) => tx.send_eof(channel).await,
+            };
+            if sent.is_err() {
+                return;
+            }
+        }
+    }
+    let (our_tx, our_rx) = ours.split();
+    let (their_tx, their_rx) = theirs.split();
+    tokio::select! {
+        () = pump(our_rx, their_tx) => {}
+        () = pump(their_rx, our_tx) => {}
+    }
+    drop(mux);
 }
 
 /// A host process for `req`'s command, or the agent's refusal.

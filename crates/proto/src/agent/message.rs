@@ -9,6 +9,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+pub use super::observe::{CpuTimes, FsSpace, GuestStats, WatchEvent, WatchEventKind, WatchRequest};
+
 /// A protocol version. Peers with different `major` refuse each other;
 /// `minor` only adds optional fields and operations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -161,6 +163,11 @@ pub enum Request {
     /// Add public SSH keys to `authorized_keys` of root and of the image's
     /// login user (uid 1000), if there is one.
     AuthorizedKeys(AuthorizedKeysRequest),
+    /// A snapshot of the guest's figures: memory, load, CPU time, disk and
+    /// network counters, open files, entropy, root file system space.
+    Stats,
+    /// Watch paths for changes (inotify) until the client closes the stream.
+    Watch(WatchRequest),
 }
 
 impl Request {
@@ -190,6 +197,8 @@ impl Request {
         "shutdown",
         "secrets_sync",
         "authorized_keys",
+        "stats",
+        "watch",
     ];
 }
 
@@ -419,6 +428,12 @@ pub struct BgLogsRequest {
     /// Start each stream at most this many bytes before its end (a tail).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tail_bytes: Option<u64>,
+    /// Start at the frame with this id (each chunk of output, and the
+    /// exit, is a frame with an id from 1); frames the rings no longer hold
+    /// are counted in [`Response::LogsStart`]'s `dropped_frames`. Not with
+    /// the byte offsets or `tail_bytes`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from_id: Option<u64>,
     /// Keep streaming new output until the process exits.
     #[serde(default, skip_serializing_if = "is_false")]
     pub follow: bool,
@@ -874,6 +889,9 @@ pub struct BgJob {
     pub stderr_bytes: u64,
     /// Ring size per stream.
     pub ring_bytes: u64,
+    /// The id the next frame (a chunk of output, or the exit) will get.
+    #[serde(default)]
+    pub next_id: u64,
 }
 
 /// Messages the agent sends on a stream.
@@ -914,6 +932,15 @@ pub enum Response {
         stderr_from: u64,
         /// Requested bytes that had already left the rings.
         dropped: u64,
+        /// Frames before `from_id`'s that had left the rings.
+        #[serde(default)]
+        dropped_frames: u64,
+    },
+    /// The id of the frame whose data follows (one data frame on stdout or
+    /// stderr) in a [`Request::BgLogs`] answer.
+    LogFrame {
+        /// The frame's id.
+        id: u64,
     },
     /// End of a [`Request::BgLogs`] answer.
     LogsEnd {
@@ -927,6 +954,10 @@ pub enum Response {
         dropped: u64,
         /// How the process ended, if it has.
         exit: Option<ExitStatus>,
+        /// The id of the next frame: resume with `from_id` here (the exit's
+        /// id when it has ended).
+        #[serde(default)]
+        next_id: u64,
     },
     /// Metadata of a file about to be downloaded; data frames follow.
     FileInfo(FileStat),
@@ -962,6 +993,19 @@ pub enum Response {
     Secrets(SecretsReport),
     /// Answer to [`Request::AuthorizedKeys`].
     Keys(KeysReport),
+    /// Answer to [`Request::Stats`] (boxed: it is the largest answer).
+    Stats(Box<GuestStats>),
+    /// The watches of a [`Request::Watch`] are in place; batches of
+    /// [`Response::WatchEvents`] follow.
+    Watching {
+        /// Directories (and files) watched.
+        watched: u64,
+    },
+    /// Changes seen by a [`Request::Watch`], oldest first.
+    WatchEvents {
+        /// The batch.
+        events: Vec<WatchEvent>,
+    },
 }
 
 impl Response {

@@ -5,6 +5,7 @@
 //! - [`message`]: the JSON control messages.
 //! - [`handshake`]: the version handshake on stream 0.
 //! - [`mux`]: many streams over one connection, with flow control.
+//! - [`observe`]: the guest's figures (`stats`) and file changes (`watch`).
 //!
 //! Everything works over any `AsyncRead + AsyncWrite` transport: vsock in a
 //! VM, a Unix socket on the host.
@@ -13,6 +14,7 @@ pub mod frame;
 pub mod handshake;
 pub mod message;
 pub mod mux;
+pub mod observe;
 
 pub use frame::{Channel, Frame, FrameError, FrameKind, MAX_FRAME_LEN};
 pub use handshake::{client_handshake, server_handshake, HandshakeError};
@@ -27,4 +29,4 @@ pub use mux::{
 pub const AGENT_VSOCK_PORT: u32 = 52;
 
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: ProtocolVersion = ProtocolVersion { major: 1, minor: 0 };
+pub const PROTOCOL_VERSION: ProtocolVersion = ProtocolVersion { major: 1, minor: 1 };
