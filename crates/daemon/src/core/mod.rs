@@ -6,6 +6,7 @@
 //! Modules, each on top of the ones before it: `error`, `plan` (requests
 //! checked against their group), `daemon` (the state and what every part
 //! shares), `netattach`, `supervise` (launch, boot set-up, exit policy),
+//! `snapshot` (a VM's state and memory to files and back), `suspend`,
 //! `lifecycle`, `commits`, `reconcile`.
 
 mod commits;
@@ -15,7 +16,9 @@ mod lifecycle;
 mod netattach;
 mod plan;
 mod reconcile;
+mod snapshot;
 mod supervise;
+mod suspend;
 
 #[cfg(test)]
 mod tests;
@@ -26,4 +29,5 @@ pub use error::{chain, Error, Result};
 pub use lifecycle::DEFAULT_SHUTDOWN_TIMEOUT;
 pub use plan::{validate_name, validate_tag, MAX_USERDATA};
 pub use reconcile::ReconcileReport;
-pub use supervise::{after_exit, stop_mode, AfterExit, BASE_CMDLINE};
+pub use snapshot::{Captured, SnapshotFiles};
+pub use supervise::{after_exit, stop_mode, AfterExit, SetUp, BASE_CMDLINE};

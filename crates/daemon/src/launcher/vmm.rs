@@ -16,6 +16,18 @@ use crate::process::{self, VmPaths};
 /// How long a request on a VMM's control socket may take to be answered.
 pub const CONTROL_ANSWER: Duration = Duration::from_secs(5);
 
+/// How long a snapshot or a restore may take: they write or read the
+/// state and memory files (seconds for GiBs of RAM, more in a nested bed).
+pub const SNAPSHOT_ANSWER: Duration = Duration::from_secs(300);
+
+/// The answer limit of `request`.
+fn answer_limit(request: &VmmRequest) -> Duration {
+    match request {
+        VmmRequest::Snapshot { .. } | VmmRequest::Restore { .. } => SNAPSHOT_ANSWER,
+        _ => CONTROL_ANSWER,
+    }
+}
+
 /// How long the VMM's vsock socket may take to answer `CONNECT`.
 const VSOCK_CONNECT_ANSWER: Duration = Duration::from_secs(5);
 
@@ -166,7 +178,7 @@ impl Launcher for VmmLauncher {
         request: &'a VmmRequest,
     ) -> BoxFuture<'a, Result<VmmResponse, LaunchError>> {
         async move {
-            process::control(&self.paths(hostname), request, CONTROL_ANSWER)
+            process::control(&self.paths(hostname), request, answer_limit(request))
                 .await
                 .map_err(|source| LaunchError::Control {
                     hostname: hostname.to_owned(),
