@@ -245,6 +245,14 @@ pub enum VmCommand {
     Shutdown(ShutdownArgs),
     /// Boot a stopped persistent VM from its disk
     Relaunch(RelaunchArgs),
+    /// Park a running VM's vCPUs (memory kept, no process stops)
+    Pause(VmArg),
+    /// Run a paused VM's vCPUs again
+    Resume(VmArg),
+    /// Save a running VM's state, memory and disk to its folder and stop its process
+    Suspend(VmArg),
+    /// Resume a suspended VM with its memory (its processes go on)
+    Restore(RelaunchArgs),
     /// Stop VMs and remove their disks
     #[command(visible_alias = "rm")]
     Delete(DeleteArgs),
@@ -526,7 +534,7 @@ pub struct ShutdownArgs {
     pub timeout: Option<Duration>,
 }
 
-/// `tine vm relaunch`
+/// `tine vm relaunch` and `tine vm restore`
 #[derive(Debug, Args)]
 pub struct RelaunchArgs {
     /// The VM: hostname or friendly name
@@ -861,6 +869,12 @@ mod tests {
             &["vm", "relaunch", "dev-1"],
             &["vm", "relaunch", "dev-1", "--wait", "--timeout", "1m"],
             &["vm", "relaunch", "dev-1", "--no-wait"],
+            &["vm", "pause", "dev-1"],
+            &["vm", "resume", "dev-1"],
+            &["vm", "suspend", "dev-1"],
+            &["vm", "restore", "dev-1"],
+            &["vm", "restore", "dev-1", "--wait", "--timeout", "30s"],
+            &["vm", "restore", "dev-1", "--no-wait"],
             &["vm", "delete", "dev-1"],
             &["vm", "delete", "dev-1", "dev-2", "web"],
             &["vm", "tag", "list", "dev-1"],

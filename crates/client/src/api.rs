@@ -30,8 +30,8 @@ use serde::Serialize;
 use tine_proto::api::{
     CommitInfo, CommitRequest, CreateVmRequest, CreateVmResponse, DaemonInfo, ErrorBody, ErrorCode,
     ExecFrame, ForkRequest, ForkResponse, HostGroupInfo, LifecycleResponse, ListQuery,
-    LogsResponse, NetworkPolicy, StdioEncoding, TagsPatch, TagsResponse, VmHealth, VmInfo,
-    VmNetworkInfo,
+    LogsResponse, NetworkPolicy, StdioEncoding, SuspendResponse, TagsPatch, TagsResponse, VmHealth,
+    VmInfo, VmNetworkInfo,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpStream, UnixStream};
@@ -899,6 +899,39 @@ impl TineClient {
         let path = Query::new()
             .wait(wait, timeout)
             .finish(format!("/vm/{}/relaunch", seg(vm)));
+        self.call(Method::POST, &path, None).await
+    }
+
+    /// `POST /vm/{vm}/pause`: parks a running VM's vCPUs (memory kept).
+    pub async fn pause(&self, vm: &str) -> Result<VmInfo> {
+        self.call(Method::POST, &format!("/vm/{}/pause", seg(vm)), None)
+            .await
+    }
+
+    /// `POST /vm/{vm}/resume`: runs a paused VM's vCPUs again.
+    pub async fn resume(&self, vm: &str) -> Result<VmInfo> {
+        self.call(Method::POST, &format!("/vm/{}/resume", seg(vm)), None)
+            .await
+    }
+
+    /// `POST /vm/{vm}/suspend`: state, memory and disk to the VM's folder;
+    /// its process exits.
+    pub async fn suspend(&self, vm: &str) -> Result<SuspendResponse> {
+        self.call(Method::POST, &format!("/vm/{}/suspend", seg(vm)), None)
+            .await
+    }
+
+    /// `POST /vm/{vm}/restore`: resumes a suspended VM with its memory
+    /// (with [`Wait::Agent`]: once its agent answers).
+    pub async fn restore(
+        &self,
+        vm: &str,
+        wait: Wait,
+        timeout: Option<Duration>,
+    ) -> Result<LifecycleResponse> {
+        let path = Query::new()
+            .wait(wait, timeout)
+            .finish(format!("/vm/{}/restore", seg(vm)));
         self.call(Method::POST, &path, None).await
     }
 
