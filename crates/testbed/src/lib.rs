@@ -124,7 +124,12 @@ pub fn vmm_binary() -> Result<PathBuf, TestbedError> {
             status,
         });
     }
-    let binary = root.join("target/debug/tine-vmm");
+    // Where cargo put it: `CARGO_TARGET_DIR` (relative to the checkout,
+    // where the build ran) or the checkout's `target`.
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(|d| root.join(d))
+        .unwrap_or_else(|| root.join("target"));
+    let binary = target.join("debug/tine-vmm");
     if !binary.is_file() {
         return Err(TestbedError::MissingArtifact(binary));
     }
