@@ -216,6 +216,19 @@ fn p50(samples: &mut [u64]) -> u64 {
 
 fn suspend_restore_keep_the_guest_running() -> R {
     let mut d = Daemon::start("suspend", GROUP, None)?;
+    let result = checks(&mut d);
+    if result.is_err() {
+        println!("daemon log:\n{}", d.log_tail());
+        let vms = d.data().join("vms");
+        for e in std::fs::read_dir(&vms).into_iter().flatten().flatten() {
+            let log = e.path().join("vmm.log");
+            println!("{}:\n{}", log.display(), tine_testbed::tail_lines(&log, 10));
+        }
+    }
+    result
+}
+
+fn checks(d: &mut Daemon) -> R {
     let r = rt();
     let c = d.client.clone();
     let (vm, boot_ms, before, pid, (tap, gateway)) = r.block_on(async {
@@ -248,7 +261,7 @@ fn suspend_restore_keep_the_guest_running() -> R {
         return Err(fail(format!("suspend answered {resp:?}")));
     }
     suspend_ms.push(resp.elapsed_ms);
-    let allocated = r.block_on(check_suspended(&d, &vm, pid, "suspended"))?;
+    let allocated = r.block_on(check_suspended(d, &vm, pid, "suspended"))?;
     if tap_exists(&tap) {
         return Err(fail(format!(
             "{tap} is still there while {vm} is suspended"
@@ -263,7 +276,7 @@ fn suspend_restore_keep_the_guest_running() -> R {
     );
     d.kill9()?;
     d.spawn()?;
-    r.block_on(check_suspended(&d, &vm, pid, "after a daemon restart"))?;
+    r.block_on(check_suspended(d, &vm, pid, "after a daemon restart"))?;
     // The guest's clock stands still meanwhile; the restore sets it.
     std::thread::sleep(Duration::from_secs(8));
     let restored = r.block_on(async {
@@ -308,7 +321,7 @@ fn suspend_restore_keep_the_guest_running() -> R {
     );
     d.spawn()?;
     r.block_on(check_suspended(
-        &d,
+        d,
         &vm,
         pid,
         "after a kill at the sealed snapshot",
