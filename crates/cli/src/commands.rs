@@ -16,7 +16,7 @@ use tine_proto::api::{
 use crate::cli::{
     AddArgs, Cli, Command, CommitArgs, CommitCommand, DeleteArgs, ForkArgs, GlobalArgs,
     GroupCommand, ListArgs, LogsArgs, NetworkCommand, PolicyArgs, ReadyArgs, RelaunchArgs,
-    ShutdownArgs, TagCommand, VmCommand, WaitArgs,
+    RestoreArgs, ShutdownArgs, TagCommand, VmCommand, WaitArgs,
 };
 use crate::exit::{self, UsageError};
 use crate::output::{self, print_json};
@@ -426,11 +426,15 @@ async fn suspend(g: &GlobalArgs, c: &TineClient, vm: &str) -> anyhow::Result<i32
     Ok(exit::OK)
 }
 
-async fn restore(g: &GlobalArgs, c: &TineClient, args: &RelaunchArgs) -> anyhow::Result<i32> {
-    let wait = wait_of(&args.wait);
+async fn restore(g: &GlobalArgs, c: &TineClient, args: &RestoreArgs) -> anyhow::Result<i32> {
+    let wait = if args.no_wait {
+        Wait::None
+    } else {
+        Wait::Agent
+    };
     let r = {
         let _p = Progress::start(g, format!("restoring {}", args.vm));
-        c.restore(&args.vm, wait, args.wait.timeout).await?
+        c.restore(&args.vm, wait, args.timeout).await?
     };
     if g.json {
         print_json(&r)?;
