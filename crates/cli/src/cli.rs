@@ -298,6 +298,10 @@ pub enum VmCommand {
     Shutdown(ShutdownArgs),
     /// Boot a stopped persistent VM from its disk
     Relaunch(RelaunchArgs),
+    /// Save a running VM's state, memory and disk to its folder and stop its process
+    Suspend(VmArg),
+    /// Resume a suspended VM with its memory (its processes go on)
+    Restore(RestoreArgs),
     /// Stop VMs and remove their disks
     #[command(visible_alias = "rm")]
     Delete(DeleteArgs),
@@ -610,6 +614,29 @@ pub struct RelaunchArgs {
     pub wait: WaitArgs,
 }
 
+/// What `tine vm restore --wait` waits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum RestoreWait {
+    /// The VM's agent answers (its clock set, fresh entropy)
+    Agent,
+}
+
+/// `tine vm restore`: `--wait` alone or Slicer's `--wait agent`.
+#[derive(Debug, Args)]
+pub struct RestoreArgs {
+    /// The VM: hostname or friendly name
+    pub vm: String,
+    /// Wait until the VM's agent answers (the default)
+    #[arg(long, value_enum, num_args = 0..=1, default_missing_value = "agent", value_name = "FOR", conflicts_with = "no_wait")]
+    pub wait: Option<RestoreWait>,
+    /// Return as soon as its vCPUs run again
+    #[arg(long)]
+    pub no_wait: bool,
+    /// How long to wait for the agent
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    pub timeout: Option<Duration>,
+}
+
 /// `tine vm delete`
 #[derive(Debug, Args)]
 pub struct DeleteArgs {
@@ -783,6 +810,31 @@ mod tests {
         parse(args).unwrap_or_else(|e| panic!("{args:?} refused: {e}"))
     }
 
+    #[test]
+    fn restore_takes_slicers_wait_agent_and_tines_wait_flags() {
+        let restore = |args: &[&str]| match ok(args).command {
+            Command::Vm {
+                command: VmCommand::Restore(a),
+            } => (a.wait, a.no_wait, a.timeout),
+            other => panic!("{other:?}"),
+        };
+        let agent = Some(RestoreWait::Agent);
+        assert_eq!(
+            restore(&["vm", "restore", "dev-1", "--wait", "agent"]),
+            (agent, false, None)
+        );
+        assert_eq!(
+            restore(&["vm", "restore", "dev-1", "--wait", "--timeout", "5s"]),
+            (agent, false, Some(Duration::from_secs(5)))
+        );
+        assert_eq!(
+            restore(&["vm", "restore", "dev-1", "--no-wait"]),
+            (None, true, None)
+        );
+        assert!(parse(&["vm", "restore", "dev-1", "--wait", "userdata"]).is_err());
+        assert!(parse(&["vm", "restore", "dev-1", "--wait", "--no-wait"]).is_err());
+    }
+
     fn refused(args: &[&str]) -> clap::error::ErrorKind {
         match parse(args) {
             Ok(cli) => panic!("{args:?} accepted: {cli:?}"),
@@ -944,6 +996,13 @@ mod tests {
             &["vm", "relaunch", "dev-1"],
             &["vm", "relaunch", "dev-1", "--wait", "--timeout", "1m"],
             &["vm", "relaunch", "dev-1", "--no-wait"],
+            &["vm", "pause", "dev-1"],
+            &["vm", "resume", "dev-1"],
+            &["vm", "suspend", "dev-1"],
+            &["vm", "restore", "dev-1"],
+            &["vm", "restore", "dev-1", "--wait", "--timeout", "30s"],
+            &["vm", "restore", "dev-1", "--wait", "agent"],
+            &["vm", "restore", "dev-1", "--no-wait"],
             &["vm", "delete", "dev-1"],
             &["vm", "delete", "dev-1", "dev-2", "web"],
             &["vm", "tag", "list", "dev-1"],

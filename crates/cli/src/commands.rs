@@ -9,14 +9,14 @@ use indicatif::{ProgressBar, ProgressStyle};
 use tine_client::api::{read_token_file, CommitQuery, ShutdownAction, Wait};
 use tine_client::TineClient;
 use tine_proto::api::{
-    CommitRequest, CreateVmRequest, ForkNetwork, ForkRequest, ListQuery, NetworkPolicy, TagMode,
-    TagsPatch, VmNetworkInfo, VmState,
+    CommitRequest, CreateVmRequest, ForkNetwork, ForkRequest, ListQuery, NetworkPolicy,
+    SuspendResponse, TagMode, TagsPatch, VmNetworkInfo, VmState,
 };
 
 use crate::cli::{
     AddArgs, Cli, Command, CommitArgs, CommitCommand, DeleteArgs, ForkArgs, GlobalArgs,
     GroupCommand, ListArgs, LogsArgs, NetworkCommand, PolicyArgs, ReadyArgs, RelaunchArgs,
-    ShutdownArgs, TagCommand, VmCommand, WaitArgs,
+    RestoreArgs, ShutdownArgs, TagCommand, VmCommand, WaitArgs,
 };
 use crate::exit::{self, UsageError};
 use crate::output::{self, print_json};
@@ -149,6 +149,8 @@ async fn vm(g: &GlobalArgs, command: VmCommand) -> anyhow::Result<i32> {
         VmCommand::Ready(args) => ready(g, &c, &args).await,
         VmCommand::Shutdown(args) => shutdown(g, &c, &args).await,
         VmCommand::Relaunch(args) => relaunch(g, &c, &args).await,
+        VmCommand::Suspend(a) => suspend(g, &c, &a.vm).await,
+        VmCommand::Restore(args) => restore(g, &c, &args).await,
         VmCommand::Delete(args) => delete(g, &c, &args).await,
         VmCommand::Tag { command } => tag(g, &c, command).await,
         VmCommand::Commit(args) => commit(g, &c, args).await,
@@ -388,6 +390,53 @@ async fn relaunch(g: &GlobalArgs, c: &TineClient, args: &RelaunchArgs) -> anyhow
     let r = {
         let _p = Progress::start(g, format!("relaunching {}", args.vm));
         c.relaunch(&args.vm, wait, args.wait.timeout).await?
+    };
+    if g.json {
+        print_json(&r)?;
+    } else if g.quiet {
+        println!("{}", r.hostname);
+    } else {
+        println!("{}", started_line(&r.hostname, r.state, None, r.elapsed_ms));
+    }
+    Ok(exit::OK)
+}
+
+/// "dev-3 suspended: 41M of memory written (snapshot 310 ms, in 420 ms)".
+pub fn suspended_line(r: &SuspendResponse) -> String {
+    format!(
+        "{} {}: {} of memory written (snapshot {}, in {})",
+        r.hostname,
+        r.state,
+        output::size(r.memory_bytes),
+        output::millis(r.snapshot_ms),
+        output::millis(r.elapsed_ms)
+    )
+}
+
+async fn suspend(g: &GlobalArgs, c: &TineClient, vm: &str) -> anyhow::Result<i32> {
+    let r = {
+        let _p = Progress::start(g, format!("suspending {vm}"));
+        c.suspend(vm).await?
+    };
+    if g.json {
+        print_json(&r)?;
+    } else if g.quiet {
+        println!("{}", r.hostname);
+    } else {
+        println!("{}", suspended_line(&r));
+    }
+    Ok(exit::OK)
+}
+
+async fn restore(g: &GlobalArgs, c: &TineClient, args: &RestoreArgs) -> anyhow::Result<i32> {
+    let wait = if args.no_wait {
+        Wait::None
+    } else {
+        Wait::Agent
+    };
+    let r = {
+        let _p = Progress::start(g, format!("restoring {}", args.vm));
+        c.restore(&args.vm, wait, args.timeout).await?
     };
     if g.json {
         print_json(&r)?;
@@ -828,6 +877,17 @@ mod tests {
         assert_eq!(
             started_line("dev-3", VmState::Starting, Some("10.0.0.3"), 40),
             "dev-3 starting, ip 10.0.0.3 (in 40 ms)"
+        );
+        let r = SuspendResponse {
+            hostname: "dev-3".into(),
+            state: VmState::Suspended,
+            memory_bytes: 41 << 20,
+            snapshot_ms: 310,
+            elapsed_ms: 420,
+        };
+        assert_eq!(
+            suspended_line(&r),
+            "dev-3 suspended: 41M of memory written (snapshot 310 ms, in 420 ms)"
         );
     }
 }

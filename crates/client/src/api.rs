@@ -31,8 +31,8 @@ use tine_proto::api::{
     CommitInfo, CommitRequest, CreateSecretRequest, CreateVmRequest, CreateVmResponse, DaemonInfo,
     DeleteSecretResponse, ErrorBody, ErrorCode, ExecFrame, ForkRequest, ForkResponse, FsEventType,
     FsWatchEvent, HostGroupInfo, LifecycleResponse, ListQuery, LogsResponse, NetworkPolicy,
-    NodeStat, SecretInfo, StdioEncoding, TagsPatch, TagsResponse, UpdateSecretRequest, VmHealth,
-    VmInfo, VmNetworkInfo,
+    NodeStat, SecretInfo, StdioEncoding, SuspendResponse, TagsPatch, TagsResponse,
+    UpdateSecretRequest, VmHealth, VmInfo, VmNetworkInfo,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpStream, UnixStream};
@@ -954,6 +954,27 @@ impl TineClient {
             data: Vec::new(),
             done: false,
         })
+    }
+
+    /// `POST /vm/{vm}/suspend`: state, memory and disk to the VM's folder;
+    /// its process exits.
+    pub async fn suspend(&self, vm: &str) -> Result<SuspendResponse> {
+        self.call(Method::POST, &format!("/vm/{}/suspend", seg(vm)), None)
+            .await
+    }
+
+    /// `POST /vm/{vm}/restore`: resumes a suspended VM with its memory
+    /// (with [`Wait::Agent`]: once its agent answers).
+    pub async fn restore(
+        &self,
+        vm: &str,
+        wait: Wait,
+        timeout: Option<Duration>,
+    ) -> Result<LifecycleResponse> {
+        let path = Query::new()
+            .wait(wait, timeout)
+            .finish(format!("/vm/{}/restore", seg(vm)));
+        self.call(Method::POST, &path, None).await
     }
 
     /// `POST /vm/{vm}/exec`: runs a command; its output and exit come as a

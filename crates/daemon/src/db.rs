@@ -539,6 +539,36 @@ impl Store {
         Ok(())
     }
 
+    /// Records a suspend as done, in one statement: `suspending` becomes
+    /// `suspended` and the process is forgotten (its VMM is stopped after
+    /// this, and a crash before that leaves a run no record names, which
+    /// start-up kills). False when the VM was not `suspending`.
+    pub fn record_suspended(&self, hostname: &str) -> Result<bool> {
+        let changed = self
+            .lock()
+            .prepare_cached(
+                "UPDATE vms SET state = 'suspended', pid = NULL, pid_start = NULL, reason = NULL, \
+             stop_mode = NULL WHERE hostname = ?1 AND state = 'suspending'",
+            )?
+            .execute([hostname])?;
+        Ok(changed == 1)
+    }
+
+    /// Records the process a suspended VM was restored into, in one
+    /// statement: `suspended` becomes `starting` (the agent has not answered
+    /// yet) with the process. False when the VM was not `suspended`.
+    pub fn record_restored(&self, hostname: &str, pid: u32, pid_start: u64) -> Result<bool> {
+        let changed = self
+            .lock()
+            .prepare_cached(
+                "UPDATE vms SET state = 'starting', pid = ?2, pid_start = ?3, started_ms = ?4, \
+             reason = NULL, stop_mode = NULL, boot_ms = NULL \
+             WHERE hostname = ?1 AND state = 'suspended'",
+            )?
+            .execute(params![hostname, pid, pid_start as i64, now_ms() as i64])?;
+        Ok(changed == 1)
+    }
+
     /// Marks a VM as waiting for a boot slot: `starting`, no process yet.
     pub fn queue_start(&self, hostname: &str) -> Result<()> {
         self.lock()
@@ -954,6 +984,33 @@ mod tests {
         s.queue_start(&vm.hostname).expect("queue");
         let got = s.find_vm(&vm.hostname).expect("find").expect("some");
         assert_eq!((got.stop_mode, got.reason), (None, None));
+    }
+
+    #[test]
+    fn suspend_and_restore_are_one_statement_each_from_the_state_they_need() {
+        let s = Store::in_memory().expect("open");
+        let vm = s.insert_vm(&new_vm("dev"), disk).expect("vm");
+        s.set_process(&vm.hostname, 42, 7).expect("proc");
+        s.set_running(&vm.hostname, 10).expect("running");
+        assert!(!s.record_suspended(&vm.hostname).expect("not suspending"));
+        assert!(!s
+            .record_restored(&vm.hostname, 43, 8)
+            .expect("not suspended"));
+        s.transition(&vm.hostname, &[VmState::Running], VmState::Suspending, None)
+            .expect("suspending");
+        assert!(s.record_suspended(&vm.hostname).expect("suspended"));
+        let got = s.find_vm(&vm.hostname).expect("find").expect("some");
+        assert_eq!(
+            (got.state, got.pid, got.pid_start),
+            (VmState::Suspended, None, None)
+        );
+        assert!(s.record_restored(&vm.hostname, 43, 8).expect("restored"));
+        let got = s.find_vm(&vm.hostname).expect("find").expect("some");
+        assert_eq!(
+            (got.state, got.pid, got.pid_start),
+            (VmState::Starting, Some(43), Some(8))
+        );
+        assert!(got.booted_once, "a restore is no first boot");
     }
 
     fn commit(id: &str, source: &str, key: Option<&str>) -> CommitRecord {

@@ -41,6 +41,22 @@ pub enum Failpoint {
     DeleteStopped,
     /// The record is gone; its folder is still there.
     DeleteRecordRemoved,
+    /// A VM is recorded `suspending`; it is neither paused nor written.
+    SuspendRecorded,
+    /// Its VMM wrote the snapshot into the temporary folder; not synced
+    /// or renamed into place.
+    SuspendSnapshotTaken,
+    /// The snapshot is synced and renamed into place; the VM is still
+    /// recorded `suspending`, its VMM runs paused.
+    SuspendSnapshotSealed,
+    /// The VM is recorded `suspended`; its VMM still runs, paused.
+    SuspendRecordedSuspended,
+    /// A VMM restored a suspended VM's snapshot and runs it; no record
+    /// names it (the VM is still `suspended`).
+    RestoreSpawned,
+    /// The restored process is recorded; the snapshot files are still
+    /// there.
+    RestoreRecorded,
 }
 
 impl Failpoint {
@@ -57,6 +73,12 @@ impl Failpoint {
         Failpoint::CommitRecorded,
         Failpoint::DeleteStopped,
         Failpoint::DeleteRecordRemoved,
+        Failpoint::SuspendRecorded,
+        Failpoint::SuspendSnapshotTaken,
+        Failpoint::SuspendSnapshotSealed,
+        Failpoint::SuspendRecordedSuspended,
+        Failpoint::RestoreSpawned,
+        Failpoint::RestoreRecorded,
     ];
 
     /// The name `TINE_FAILPOINT` takes.
@@ -73,6 +95,12 @@ impl Failpoint {
             Failpoint::CommitRecorded => "commit-recorded",
             Failpoint::DeleteStopped => "delete-stopped",
             Failpoint::DeleteRecordRemoved => "delete-record-removed",
+            Failpoint::SuspendRecorded => "suspend-recorded",
+            Failpoint::SuspendSnapshotTaken => "suspend-snapshot-taken",
+            Failpoint::SuspendSnapshotSealed => "suspend-snapshot-sealed",
+            Failpoint::SuspendRecordedSuspended => "suspend-recorded-suspended",
+            Failpoint::RestoreSpawned => "restore-spawned",
+            Failpoint::RestoreRecorded => "restore-recorded",
         }
     }
 
@@ -112,11 +140,52 @@ pub fn arm_from_env() -> Result<Option<Failpoint>, UnknownFailpoint> {
 
 /// Crashes the daemon here if this point is armed.
 pub fn hit(point: Failpoint) {
+    #[cfg(test)]
+    freeze::hit(point);
     if ARMED.get().copied().flatten() == Some(point) {
         eprintln!("tine: crash point {} reached: SIGKILL", point.name());
         if let Err(e) = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL) {
             eprintln!("tine: cannot raise SIGKILL at {}: {e}", point.name());
             std::process::abort();
+        }
+    }
+}
+
+/// The unit tests' stand-in for the `SIGKILL`: a thread armed with
+/// [`freeze::arm`] stops for good at the point (it parks forever), so the
+/// daemon running on it (on a current-thread runtime) does nothing more,
+/// as after a `kill -9`, while the test goes on and starts another daemon
+/// on the same data directory.
+#[cfg(test)]
+pub mod freeze {
+    use std::cell::RefCell;
+    use std::sync::mpsc::Sender;
+
+    use super::Failpoint;
+
+    thread_local! {
+        static ARMED: RefCell<Option<(Failpoint, Sender<Failpoint>)>> = const { RefCell::new(None) };
+    }
+
+    /// Arms `point` on this thread; `reached` hears when it is reached.
+    pub fn arm(point: Failpoint, reached: Sender<Failpoint>) {
+        ARMED.with(|a| *a.borrow_mut() = Some((point, reached)));
+    }
+
+    pub(super) fn hit(point: Failpoint) {
+        let armed = ARMED.with(|a| {
+            let mut a = a.borrow_mut();
+            match a.as_ref() {
+                Some((p, _)) if *p == point => a.take(),
+                _ => None,
+            }
+        });
+        if let Some((_, reached)) = armed {
+            // The test may have given up already; the thread stops anyway.
+            let _ = reached.send(point);
+            loop {
+                std::thread::park();
+            }
         }
     }
 }

@@ -73,7 +73,8 @@ pub fn launch(vmm: &Path, spec: &BootSpec, paths: &VmPaths) -> std::io::Result<C
 }
 
 /// Starts tine-vmm without a VM (`--prestart`), ready to restore a
-/// snapshot sent on its control socket.
+/// snapshot sent on its control socket, with the spec's disk and TAP in
+/// place of the snapshot's.
 pub fn prestart(vmm: &Path, spec: &RestoreSpec, paths: &VmPaths) -> std::io::Result<Child> {
     let mut cmd = command(vmm, paths)?;
     cmd.arg("--prestart")
@@ -81,6 +82,14 @@ pub fn prestart(vmm: &Path, spec: &RestoreSpec, paths: &VmPaths) -> std::io::Res
         .arg(spec.cpus.to_string())
         .arg("--mem-mib")
         .arg(spec.ram_mib.to_string());
+    if let Some(disk) = &spec.disk {
+        let mut arg = std::ffi::OsString::from("drive0=");
+        arg.push(disk);
+        cmd.arg("--drive-override").arg(arg);
+    }
+    if let Some(tap) = &spec.tap {
+        cmd.arg("--tap-override").arg(format!("net0={tap}"));
+    }
     cmd.spawn()
 }
 

@@ -168,6 +168,13 @@ pub enum VmState {
     Stopped,
     /// Its VMM or guest failed; `failure` says why.
     Failed,
+    /// Being suspended: its vCPUs are parked and its state and memory are
+    /// being written to its folder; its process still runs.
+    Suspending,
+    /// Suspended: state, memory and disk are in its folder and no process
+    /// runs; `restore` resumes it with its memory, `relaunch` boots it
+    /// from its disk instead.
+    Suspended,
 }
 
 impl VmState {
@@ -180,6 +187,8 @@ impl VmState {
             VmState::Stopping => "stopping",
             VmState::Stopped => "stopped",
             VmState::Failed => "failed",
+            VmState::Suspending => "suspending",
+            VmState::Suspended => "suspended",
         }
     }
 
@@ -192,6 +201,8 @@ impl VmState {
             "stopping" => VmState::Stopping,
             "stopped" => VmState::Stopped,
             "failed" => VmState::Failed,
+            "suspending" => VmState::Suspending,
+            "suspended" => VmState::Suspended,
             _ => return None,
         })
     }
@@ -200,7 +211,7 @@ impl VmState {
     pub fn is_live(self) -> bool {
         matches!(
             self,
-            VmState::Starting | VmState::Running | VmState::Stopping
+            VmState::Starting | VmState::Running | VmState::Stopping | VmState::Suspending
         )
     }
 }
@@ -826,6 +837,23 @@ pub struct LifecycleResponse {
     pub elapsed_ms: u64,
 }
 
+/// `POST /vm/{hostname}/suspend` response.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SuspendResponse {
+    /// The VM.
+    pub hostname: String,
+    /// `suspended`.
+    pub state: VmState,
+    /// Bytes of guest RAM written to the memory file (zero pages are
+    /// holes).
+    pub memory_bytes: u64,
+    /// Milliseconds the VMM took to write the snapshot (the vCPUs were
+    /// parked meanwhile).
+    pub snapshot_ms: u64,
+    /// Milliseconds the request took (pause, snapshot, sync, process exit).
+    pub elapsed_ms: u64,
+}
+
 /// `POST /vm/{hostname}/commit` body.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -1236,6 +1264,8 @@ mod tests {
             VmState::Stopping,
             VmState::Stopped,
             VmState::Failed,
+            VmState::Suspending,
+            VmState::Suspended,
         ] {
             assert_eq!(VmState::parse(s.as_str()), Some(s));
         }
@@ -1497,13 +1527,16 @@ wire_enum! {
 }
 
 wire_enum! {
-    /// Slicer's coarse VM status, next to tine's finer [`VmState`].
+    /// Slicer's coarse VM status, next to tine's finer [`VmState`]: the
+    /// three values its SDKs know.
     VmStatus, "status" {
         /// Being created, booting, running or stopping.
         Running = "Running",
-        /// Running with its vCPUs parked (`POST /vm/{hostname}/pause`).
+        /// Running with its vCPUs parked (`POST /vm/{hostname}/pause`), or
+        /// being suspended.
         Paused = "Paused",
-        /// Stopped or failed.
+        /// Stopped, failed or suspended (no process runs; `state` tells
+        /// them apart).
         Stopped = "Stopped",
     }
 }
@@ -1514,7 +1547,8 @@ impl From<VmState> for VmStatus {
             VmState::Creating | VmState::Starting | VmState::Running | VmState::Stopping => {
                 VmStatus::Running
             }
-            VmState::Stopped | VmState::Failed => VmStatus::Stopped,
+            VmState::Suspending => VmStatus::Paused,
+            VmState::Stopped | VmState::Failed | VmState::Suspended => VmStatus::Stopped,
         }
     }
 }

@@ -124,10 +124,10 @@ pub fn vmm_binary() -> Result<PathBuf, TestbedError> {
             status,
         });
     }
-    // Where cargo put it: CARGO_TARGET_DIR (relative to the root, where
-    // cargo ran) or the root's target/.
+    // Where cargo put it: `CARGO_TARGET_DIR` (relative to the checkout,
+    // where the build ran) or the checkout's `target`.
     let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(|dir| root.join(dir))
+        .map(|d| root.join(d))
         .unwrap_or_else(|| root.join("target"));
     let binary = target.join("debug/tine-vmm");
     if !binary.is_file() {

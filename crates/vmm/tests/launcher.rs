@@ -34,6 +34,8 @@ async fn the_vmm_launcher_restores_pauses_snapshots_adopts_and_stops() {
         state,
         memory,
         paused: false,
+        disk: None,
+        tap: None,
     };
     let running = launcher.restore(&spec).await.expect("restore");
     launcher.pause("t-1").await.expect("pause");

@@ -1380,18 +1380,75 @@ async fn pause_resume_suspend_restore_and_daemon_shutdown() {
         .send(Method::POST, &format!("/vm/{h}/pause"), None)
         .await;
     assert_eq!(a.status, StatusCode::CONFLICT, "a stopped VM: {}", a.text());
-    // Go SuspendVM / RestoreVM(WithOptions): refused, saying why.
-    for (what, uri) in [
-        ("suspend", format!("/vm/{h}/suspend")),
-        ("restore", format!("/vm/{h}/restore?wait=agent&timeout=30s")),
-    ] {
-        let a = sdk.send(Method::POST, &uri, None).await;
-        assert_eq!(a.status, StatusCode::BAD_REQUEST, "{what}");
-        assert!(
-            a.decode::<SdkError>().error.contains("not supported yet"),
-            "{what}"
-        );
-    }
+    // Suspend and restore refuse what they cannot do, naming the state.
+    let a = sdk
+        .send(Method::POST, &format!("/vm/{h}/suspend"), None)
+        .await;
+    assert_eq!(a.status, StatusCode::CONFLICT, "{}", a.text());
+    let e = a.decode::<SdkError>();
+    assert!(e.error.contains(&format!("{h} is stopped")), "{}", e.error);
+    assert_eq!(e.code, "conflict");
+    // Go SuspendVM / TS vm.suspend() on a running VM: 200; the list then
+    // says Stopped (tine's state: suspended) and no VMM runs.
+    let v = sdk.create(serde_json::json!({})).await.hostname;
+    let memory = sdk.fake.memory_of(&v);
+    let a = sdk
+        .send(Method::POST, &format!("/vm/{v}/restore"), None)
+        .await;
+    assert_eq!(a.status, StatusCode::CONFLICT, "{}", a.text());
+    let e = a.decode::<SdkError>();
+    assert!(e.error.contains(&format!("{v} is running")), "{}", e.error);
+    let a = sdk
+        .send(Method::POST, &format!("/vm/{v}/suspend"), None)
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "suspend: {}", a.text());
+    assert!(!sdk.fake.is_running(&v), "the VMM is gone");
+    let node = sdk
+        .get("/nodes")
+        .await
+        .decode::<Vec<SdkNode>>()
+        .into_iter()
+        .find(|n| n.hostname == v)
+        .expect("listed");
+    assert_eq!(node.status, "Stopped");
+    let described: serde_json::Value = sdk.get(&format!("/vm/{v}")).await.decode();
+    assert_eq!(described["state"], "suspended", "{described}");
+    let a = sdk
+        .send(Method::POST, &format!("/vm/{v}/suspend"), None)
+        .await;
+    assert_eq!(a.status, StatusCode::CONFLICT, "{}", a.text());
+    assert!(a.decode::<SdkError>().error.contains("already suspended"));
+    // Go RestoreVMWithOptions(ctx, v, {Wait: agent, Timeout: 30s}): 200
+    // once the agent answers; the same memory runs on.
+    let a = sdk
+        .send(
+            Method::POST,
+            &format!("/vm/{v}/restore?timeout=30s&wait=agent"),
+            None,
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "restore: {}", a.text());
+    assert_eq!(
+        status(sdk.get(&format!("/vm/{v}")).await.decode()),
+        "Running"
+    );
+    assert_eq!(sdk.fake.memory_of(&v), memory, "resumed, not rebooted");
+    // Go RestoreVM / TS vm.restore(): no wait; the agent answers soon.
+    let a = sdk
+        .send(Method::POST, &format!("/vm/{v}/suspend"), None)
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "suspend: {}", a.text());
+    let a = sdk
+        .send(Method::POST, &format!("/vm/{v}/restore"), None)
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "restore: {}", a.text());
+    let health = sdk.get(&format!("/vm/{v}/health")).await;
+    assert_eq!(health.status, StatusCode::OK, "{}", health.text());
+    assert_eq!(sdk.fake.memory_of(&v), memory, "resumed, not rebooted");
+    let a = sdk
+        .send(Method::POST, &format!("/vm/{v}/restore?wait=later"), None)
+        .await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST, "{}", a.text());
     // POST /daemon/shutdown answers, then the server is asked to stop.
     let a = sdk.send(Method::POST, "/daemon/shutdown", None).await;
     assert_eq!(a.status, StatusCode::OK, "{}", a.text());

@@ -288,28 +288,29 @@ pub(super) async fn resume(
     Ok(Json(d.describe(&d.vm(&vm.hostname)?)))
 }
 
-/// `suspend` and `restore` (a VM's memory to disk and back): refused until
-/// tine can snapshot a VM to its own disk, naming what exists instead.
+/// `POST /vm/{hostname}/suspend`: state, memory and disk to the VM's
+/// folder, its process exits (Go `SuspendVM`, TS `vm.suspend()`).
 pub(super) async fn suspend(
     State(d): State<AppState>,
     Path(hostname): Path<String>,
-) -> ApiResult<Json<api::VmInfo>> {
-    let vm = d.vm(&hostname)?;
-    Err(ApiError::bad_request(format!(
-        "suspend of {} is not supported yet: tine cannot save a VM's memory to disk; use pause (vCPUs parked, memory kept) or shutdown and relaunch",
-        vm.hostname
-    )))
+    uri: Uri,
+) -> ApiResult<Json<api::SuspendResponse>> {
+    query_only(&query_pairs(&uri), &[])?;
+    Ok(Json(d.suspend(&hostname).await?))
 }
 
+/// `POST /vm/{hostname}/restore?wait=agent&timeout=`: resumes a suspended
+/// VM with its memory (Go `RestoreVM(WithOptions)`, TS `vm.restore()`).
 pub(super) async fn restore(
     State(d): State<AppState>,
     Path(hostname): Path<String>,
-) -> ApiResult<Json<api::VmInfo>> {
-    let vm = d.vm(&hostname)?;
-    Err(ApiError::bad_request(format!(
-        "restore of {} is not supported yet: tine has no suspended VMs (suspend is not supported); relaunch a stopped persistent VM",
-        vm.hostname
-    )))
+    uri: Uri,
+) -> ApiResult<Json<api::LifecycleResponse>> {
+    let q = query_pairs(&uri);
+    query_only(&q, &["wait", "timeout"])?;
+    let wait: Wait = parse_query_enum(&q, "wait")?.unwrap_or_default();
+    let timeout = parse_timeout(query_get(&q, "timeout"), DEFAULT_WAIT)?;
+    Ok(Json(d.restore(&hostname, wait, timeout).await?))
 }
 
 /// `POST /daemon/shutdown`: the daemon exits; VMs keep running (as on

@@ -16,7 +16,7 @@ use super::error::{chain, Error, Result};
 use crate::config::{Config, HostGroup};
 use crate::db::{now_ms, CommitRecord, ImageRecord, Store, VmRecord};
 use crate::failpoint::{self, Failpoint};
-use crate::launcher::{Launcher, LauncherExt};
+use crate::launcher::{Instance, Launcher, LauncherExt};
 use crate::network::NetworkManager;
 use crate::process::VmPaths;
 use crate::secrets::SecretStore;
@@ -127,6 +127,8 @@ pub struct Daemon {
     /// VMs whose vCPUs are parked (`pause`), with the pid of the run that
     /// was paused: a later run is not paused.
     paused: Mutex<HashMap<String, u32>>,
+    /// The runs being supervised whose process has not ended yet.
+    runs: Mutex<HashMap<String, Instance>>,
     /// Set by `POST /daemon/shutdown`; the server exits when it changes.
     stop_requested: watch::Sender<bool>,
 }
@@ -180,6 +182,7 @@ impl Daemon {
             forced: Mutex::new(HashMap::new()),
             verified: Mutex::new(HashMap::new()),
             paused: Mutex::new(HashMap::new()),
+            runs: Mutex::new(HashMap::new()),
             stop_requested: watch::channel(false).0,
             boot_slots: Arc::new(tokio::sync::Semaphore::new(boot_concurrency.max(1))),
         })
@@ -210,7 +213,8 @@ impl Daemon {
             && paused.get(&vm.hostname) == vm.pid.as_ref()
     }
 
-    /// Parks a running VM's vCPUs; 409 when it does not run.
+    /// Parks a running VM's vCPUs (a paused one stays paused); 409 when it
+    /// does not run.
     pub async fn pause(&self, key: &str) -> Result<VmRecord> {
         let hostname = self.vm(key)?.hostname;
         let _guard = self.lock_vm(&hostname).await;
@@ -221,6 +225,9 @@ impl Daemon {
                 vm.state
             )));
         };
+        if self.is_paused(&vm) {
+            return Ok(vm);
+        }
         self.launcher
             .pause(&hostname)
             .await
@@ -228,10 +235,7 @@ impl Daemon {
                 what: format!("pause {hostname}"),
                 source,
             })?;
-        self.paused
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(hostname, pid);
+        self.remember_paused(&hostname, pid);
         Ok(vm)
     }
 
@@ -250,11 +254,73 @@ impl Daemon {
                 what: format!("resume {hostname}"),
                 source,
             })?;
+        self.forget_paused(&hostname);
+        Ok(vm)
+    }
+
+    /// Forgets that `hostname`'s run was paused (it ended or was resumed).
+    pub(super) fn forget_paused(&self, hostname: &str) {
         self.paused
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .remove(&hostname);
-        Ok(vm)
+            .remove(hostname);
+    }
+
+    /// Remembers that the run `pid` of `hostname` is paused.
+    pub(super) fn remember_paused(&self, hostname: &str, pid: u32) {
+        self.paused
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(hostname.to_owned(), pid);
+    }
+
+    /// Notes that `instance` of `hostname` is supervised (its process runs).
+    pub(super) fn run_started(&self, hostname: &str, instance: Instance) {
+        self.runs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(hostname.to_owned(), instance);
+    }
+
+    /// Notes that the process of `instance` has ended, and wakes waiters.
+    pub(super) fn run_ended(&self, hostname: &str, instance: Instance) {
+        {
+            let mut runs = self.runs.lock().unwrap_or_else(|p| p.into_inner());
+            if runs.get(hostname) == Some(&instance) {
+                runs.remove(hostname);
+            }
+        }
+        self.notify();
+    }
+
+    /// Waits until the process of `instance` has ended; false when
+    /// `timeout` passed first.
+    pub(super) async fn wait_run_ended(
+        &self,
+        hostname: &str,
+        instance: Instance,
+        timeout: Duration,
+    ) -> bool {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut rx = self.changes.subscribe();
+        loop {
+            rx.borrow_and_update();
+            let running = self
+                .runs
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(hostname)
+                == Some(&instance);
+            if !running {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, rx.changed())
+                .await
+                .is_err()
+            {
+                return false;
+            }
+        }
     }
 
     /// Resumes `vm` if its run is paused, so a stop can ask its guest.
@@ -263,10 +329,7 @@ impl Daemon {
             if let Err(e) = self.launcher.resume(&vm.hostname).await {
                 tracing::warn!(vm = %vm.hostname, "resume before stop: {e}");
             }
-            self.paused
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .remove(&vm.hostname);
+            self.forget_paused(&vm.hostname);
         }
     }
 
@@ -359,7 +422,7 @@ impl Daemon {
             })?;
             match vm.state {
                 VmState::Running => return Ok(vm),
-                VmState::Failed | VmState::Stopped => {
+                VmState::Failed | VmState::Stopped | VmState::Suspended => {
                     return Err(Error::Failed(format!(
                         "{hostname} {} before its agent answered: {}",
                         vm.state,
@@ -507,11 +570,20 @@ impl Daemon {
     /// An agent connection for a request: the VM must be running.
     pub async fn agent(&self, key: &str) -> Result<(VmRecord, AgentClient)> {
         let vm = self.vm(key)?;
-        if !matches!(vm.state, VmState::Running | VmState::Starting) {
-            return Err(Error::Conflict(format!(
-                "{} is {}; start it with relaunch first",
-                vm.hostname, vm.state
-            )));
+        match vm.state {
+            VmState::Running | VmState::Starting => {}
+            VmState::Suspended | VmState::Suspending => {
+                return Err(Error::Conflict(format!(
+                    "{} is {}; restore it first (tine vm restore {})",
+                    vm.hostname, vm.state, vm.hostname
+                )))
+            }
+            _ => {
+                return Err(Error::Conflict(format!(
+                    "{} is {}; start it with relaunch first",
+                    vm.hostname, vm.state
+                )))
+            }
         }
         let client = self.connect_agent(&vm.hostname).await.map_err(|e| {
             Error::AgentUnavailable(format!(

@@ -296,6 +296,8 @@ impl Daemon {
     /// takes it as the same request); a guest still running after `timeout`
     /// is killed. `poweroff` kills at once. A kill is recorded as
     /// [`StopMode::Forced`]: writes the guest had not synced may be lost.
+    /// A suspended VM is restored first, so its guest can stop cleanly;
+    /// `poweroff` discards its memory instead (forced).
     pub async fn shutdown(
         self: &Arc<Self>,
         key: &str,
@@ -307,7 +309,20 @@ impl Daemon {
         let hostname = self.vm(key)?.hostname;
         let vm = {
             let _guard = self.lock_vm(&hostname).await;
-            let vm = self.vm(&hostname)?;
+            let mut vm = self.vm(&hostname)?;
+            if vm.state == VmState::Suspended && poweroff {
+                self.discard_suspended(&vm, "powered off while suspended")?;
+                return Ok(api::LifecycleResponse {
+                    hostname,
+                    state: VmState::Stopped,
+                    stop_mode: Some(StopMode::Forced),
+                    elapsed_ms: began.elapsed().as_millis() as u64,
+                });
+            }
+            if vm.state == VmState::Suspended {
+                self.restore_suspended(&vm).await?;
+                vm = self.vm(&hostname)?;
+            }
             if !vm.state.is_live() {
                 return Err(Error::Conflict(format!(
                     "{hostname} is already {}",
@@ -450,7 +465,10 @@ impl Daemon {
         }
     }
 
-    /// Boots a stopped (or failed) persistent VM from its disk.
+    /// Boots a stopped (or failed) persistent VM from its disk. A suspended
+    /// VM boots from its disk too: its memory is discarded (as after a
+    /// power cut, writes its guest had not synced are lost); `restore`
+    /// resumes it instead.
     pub async fn relaunch(
         self: &Arc<Self>,
         key: &str,
@@ -472,6 +490,10 @@ impl Daemon {
                 )));
             }
             self.queue_boot(&vm.hostname)?;
+            if vm.state == VmState::Suspended {
+                tracing::warn!(vm = %vm.hostname, "relaunched while suspended: its memory is discarded");
+                self.remove_snapshot_logged(&vm.hostname, &self.suspend_files(&vm.hostname));
+            }
         }
         let vm = match wait {
             Wait::Agent => self.wait_running(&vm.hostname, timeout).await?,

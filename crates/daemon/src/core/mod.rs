@@ -6,7 +6,8 @@
 //! Modules, each on top of the ones before it: `error`, `plan` (requests
 //! checked against their group), `daemon` (the state and what every part
 //! shares), `netattach`, `secrets` (host secrets and their sync into
-//! guests), `supervise` (launch, boot set-up, exit policy), `lifecycle`,
+//! guests), `supervise` (launch, boot set-up, exit policy), `snapshot` (a
+//! VM's state and memory to files and back), `suspend`, `lifecycle`,
 //! `commits`, `reconcile`.
 
 mod commits;
@@ -17,7 +18,9 @@ mod netattach;
 mod plan;
 mod reconcile;
 mod secrets;
+mod snapshot;
 mod supervise;
+mod suspend;
 
 #[cfg(test)]
 mod tests;
@@ -28,4 +31,5 @@ pub use error::{chain, Error, Result};
 pub use lifecycle::DEFAULT_SHUTDOWN_TIMEOUT;
 pub use plan::{validate_name, validate_tag, MAX_USERDATA};
 pub use reconcile::ReconcileReport;
-pub use supervise::{after_exit, stop_mode, AfterExit, BASE_CMDLINE};
+pub use snapshot::{Captured, SnapshotFiles};
+pub use supervise::{after_exit, stop_mode, AfterExit, SetUp, BASE_CMDLINE};

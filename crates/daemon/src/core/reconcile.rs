@@ -1,7 +1,9 @@
 //! Start-up reconciliation: after a restart (or a `kill -9`) the daemon
-//! adopts the runs that survived, finishes or undoes interrupted changes,
-//! removes what no record names, relaunches persistent VMs (per
-//! `reconcile:`) and keeps each group's `count`.
+//! adopts the runs that survived, finishes or undoes interrupted changes
+//! (a suspend with its snapshot in place is finished, one without is
+//! undone), removes what no record names, relaunches persistent VMs (per
+//! `reconcile:`) and keeps each group's `count`. A suspended VM has nothing
+//! to run: it waits for its restore.
 
 use std::collections::HashSet;
 use std::path::Path;
@@ -12,10 +14,14 @@ use tine_proto::api::{CreateVmRequest, StopMode, VmState, Wait};
 
 use super::daemon::Daemon;
 use super::error::{chain, Error, Result};
+use super::supervise::SetUp;
 use crate::config::Reconcile;
 use crate::db::VmRecord;
-use crate::launcher::Instance;
+use crate::launcher::{Instance, LauncherExt, Running};
 use crate::storage;
+
+/// How long a suspended VM's leftover VMM may take to exit at start-up.
+const LEFTOVER_GONE: Duration = Duration::from_secs(5);
 
 /// What start-up reconciliation did.
 #[derive(Debug, Default, Clone, PartialEq, Eq, serde::Serialize)]
@@ -34,6 +40,8 @@ pub struct ReconcileReport {
     pub failed: Vec<String>,
     /// VMs created to keep `count`.
     pub created: Vec<String>,
+    /// VMs found suspended, or whose interrupted suspend was finished.
+    pub suspended: Vec<String>,
 }
 
 fn remove_logged(path: &Path, dir: bool, report: &mut ReconcileReport) {
@@ -95,14 +103,10 @@ impl Daemon {
                         }
                     }
                 }
+                VmState::Suspending => self.finish_suspend_at_start(vm, &mut report).await?,
+                VmState::Suspended => self.check_suspended_at_start(vm, &mut report).await?,
                 s if s.is_live() => {
-                    let running = match (vm.pid, vm.pid_start) {
-                        (Some(pid), Some(pid_start)) => self
-                            .launcher
-                            .adopt(&vm.hostname, Instance { pid, pid_start }),
-                        _ => None,
-                    };
-                    if let Some(running) = running {
+                    if let Some(running) = self.adopt(vm) {
                         if s == VmState::Stopping {
                             // The stop request died with the old daemon.
                             self.store.transition(
@@ -112,25 +116,10 @@ impl Daemon {
                                 None,
                             )?;
                         }
-                        self.supervise(vm.hostname.clone(), running, None);
+                        self.supervise(vm.hostname.clone(), running, None, SetUp::Boot);
                         report.adopted.push(vm.hostname.clone());
-                    } else if !vm.persistent {
-                        self.discard(&vm.hostname).await;
-                        report.removed.push(vm.hostname.clone());
                     } else {
-                        let reason = "its process ended while the daemon was down";
-                        self.store.clear_process(
-                            &vm.hostname,
-                            VmState::Stopped,
-                            Some(reason),
-                            Some(StopMode::Crashed),
-                        )?;
-                        self.release_network(vm);
-                        if self.config.reconcile == Reconcile::Relaunch {
-                            self.relaunch_at_start(&vm.hostname, &mut report)?;
-                        } else {
-                            report.stopped.push(vm.hostname.clone());
-                        }
+                        self.run_lost_at_start(vm, &mut report).await?;
                     }
                 }
                 _ => {
@@ -176,6 +165,136 @@ impl Daemon {
         Ok(report)
     }
 
+    /// The recorded run of `vm`, if it is still that process.
+    fn adopt(&self, vm: &VmRecord) -> Option<Running> {
+        match (vm.pid, vm.pid_start) {
+            (Some(pid), Some(pid_start)) => self
+                .launcher
+                .adopt(&vm.hostname, Instance { pid, pid_start }),
+            _ => None,
+        }
+    }
+
+    /// A live VM whose process ended while the daemon was down: an
+    /// ephemeral one is removed, a persistent one is stopped (and
+    /// relaunched with `reconcile: relaunch`).
+    async fn run_lost_at_start(
+        self: &Arc<Self>,
+        vm: &VmRecord,
+        report: &mut ReconcileReport,
+    ) -> Result<()> {
+        if !vm.persistent {
+            self.discard(&vm.hostname).await;
+            report.removed.push(vm.hostname.clone());
+            return Ok(());
+        }
+        let reason = "its process ended while the daemon was down";
+        self.store.clear_process(
+            &vm.hostname,
+            VmState::Stopped,
+            Some(reason),
+            Some(StopMode::Crashed),
+        )?;
+        self.release_network(vm);
+        if self.config.reconcile == Reconcile::Relaunch {
+            self.relaunch_at_start(&vm.hostname, report)?;
+        } else {
+            report.stopped.push(vm.hostname.clone());
+        }
+        Ok(())
+    }
+
+    /// A suspend the old daemon did not finish. With its snapshot in place
+    /// (renamed, so complete) it is finished: the VM is recorded suspended
+    /// and its paused VMM, if it still runs, exits. Without, the partial
+    /// snapshot goes and the VM runs on (resumed), or, its process gone,
+    /// is handled as any lost run.
+    async fn finish_suspend_at_start(
+        self: &Arc<Self>,
+        vm: &VmRecord,
+        report: &mut ReconcileReport,
+    ) -> Result<()> {
+        let hostname = vm.hostname.as_str();
+        let files = self.suspend_files(hostname);
+        let running = self.adopt(vm);
+        if files.is_complete() {
+            self.store.record_suspended(hostname)?;
+            if let Err(e) = files.remove_partial() {
+                tracing::warn!(
+                    vm = hostname,
+                    "cannot remove {}: {e}",
+                    files.partial.display()
+                );
+            }
+            if let Some(mut running) = running {
+                if let Err(e) = self.launcher.stop_now(hostname).await {
+                    tracing::warn!(vm = hostname, "ask its VMM to exit: {}", chain(&e));
+                }
+                if tokio::time::timeout(LEFTOVER_GONE, &mut running.exit)
+                    .await
+                    .is_err()
+                {
+                    self.launcher.kill(hostname, running.instance);
+                    if tokio::time::timeout(LEFTOVER_GONE, &mut running.exit)
+                        .await
+                        .is_err()
+                    {
+                        tracing::error!(vm = hostname, "its VMM is still there");
+                    }
+                }
+            }
+            tracing::info!(vm = hostname, "finished its interrupted suspend");
+            report.suspended.push(hostname.to_owned());
+            return Ok(());
+        }
+        self.remove_snapshot_logged(hostname, &files);
+        let Some(running) = running else {
+            return self.run_lost_at_start(vm, report).await;
+        };
+        // Paused, unless the crash came before the pause.
+        if let Err(e) = self.launcher.resume(hostname).await {
+            tracing::info!(
+                vm = hostname,
+                "resume after an interrupted suspend: {}",
+                chain(&e)
+            );
+        }
+        self.store
+            .transition(hostname, &[VmState::Suspending], VmState::Running, None)?;
+        tracing::info!(vm = hostname, "undid its interrupted suspend; it runs on");
+        self.supervise(hostname.to_owned(), running, None, SetUp::Boot);
+        report.adopted.push(hostname.to_owned());
+        Ok(())
+    }
+
+    /// A suspended VM: nothing to run, if its snapshot is whole. Without
+    /// it (removed or damaged by hand), it cannot be restored: a persistent
+    /// VM is recorded stopped (it boots from its disk), an ephemeral one is
+    /// removed.
+    async fn check_suspended_at_start(
+        self: &Arc<Self>,
+        vm: &VmRecord,
+        report: &mut ReconcileReport,
+    ) -> Result<()> {
+        let files = self.suspend_files(&vm.hostname);
+        if files.is_complete() {
+            report.suspended.push(vm.hostname.clone());
+            return Ok(());
+        }
+        tracing::error!(vm = %vm.hostname, "its suspended state {} is missing or incomplete", files.dir.display());
+        if !vm.persistent {
+            self.discard(&vm.hostname).await;
+            report.removed.push(vm.hostname.clone());
+            return Ok(());
+        }
+        self.discard_suspended(
+            vm,
+            "its suspended state was missing or incomplete at start-up",
+        )?;
+        report.stopped.push(vm.hostname.clone());
+        Ok(())
+    }
+
     /// Removes VM folders, disk files and commit files no record names.
     fn remove_orphan_files(&self, report: &mut ReconcileReport) -> Result<()> {
         let vms = self.store.list_vms(None)?;
@@ -194,6 +313,18 @@ impl Daemon {
                 if !commits.contains(&e.path().display().to_string()) {
                     remove_logged(&e.path(), false, report);
                 }
+            }
+        }
+        // Snapshots no suspended VM needs: a partial one is never needed
+        // here; a complete one only by a suspended VM (a restore removes it
+        // once the restored process is recorded).
+        for vm in &vms {
+            let files = self.suspend_files(&vm.hostname);
+            if files.partial.exists() {
+                remove_logged(&files.partial, true, report);
+            }
+            if vm.state != VmState::Suspended && files.dir.exists() {
+                remove_logged(&files.dir, true, report);
             }
         }
         // Disk files in VM folders that no record names (a crash between a

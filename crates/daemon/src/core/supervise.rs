@@ -21,6 +21,19 @@ pub const BASE_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 pci=off nomodule
      i8042.noaux i8042.nomux i8042.dumbkbd i8042.nopnp swiotlb=noforce cryptomgr.notests \
      quiet root=/dev/vda rw init=/sbin/init";
 
+/// What a run's set-up does once its agent answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SetUp {
+    /// A boot (or an adopted run): hostname, machine-id and SSH host keys
+    /// as the VM's fix-ups say, entropy, clock, network, first-boot
+    /// userdata.
+    Boot,
+    /// A run resumed from a snapshot of the same VM: its guest kept its
+    /// identity, network and processes, so only fresh entropy and the clock
+    /// (it stood still while the VM was suspended).
+    Resume,
+}
+
 /// How a run ended: `forced` when the daemon killed it, `clean` when the
 /// VMM reported a power-off, reboot or requested kill, `requested` when the
 /// daemon had asked it to stop.
@@ -128,25 +141,27 @@ impl Daemon {
         self.notify();
         failpoint::hit(Failpoint::BootRecorded);
         tracing::info!(vm = hostname, pid, "started");
-        self.supervise(hostname.to_owned(), running, permit);
+        self.supervise(hostname.to_owned(), running, permit, SetUp::Boot);
         Ok(())
     }
 
-    /// Watches a run: finishes its boot and handles its exit.
+    /// Watches a run: finishes its set-up and handles its exit.
     pub(super) fn supervise(
         self: &Arc<Self>,
         hostname: String,
         running: Running,
         permit: Option<tokio::sync::OwnedSemaphorePermit>,
+        setup: SetUp,
     ) {
         let this = self.clone();
         let h = hostname.clone();
         let instance = running.instance;
+        self.run_started(&hostname, instance);
         let boot = tokio::spawn(async move {
             // The boot slot is free again when the set-up ends (or the run
             // ends and this task is aborted).
             let _permit = permit;
-            if let Err(e) = this.finish_boot(&h).await {
+            if let Err(e) = this.finish_boot(&h, setup).await {
                 let reason = chain(&e);
                 tracing::warn!(vm = %h, "boot set-up: {reason}");
                 match this.store.transition(
@@ -169,13 +184,14 @@ impl Daemon {
         tokio::spawn(async move {
             let stop = running.exit.await;
             boot.abort();
-            this.on_exit(&hostname, stop).await;
+            this.run_ended(&hostname, instance);
+            this.on_exit(&hostname, instance, stop).await;
         });
     }
 
-    /// Waits for the agent, applies fix-ups, network and first-boot
-    /// userdata, then marks the VM running.
-    async fn finish_boot(&self, hostname: &str) -> Result<()> {
+    /// Waits for the agent, applies what `setup` says (fix-ups, network,
+    /// first-boot userdata), then marks the VM running.
+    async fn finish_boot(&self, hostname: &str, setup: SetUp) -> Result<()> {
         let began = Instant::now();
         let vm = self.vm(hostname)?;
         let started_ms = vm.started_ms.unwrap_or_else(now_ms);
@@ -193,8 +209,9 @@ impl Daemon {
                 Err(_) => tokio::time::sleep(std::time::Duration::from_millis(10)).await,
             }
         };
-        let first = !vm.booted_once;
+        let first = !vm.booted_once && setup == SetUp::Boot;
         let (set_hostname, machine_id, ssh_host_keys) = match &vm.fixups {
+            _ if setup == SetUp::Resume => (false, false, false),
             // A fork's first boot: exactly the fix-ups it asked for.
             Some(list) => (
                 list.contains(&Fixup::Hostname),
@@ -223,8 +240,8 @@ impl Daemon {
         };
         let step = self.deadlines.setup_call;
         setup_call(step, "fix-ups", client.fixups(req)).await?;
-        if let Some(n) = vm.network.as_ref().map(|n| n.agent_request()) {
-            setup_call(step, "network set-up", client.network(n)).await?;
+        if let Some(n) = vm.network.as_ref().filter(|_| setup == SetUp::Boot) {
+            setup_call(step, "network set-up", client.network(n.agent_request())).await?;
         }
         if first && !vm.ssh_keys.is_empty() {
             let keys = vm.ssh_keys.clone();
@@ -263,11 +280,18 @@ impl Daemon {
     }
 
     /// A run ended: record why, release what it held, apply the exit
-    /// policy.
-    async fn on_exit(self: &Arc<Self>, hostname: &str, stop: Stop) {
+    /// policy. A run the record no longer names (suspended and restored
+    /// since, say) changes nothing.
+    async fn on_exit(self: &Arc<Self>, hostname: &str, instance: Instance, stop: Stop) {
         let _guard = self.lock_vm(hostname).await;
         let vm = match self.store.find_vm(hostname) {
-            Ok(Some(vm)) if vm.state.is_live() => vm,
+            Ok(Some(vm))
+                if vm.state.is_live()
+                    && vm.pid == Some(instance.pid)
+                    && vm.pid_start == Some(instance.pid_start) =>
+            {
+                vm
+            }
             Ok(_) => return,
             Err(e) => {
                 tracing::error!(

@@ -22,6 +22,8 @@ use crate::storage;
 
 const WAIT: Duration = Duration::from_secs(10);
 
+mod suspend;
+
 struct Bed {
     dir: tempfile::TempDir,
     fake: FakeLauncher,

@@ -6,6 +6,13 @@
 //! exec as a process on the host (no uid/gid change), so exec's wire can be
 //! tested end to end, and its file calls (stat, list, mkdir, remove) on
 //! the host's paths.
+//!
+//! Each run has a memory, a number that stands for its guest RAM: a boot
+//! gets a new one, a snapshot writes it into the state file and a restore
+//! runs with the one its state file names ([`FakeLauncher::memory_of`]), so
+//! a test tells a resumed guest from a rebooted one. Like `tine-vmm`, a
+//! fake VMM pauses only a running VM, resumes only a paused one and
+//! snapshots only a paused one.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -64,8 +71,12 @@ struct Run {
     instance: Instance,
     guest: Guest,
     stop: watch::Sender<Option<Stop>>,
-    stray: bool,
+    paused: bool,
+    memory: u64,
 }
+
+/// The first line of a fake state file; the memory number follows.
+const STATE_MAGIC: &str = "fake-tine-snapshot memory=";
 
 #[derive(Debug, Default)]
 struct State {
@@ -73,6 +84,8 @@ struct State {
     runs: HashMap<String, Run>,
     guests: HashMap<String, Guest>,
     refuse_boot: Option<String>,
+    refuse_snapshot: Option<String>,
+    next_memory: u64,
     seen: Vec<(String, Seen)>,
     /// Background execs per VM, by id.
     jobs: HashMap<String, HashMap<u64, FakeJob>>,
@@ -163,6 +176,28 @@ impl FakeLauncher {
         self.lock().refuse_boot = why.map(str::to_owned);
     }
 
+    /// Makes every snapshot fail, with `why` (a full disk, say).
+    pub fn refuse_snapshots(&self, why: Option<&str>) {
+        self.lock().refuse_snapshot = why.map(str::to_owned);
+    }
+
+    /// The memory of `hostname`'s current run (see the module docs).
+    pub fn memory_of(&self, hostname: &str) -> Option<u64> {
+        self.lock()
+            .runs
+            .get(hostname)
+            .filter(|r| r.stop.borrow().is_none())
+            .map(|r| r.memory)
+    }
+
+    /// Whether `hostname`'s current run has its vCPUs parked.
+    pub fn is_paused(&self, hostname: &str) -> bool {
+        self.lock()
+            .runs
+            .get(hostname)
+            .is_some_and(|r| r.stop.borrow().is_none() && r.paused)
+    }
+
     /// Whether `hostname` has a run that has not stopped.
     pub fn is_running(&self, hostname: &str) -> bool {
         self.lock()
@@ -183,7 +218,7 @@ impl FakeLauncher {
 
     /// Boots `hostname` behind the daemon's back: a run nobody recorded.
     pub fn start_stray(&self, hostname: &str) -> Instance {
-        self.start_run(hostname, Guest::Healthy, true)
+        self.start_run(hostname, Guest::Healthy, None)
     }
 
     /// Ends `hostname`'s run as if its guest or VMM did (`stop`).
@@ -197,9 +232,14 @@ impl FakeLauncher {
         self.lock().seen.push((hostname.to_owned(), seen));
     }
 
-    fn start_run(&self, hostname: &str, guest: Guest, stray: bool) -> Instance {
+    /// Starts a run with `memory` (a restore) or a new memory (a boot).
+    fn start_run(&self, hostname: &str, guest: Guest, memory: Option<u64>) -> Instance {
         let mut state = self.lock();
         state.next_pid += 1;
+        let memory = memory.unwrap_or_else(|| {
+            state.next_memory += 1;
+            state.next_memory
+        });
         let instance = Instance {
             pid: 1_000_000 + state.next_pid,
             pid_start: u64::from(state.next_pid),
@@ -218,7 +258,8 @@ impl FakeLauncher {
                 instance,
                 guest,
                 stop,
-                stray,
+                paused: false,
+                memory,
             },
         );
         instance
@@ -245,7 +286,7 @@ impl FakeLauncher {
         })
     }
 
-    fn boot_as(&self, hostname: &str) -> Result<Running, LaunchError> {
+    fn boot_as(&self, hostname: &str, memory: Option<u64>) -> Result<Running, LaunchError> {
         if let Some(why) = self.lock().refuse_boot.clone() {
             return Err(LaunchError::Spawn {
                 program: "fake-vmm".into(),
@@ -259,7 +300,7 @@ impl FakeLauncher {
             .get(hostname)
             .copied()
             .unwrap_or_default();
-        let instance = self.start_run(hostname, guest, false);
+        let instance = self.start_run(hostname, guest, memory);
         self.running(hostname, instance)
             .ok_or_else(|| LaunchError::Vsock {
                 hostname: hostname.to_owned(),
@@ -278,6 +319,73 @@ impl FakeLauncher {
     }
 }
 
+impl FakeLauncher {
+    /// What a fake VMM answers to `request` (its kill or shutdown already
+    /// handled).
+    fn vmm_answer(&self, hostname: &str, request: &VmmRequest) -> VmmResponse {
+        use tine_proto::vmm::{RunState, SnapshotInfo};
+        let error = |error: &str| VmmResponse::Error {
+            error: error.to_owned(),
+        };
+        let mut state = self.lock();
+        let refuse_snapshot = state.refuse_snapshot.clone();
+        let Some(run) = state.runs.get_mut(hostname) else {
+            return error("no VM");
+        };
+        let mut snapshot = None;
+        match request {
+            VmmRequest::Pause if run.paused => {
+                return error("pause needs a running VM; it is paused")
+            }
+            VmmRequest::Pause => run.paused = true,
+            VmmRequest::Resume if !run.paused => {
+                return error("resume needs a paused VM; it is running")
+            }
+            VmmRequest::Resume => run.paused = false,
+            VmmRequest::Snapshot { .. } if !run.paused => {
+                return error("snapshot needs a paused VM; it is running")
+            }
+            VmmRequest::Snapshot { .. } if refuse_snapshot.is_some() => {
+                return error(refuse_snapshot.as_deref().unwrap_or_default())
+            }
+            VmmRequest::Snapshot {
+                state_path,
+                mem_path,
+            } => {
+                let memory = format!("guest RAM of memory {}\n", run.memory);
+                let written = std::fs::write(state_path, format!("{STATE_MAGIC}{}\n", run.memory))
+                    .and_then(|()| std::fs::write(mem_path, &memory));
+                if let Err(e) = written {
+                    return error(&format!("write snapshot: {e}"));
+                }
+                snapshot = Some(SnapshotInfo {
+                    state_path: state_path.clone(),
+                    mem_path: mem_path.clone(),
+                    mem_bytes_written: memory.len() as u64,
+                    duration_us: 1,
+                });
+            }
+            VmmRequest::Restore { .. } => {
+                return error("this process already runs a VM; restore needs a --prestart process")
+            }
+            _ => {}
+        }
+        let run_state = if run.stop.borrow().is_some() {
+            RunState::Stopped
+        } else if run.paused {
+            RunState::Paused
+        } else {
+            RunState::Running
+        };
+        VmmResponse::Ok {
+            state: Some(run_state),
+            snapshot,
+            stop_reason: None,
+            duration_us: 1,
+        }
+    }
+}
+
 fn end(stop: &watch::Sender<Option<Stop>>, why: Stop) {
     stop.send_if_modified(|s| {
         if s.is_none() {
@@ -292,13 +400,35 @@ fn end(stop: &watch::Sender<Option<Stop>>, why: Stop) {
 impl Launcher for FakeLauncher {
     fn boot(&self, spec: &BootSpec) -> Result<Running, LaunchError> {
         self.record(&spec.hostname, Seen::Boot(spec.clone()));
-        self.boot_as(&spec.hostname)
+        self.boot_as(&spec.hostname, None)
     }
 
     fn restore<'a>(&'a self, spec: &'a RestoreSpec) -> BoxFuture<'a, Result<Running, LaunchError>> {
         async move {
             self.record(&spec.hostname, Seen::Restore(spec.clone()));
-            self.boot_as(&spec.hostname)
+            let refused = |error: String| LaunchError::Refused {
+                hostname: spec.hostname.clone(),
+                request: "restore".into(),
+                error,
+            };
+            let text = std::fs::read_to_string(&spec.state)
+                .map_err(|e| refused(format!("cannot read {}: {e}", spec.state.display())))?;
+            let memory = text
+                .lines()
+                .next()
+                .and_then(|l| l.strip_prefix(STATE_MAGIC))
+                .and_then(|n| n.trim().parse::<u64>().ok())
+                .ok_or_else(|| refused(format!("{} is not a snapshot", spec.state.display())))?;
+            if !spec.memory.is_file() {
+                return Err(refused(format!("no memory file {}", spec.memory.display())));
+            }
+            let running = self.boot_as(&spec.hostname, Some(memory))?;
+            if spec.paused {
+                if let Some(run) = self.lock().runs.get_mut(&spec.hostname) {
+                    run.paused = true;
+                }
+            }
+            Ok(running)
         }
         .boxed()
     }
@@ -311,7 +441,7 @@ impl Launcher for FakeLauncher {
         self.lock()
             .runs
             .iter()
-            .filter(|(_, r)| r.stray && r.stop.borrow().is_none())
+            .filter(|(_, r)| r.stop.borrow().is_none())
             .map(|(h, r)| Stray {
                 pid: r.instance.pid,
                 hostname: h.clone(),
@@ -370,12 +500,7 @@ impl Launcher for FakeLauncher {
                 }
                 _ => {}
             }
-            Ok(VmmResponse::Ok {
-                state: None,
-                snapshot: None,
-                stop_reason: None,
-                duration_us: 1,
-            })
+            Ok(self.vmm_answer(hostname, request))
         }
         .boxed()
     }
@@ -394,6 +519,9 @@ impl Launcher for FakeLauncher {
             let Some((guest, stop)) = self.guest_of(hostname) else {
                 return Err(refused("the VM does not run"));
             };
+            if self.is_paused(hostname) {
+                return Err(refused("the VM is paused"));
+            }
             if matches!(guest, Guest::Silent | Guest::Crashes)
                 || port != tine_proto::agent::AGENT_VSOCK_PORT
             {

@@ -52,6 +52,10 @@ pub struct RestoreSpec {
     pub memory: PathBuf,
     /// Leave the vCPUs parked after the restore.
     pub paused: bool,
+    /// The root disk (`drive0`) to attach instead of the snapshot's.
+    pub disk: Option<PathBuf>,
+    /// The TAP for the NIC (`net0`) instead of the snapshot's.
+    pub tap: Option<String>,
 }
 
 /// One run of a VM: the process (or stand-in) that runs it. A pid plus
@@ -215,7 +219,8 @@ pub trait Launcher: Send + Sync + std::fmt::Debug + 'static {
     /// process; `None` when it is gone.
     fn adopt(&self, hostname: &str, instance: Instance) -> Option<Running>;
 
-    /// Runs nobody recorded, under this daemon's data directory.
+    /// Every run under this daemon's data directory; reconciliation kills
+    /// those no live record names.
     fn strays(&self) -> Vec<Stray>;
 
     /// Kills a stray run and waits (bounded) until it is gone.

@@ -16,6 +16,22 @@ use crate::process::{self, VmPaths};
 /// How long a request on a VMM's control socket may take to be answered.
 pub const CONTROL_ANSWER: Duration = Duration::from_secs(5);
 
+/// How long a snapshot or a restore may take: they write or read the
+/// state and memory files (seconds for GiBs of RAM, more in a nested bed).
+pub const SNAPSHOT_ANSWER: Duration = Duration::from_secs(300);
+
+/// How long a pre-started process may take to listen on its control
+/// socket (seconds in a nested test bed).
+const PRESTART_LISTENS: Duration = Duration::from_secs(60);
+
+/// The answer limit of `request`.
+fn answer_limit(request: &VmmRequest) -> Duration {
+    match request {
+        VmmRequest::Snapshot { .. } | VmmRequest::Restore { .. } => SNAPSHOT_ANSWER,
+        _ => CONTROL_ANSWER,
+    }
+}
+
 /// How long the VMM's vsock socket may take to answer `CONNECT`.
 const VSOCK_CONNECT_ANSWER: Duration = Duration::from_secs(5);
 
@@ -87,18 +103,34 @@ impl Launcher for VmmLauncher {
                 }
             })?;
             let running = self.spawned(child, paths.clone());
-            // The pre-started process listens once it is ready.
-            let deadline = tokio::time::Instant::now() + CONTROL_ANSWER;
-            while !paths.control.exists() && tokio::time::Instant::now() < deadline {
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
             let request = VmmRequest::Restore {
                 state_path: spec.state.clone(),
                 mem_path: spec.memory.clone(),
                 paused: spec.paused,
                 vsock_uds: Some(paths.vsock.clone()),
             };
-            match self.control(&spec.hostname, &request).await {
+            // The pre-started process listens once it is ready: until then
+            // its socket is missing, or there but not listening yet (bound,
+            // `listen` to come), and the request was not delivered.
+            let deadline = tokio::time::Instant::now() + PRESTART_LISTENS;
+            let (answer, ended) = loop {
+                let answer = self.control(&spec.hostname, &request).await;
+                let not_listening = matches!(
+                    &answer,
+                    Err(LaunchError::Control { source, .. })
+                        if matches!(
+                            source.kind(),
+                            std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+                        )
+                );
+                let ended = not_listening
+                    && !process::is_ours(running.instance.pid, running.instance.pid_start, &paths);
+                if !not_listening || ended || tokio::time::Instant::now() >= deadline {
+                    break (answer, ended);
+                }
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            };
+            match answer {
                 Ok(VmmResponse::Ok { .. }) => Ok(running),
                 Ok(VmmResponse::Error { error }) => {
                     self.kill(&spec.hostname, running.instance);
@@ -106,6 +138,18 @@ impl Launcher for VmmLauncher {
                         hostname: spec.hostname.clone(),
                         request: "restore".into(),
                         error,
+                    })
+                }
+                Err(e) if ended => {
+                    // It ended before it listened: its output says why.
+                    let stop = tokio::time::timeout(CONTROL_ANSWER, running.exit).await;
+                    Err(LaunchError::Refused {
+                        hostname: spec.hostname.clone(),
+                        request: "restore".into(),
+                        error: match stop {
+                            Ok(stop) => format!("tine-vmm ended first: {}", stop.describe()),
+                            Err(_) => e.to_string(),
+                        },
                     })
                 }
                 Err(e) => {
@@ -166,7 +210,7 @@ impl Launcher for VmmLauncher {
         request: &'a VmmRequest,
     ) -> BoxFuture<'a, Result<VmmResponse, LaunchError>> {
         async move {
-            process::control(&self.paths(hostname), request, CONTROL_ANSWER)
+            process::control(&self.paths(hostname), request, answer_limit(request))
                 .await
                 .map_err(|source| LaunchError::Control {
                     hostname: hostname.to_owned(),
@@ -226,5 +270,38 @@ async fn vsock_connect(path: &Path, port: u32) -> Result<tokio::net::UnixStream,
             "CONNECT got no answer in {}",
             humantime::format_duration(VSOCK_CONNECT_ANSWER)
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_restore_whose_process_ends_before_it_listens_says_how_it_ended() {
+        let dir = tempfile::tempdir().expect("tmp");
+        // A "VMM" that exits 1 at once, as tine-vmm does on bad arguments.
+        let launcher = VmmLauncher::new("false".into(), dir.path().to_owned());
+        let spec = RestoreSpec {
+            hostname: "t-1".into(),
+            cpus: 1,
+            ram_mib: 32,
+            state: dir.path().join("state"),
+            memory: dir.path().join("memory"),
+            paused: false,
+            disk: Some(dir.path().join("disk.qcow2")),
+            tap: Some("tap-t1".into()),
+        };
+        let began = tokio::time::Instant::now();
+        let err = launcher.restore(&spec).await.expect_err("it ended");
+        let text = tine_proto::error_chain(&err);
+        assert!(
+            text.contains("tine-vmm ended first: tine-vmm exited with status 1"),
+            "{text}"
+        );
+        assert!(
+            began.elapsed() < PRESTART_LISTENS / 2,
+            "it did not wait for a process that is gone"
+        );
     }
 }
