@@ -858,6 +858,216 @@ fn secrets_and_ssh_keys() -> R {
     })
 }
 
+/// One HTTP/1.1 exchange on the daemon's socket, bytes as Slicer's SDKs
+/// send them: status, content type and the body (chunked bodies decoded).
+async fn wire(
+    d: &Daemon,
+    method: &str,
+    path: &str,
+    body: Option<(&str, &[u8])>,
+) -> R<(u16, String, Vec<u8>)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut sock = tokio::net::UnixStream::connect(d.data().join("tine.sock")).await?;
+    let mut req = format!("{method} {path} HTTP/1.1\r\nhost: tine\r\nconnection: close\r\n");
+    if let Some((content_type, bytes)) = body {
+        req.push_str(&format!(
+            "content-type: {content_type}\r\ncontent-length: {}\r\n",
+            bytes.len()
+        ));
+    }
+    req.push_str("\r\n");
+    sock.write_all(req.as_bytes()).await?;
+    if let Some((_, bytes)) = body {
+        sock.write_all(bytes).await?;
+    }
+    let mut raw = Vec::new();
+    sock.read_to_end(&mut raw).await?;
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .ok_or_else(|| fail(format!("{method} {path}: no header end")))?;
+    let head = String::from_utf8_lossy(&raw[..split]).to_ascii_lowercase();
+    let mut rest = &raw[split + 4..];
+    let status: u16 = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| fail(format!("{method} {path}: no status in {head}")))?;
+    let header = |name: &str| {
+        head.lines()
+            .find_map(|l| l.strip_prefix(&format!("{name}: ")).map(str::to_owned))
+            .unwrap_or_default()
+    };
+    let body = if header("transfer-encoding") == "chunked" {
+        let mut out = Vec::new();
+        loop {
+            let eol = rest
+                .windows(2)
+                .position(|w| w == b"\r\n")
+                .ok_or_else(|| fail("chunk size line"))?;
+            let size = usize::from_str_radix(String::from_utf8_lossy(&rest[..eol]).trim(), 16)
+                .map_err(|e| fail(format!("chunk size: {e}")))?;
+            rest = &rest[eol + 2..];
+            if size == 0 {
+                break;
+            }
+            out.extend_from_slice(&rest[..size]);
+            rest = &rest[size + 2..];
+        }
+        out
+    } else {
+        rest.to_vec()
+    };
+    Ok((status, header("content-type"), body))
+}
+
+/// [`wire`] with a JSON body, answering JSON.
+async fn wire_json(
+    d: &Daemon,
+    method: &str,
+    path: &str,
+    body: Option<serde_json::Value>,
+    want: u16,
+) -> R<serde_json::Value> {
+    let bytes = body.map(|b| b.to_string().into_bytes());
+    let (status, _, answer) = wire(
+        d,
+        method,
+        path,
+        bytes.as_deref().map(|b| ("application/json", b)),
+    )
+    .await?;
+    let text = String::from_utf8_lossy(&answer).into_owned();
+    if status != want {
+        return Err(fail(format!(
+            "{method} {path}: {status} (want {want}): {text}"
+        )));
+    }
+    serde_json::from_str(&text).map_err(|e| fail(format!("{method} {path}: {e}: {text}")))
+}
+
+/// The build-once-fork-many flow as Slicer's Go and TypeScript SDKs drive
+/// it, request by request on the wire, against booted guests: create, exec
+/// streamed and buffered, cp in and out, shutdown, commit with tags, labels
+/// and a cache key, list by cache key and by two tags, fork with tags,
+/// describe, exec in the fork, the refused commit delete, deletes.
+fn sdk_flow() -> R {
+    use base64::Engine as _;
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let d = Daemon::start("sdkflow", "", None)?;
+    let r = rt();
+    r.block_on(async {
+        // CreateVMWithOptions(..., Wait agent) / TS vms.create.
+        let vm = wire_json(
+            &d,
+            "POST",
+            "/hostgroup/t/nodes?wait=agent&timeout=300s",
+            Some(serde_json::json!({"persistent": true, "tags": ["role=builder"]})),
+            201,
+        )
+        .await?;
+        let h = vm["hostname"].as_str().ok_or_else(|| fail("hostname"))?.to_owned();
+        assert!(vm["ip"].is_string(), "{vm}");
+        assert!(vm["created_at"].is_string(), "{vm}");
+        // Exec (Go: stdio=base64, NDJSON frames, exit_code).
+        let (status, kind, body) = wire(
+            &d,
+            "POST",
+            &format!("/vm/{h}/exec?cmd=sh&args=-c&args=echo%20out%3B%20echo%20err%20%3E%262&stdio=base64&uid=0&gid=0"),
+            None,
+        )
+        .await?;
+        assert_eq!((status, kind.as_str()), (200, "application/x-ndjson"));
+        let (mut out, mut err, mut code) = (Vec::new(), Vec::new(), None);
+        for line in String::from_utf8_lossy(&body).lines() {
+            let f: serde_json::Value = serde_json::from_str(line)?;
+            let data = || {
+                assert_eq!(f["encoding"], "base64", "{f}");
+                b64.decode(f["data"].as_str().unwrap_or_default())
+            };
+            match f["type"].as_str() {
+                Some("stdout") => out.extend(data()?),
+                Some("stderr") => err.extend(data()?),
+                Some("exit") => code = f["exit_code"].as_i64(),
+                _ => {}
+            }
+        }
+        assert_eq!((out.as_slice(), err.as_slice(), code), (&b"out\n"[..], &b"err\n"[..], Some(0)));
+        // ExecBuffered / TS execBuffered.
+        let b = wire_json(
+            &d,
+            "POST",
+            &format!("/vm/{h}/exec?cmd=sh&args=-c&args=printf%20done%3B%20exit%204&buffered=true"),
+            None,
+            200,
+        )
+        .await?;
+        assert_eq!((b["stdout"].as_str(), b["exit_code"].as_i64()), (Some("done"), Some(4)));
+        // WriteFile / CpToVM binary, then ReadFile / CpFromVM.
+        let payload = b"built by the sdk\n";
+        let (status, _, answer) = wire(
+            &d,
+            "POST",
+            &format!("/vm/{h}/cp?path=%2Froot%2Fartifact&mode=binary&uid=0&gid=0&permissions=0640"),
+            Some(("application/octet-stream", payload)),
+        )
+        .await?;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&answer));
+        let (status, _, back) = wire(&d, "GET", &format!("/vm/{h}/cp?path=%2Froot%2Fartifact"), None).await?;
+        assert_eq!((status, back.as_slice()), (200, &payload[..]));
+        // Shutdown(ctx, h, nil): action=reboot is the graceful stop.
+        wire_json(&d, "POST", &format!("/vm/{h}/shutdown?action=reboot"), None, 200).await?;
+        // CommitVMWithOptions: 200.
+        let c = wire_json(
+            &d,
+            "POST",
+            &format!("/vm/{h}/commit"),
+            Some(serde_json::json!({"tags": ["seed", "v1"], "labels": {"team": "ci"}, "cache_key": "sdk-flow"})),
+            200,
+        )
+        .await?;
+        let id = c["commit_id"].as_str().ok_or_else(|| fail("commit_id"))?.to_owned();
+        assert_eq!(c["source_hostname"], h.as_str());
+        // ListCommits by cache key, and by two tags (both must match).
+        let by_key = wire_json(&d, "GET", "/vm/commits?cache_key=sdk-flow", None, 200).await?;
+        assert_eq!(by_key.as_array().map(Vec::len), Some(1), "{by_key}");
+        let both = wire_json(&d, "GET", "/vm/commits?tag=seed&tag=v1", None, 200).await?;
+        assert_eq!(both.as_array().map(Vec::len), Some(1), "{both}");
+        let none = wire_json(&d, "GET", "/vm/commits?tag=seed&tag=other", None, 200).await?;
+        assert_eq!(none.as_array().map(Vec::len), Some(0), "{none}");
+        // ForkCommittedVM(id, WithTags("role=runner")): 200.
+        let f = wire_json(
+            &d,
+            "POST",
+            &format!("/vm/commits/{id}/fork?wait=agent&timeout=300s"),
+            Some(serde_json::json!({"tags": ["role=runner"]})),
+            200,
+        )
+        .await?;
+        let fork = f["hostname"].as_str().ok_or_else(|| fail("fork hostname"))?.to_owned();
+        // DescribeVM.
+        let v = wire_json(&d, "GET", &format!("/vm/{fork}"), None, 200).await?;
+        assert_eq!((v["hostgroup"].as_str(), v["status"].as_str()), (Some("t"), Some("Running")), "{v}");
+        let tags: Vec<&str> = v["tags"].as_array().into_iter().flatten().filter_map(|t| t.as_str()).collect();
+        assert_eq!(tags, ["role=builder", "role=runner"], "{v}");
+        assert_eq!(v["parent_commit_id"], id.as_str());
+        // Exec in the fork: the builder's file is there.
+        let b = wire_json(&d, "POST", &format!("/vm/{fork}/exec?cmd=cat&args=%2Froot%2Fartifact&buffered=true"), None, 200).await?;
+        assert_eq!(b["stdout"].as_str(), Some("built by the sdk\n"));
+        // DeleteCommit while the fork depends on it: refused, naming it.
+        let (status, _, answer) = wire(&d, "DELETE", &format!("/vm/commits/{id}"), None).await?;
+        assert_eq!(status, 409);
+        assert!(String::from_utf8_lossy(&answer).contains(&fork));
+        // DeleteVM (Go: by group), then the commit.
+        wire_json(&d, "DELETE", &format!("/hostgroup/t/nodes/{fork}"), None, 200).await?;
+        wire_json(&d, "DELETE", &format!("/vm/{h}"), None, 200).await?;
+        wire_json(&d, "DELETE", &format!("/vm/commits/{id}"), None, 200).await?;
+        let left = wire_json(&d, "GET", "/nodes", None, 200).await?;
+        assert_eq!(left.as_array().map(Vec::len), Some(0), "{left}");
+        Ok(())
+    })
+}
+
 /// A commit that runs out of disk space records nothing; after space is
 /// freed the same VM commits.
 fn commit_on_a_full_disk() -> R {
@@ -1046,6 +1256,7 @@ fn main() {
             Trial::test("commit_on_a_full_disk", commit_on_a_full_disk),
             Trial::test("secrets_and_ssh_keys", secrets_and_ssh_keys),
             Trial::test("observe", observe),
+            Trial::test("sdk_flow", sdk_flow),
         ],
     );
 }
