@@ -9,6 +9,7 @@
 
 mod frames;
 mod observe;
+mod streams;
 
 use std::sync::Arc;
 
