@@ -221,6 +221,11 @@ impl Drop for Daemon {
         for (pid, _) in tine_daemon::process::find_vmm_processes(&self.data().join("vms")) {
             let _ = Command::new("kill").arg("-9").arg(pid.to_string()).status();
         }
+        // The next test's daemon needs the room: in the bed /tmp is a tmpfs
+        // in L1's memory, and each data directory holds an image copy.
+        if let Err(e) = std::fs::remove_dir_all(&self.dir) {
+            eprintln!("cannot remove {}: {e}", self.dir.display());
+        }
     }
 }
 
