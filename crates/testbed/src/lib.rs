@@ -255,8 +255,8 @@ pub fn run_tests(tests: Vec<Trial>) -> ! {
     };
     // The nested bed (QEMU/TCG with emulated SVM) stops running now and then
     // whatever the command does: its heartbeat stops (the kernel may still
-    // print soft-lockup warnings) and QEMU spins. kvm-run notices the silence and exits
-    // KVM_RUN_L1_STOPPED; that says nothing about the code under test, so
+    // print soft-lockup warnings) and QEMU spins, or L1's kernel panics.
+    // kvm-run notices either and exits KVM_RUN_L1_STOPPED; that says nothing about the code under test, so
     // such a run is repeated, up to L1_STOPPED_ATTEMPTS in all. A test's own
     // failure, or a run past its time limit while L1 still runs, is never
     // repeated.
@@ -282,7 +282,7 @@ pub fn run_tests(tests: Vec<Trial>) -> ! {
     }
 }
 
-/// kvm-run's exit status when L1's heartbeat stopped (L1 stopped running).
+/// kvm-run's exit status when L1 stopped running (no heartbeat, or its kernel panicked).
 const KVM_RUN_L1_STOPPED: i32 = 123;
 
 /// How many times a test binary runs through the bed when L1 keeps stopping.
