@@ -28,6 +28,15 @@ pub enum Request {
         /// Memory file to write.
         mem_path: PathBuf,
     },
+    /// Serve a drive of the paused VM from another image of the same size
+    /// (flushing the one it leaves): a memory commit freezes the disk it
+    /// captured and goes on in a fresh overlay on it.
+    SwitchDisk {
+        /// Device id (`drive0`).
+        drive: String,
+        /// The image to serve from now on.
+        path: PathBuf,
+    },
     /// Restore into this pre-started process.
     Restore {
         /// State file.

@@ -304,6 +304,26 @@ impl DeviceManager {
         }
     }
 
+    /// Serves the block device `id` from the image at `path` (see
+    /// [`Block::switch_disk`]). The vCPUs and the event loop must be
+    /// paused.
+    pub fn switch_disk(&self, id: &str, path: &std::path::Path) -> Result<(), DeviceManagerError> {
+        let device = self
+            .devices
+            .iter()
+            .find(|d| d.id == id)
+            .ok_or_else(|| dev_err(id, "no such device"))?;
+        let mut transport = device.transport.lock().unwrap_or_else(|p| p.into_inner());
+        let block = transport
+            .device_mut()
+            .as_any_mut()
+            .downcast_mut::<Block>()
+            .ok_or_else(|| dev_err(id, "not a block device"))?;
+        block
+            .switch_disk(path)
+            .map_err(|e| dev_err(id, error_chain(&e)))
+    }
+
     /// Saves every device. The vCPUs and the event loop must be paused.
     pub fn save(&self) -> Vec<MmioDeviceState> {
         self.devices
@@ -357,6 +377,7 @@ impl DeviceManager {
                                 mem: mem.clone(),
                                 interrupt: interrupt.clone(),
                                 backend,
+                                path: Some(path.clone()),
                             },
                             s,
                         )

@@ -262,6 +262,12 @@ fn handle(
             Ok(()) => (ok(Some(vmm), start), false),
             Err(e) => (error_of(&e), false),
         },
+        (Request::SwitchDisk { drive, path }, Machine::Live(vmm)) => {
+            match vmm.switch_disk(&drive, &path) {
+                Ok(()) => (ok(Some(vmm), start), false),
+                Err(e) => (error_of(&e), false),
+            }
+        }
         (Request::Resume, Machine::Live(vmm)) => match vmm.resume() {
             Ok(()) => (ok(Some(vmm), start), false),
             Err(e) => (error_of(&e), false),

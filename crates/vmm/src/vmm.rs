@@ -725,6 +725,14 @@ impl Vmm {
         }
     }
 
+    /// Serves the paused VM's drive `id` from the image at `path` (see
+    /// [`DeviceManager::switch_disk`]).
+    pub fn switch_disk(&mut self, id: &str, path: &Path) -> Result<(), VmmError> {
+        self.require("switch_disk", RunState::Paused)?;
+        self.devices.switch_disk(id, path)?;
+        Ok(())
+    }
+
     /// Asks the guest to shut down by pressing Ctrl-Alt-Del. The guest's
     /// init decides what to do (tine-agent, systemd and busybox init shut
     /// down); the VM stops when the guest reboots or powers off.

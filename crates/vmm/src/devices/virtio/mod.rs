@@ -239,8 +239,21 @@ fn fallback_queue() -> Queue {
     Queue::new(256).unwrap_or_else(|_| unreachable!("256 is a valid queue size"))
 }
 
+/// A device as its concrete type, for what only one kind of device does
+/// (switching a block device's disk).
+pub trait AsAny {
+    /// `self` as [`std::any::Any`].
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any;
+}
+
+impl<T: std::any::Any> AsAny for T {
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+}
+
 /// A virtio device as seen by the MMIO transport and the event loop.
-pub trait VirtioDevice: Send {
+pub trait VirtioDevice: AsAny + Send {
     /// The virtio device ID (see [`device_type`]).
     fn device_type(&self) -> u32;
     /// Shared state.

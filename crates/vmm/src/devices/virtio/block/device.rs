@@ -18,7 +18,7 @@
 //! sends stops the device serving the next request.
 
 use std::io;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
@@ -94,6 +94,43 @@ pub enum BlockError {
         #[source]
         source: tine_disk::Error,
     },
+    /// The disk being left could not be flushed: the switch is refused,
+    /// since its last writes may not be in the file.
+    #[error("cannot flush disk image {path} before leaving it")]
+    Flush {
+        /// The image.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: io::Error,
+    },
+    /// The image switched to is not the size the guest knows.
+    #[error("disk image {path} is {found} bytes, the guest knows a disk of {expected}")]
+    SizeMismatch {
+        /// The image.
+        path: PathBuf,
+        /// The size the guest knows.
+        expected: u64,
+        /// The image's size.
+        found: u64,
+    },
+    /// The guest may write its disk but the image switched to is read-only.
+    #[error("disk image {0} is read-only, the guest's disk is writable")]
+    ReadOnly(PathBuf),
+}
+
+/// Opens `path` in the format its first bytes say.
+fn open_backend(path: &Path, read_only: bool) -> Result<Box<dyn BlockBackend>, BlockError> {
+    tine_disk::open_disk(path, read_only).map_err(|source| match source {
+        tine_disk::Error::Io { source, .. } => BlockError::Open {
+            path: path.to_path_buf(),
+            source,
+        },
+        source => BlockError::Image {
+            path: path.to_path_buf(),
+            source,
+        },
+    })
 }
 
 /// Why a request failed; decides its status byte.
@@ -511,20 +548,40 @@ impl Block {
     /// qcow2 with its backing chain, see [`tine_disk::open_disk`]) and
     /// serves it.
     pub fn open(config: BlockConfig) -> Result<Self, BlockError> {
-        let backend =
-            tine_disk::open_disk(&config.path, config.read_only).map_err(
-                |source| match source {
-                    tine_disk::Error::Io { source, .. } => BlockError::Open {
-                        path: config.path.clone(),
-                        source,
-                    },
-                    source => BlockError::Image {
-                        path: config.path.clone(),
-                        source,
-                    },
-                },
-            )?;
+        let backend = open_backend(&config.path, config.read_only)?;
         Ok(Self::new(config, backend))
+    }
+
+    /// Serves another image from now on: flushes the current one (a
+    /// failed flush refuses the switch), opens `path` (same size, writable
+    /// if the disk is; an image backed by the current one is fine) and
+    /// replaces the backend; the guest sees the same
+    /// disk. Only while the VM is paused: no request is in flight. A
+    /// memory commit uses it to freeze the disk it captured and go on
+    /// writing into a fresh overlay on it.
+    pub fn switch_disk(&mut self, path: &Path) -> Result<(), BlockError> {
+        // First, so that an image backed by the current one reads it whole.
+        self.disk
+            .backend
+            .flush()
+            .map_err(|source| BlockError::Flush {
+                path: self.disk.identity.path.clone(),
+                source,
+            })?;
+        let backend = open_backend(path, self.disk.identity.read_only)?;
+        if backend.size() != self.disk.identity.size {
+            return Err(BlockError::SizeMismatch {
+                path: path.to_path_buf(),
+                expected: self.disk.identity.size,
+                found: backend.size(),
+            });
+        }
+        if !self.disk.identity.read_only && backend.is_read_only() {
+            return Err(BlockError::ReadOnly(path.to_path_buf()));
+        }
+        self.disk.backend = backend;
+        self.disk.identity.path = path.to_path_buf();
+        Ok(())
     }
 
     pub(super) fn from_parts(
@@ -1631,6 +1688,97 @@ mod tests {
             serial: String::new(),
         });
         assert!(matches!(missing, Err(BlockError::Open { .. })));
+    }
+
+    #[test]
+    fn test_block_switch_disk_freezes_the_old_image_under_an_overlay() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let live = dir.path().join("disk.qcow2");
+        tine_disk::create_empty(&live, DISK_SIZE as u64).expect("create");
+        let mut block = Block::open(BlockConfig {
+            path: live.clone(),
+            read_only: false,
+            serial: String::new(),
+        })
+        .expect("open");
+        let mem = test_memory();
+        let mock = MockSplitQueue::create(&mem, QUEUE_ADDR, Q);
+        activate(&mut block, &mem, &mock);
+        mem.write_slice(&[0xa1; 512], GuestAddress(DATA))
+            .expect("data");
+        submit(&mem, &mock, 0, VIRTIO_BLK_T_OUT, 3, &[(DATA, 512, R)]);
+        block.process_queue(0);
+        assert_eq!(status(&mem, 0), VIRTIO_BLK_S_OK);
+
+        // What a memory commit does while the VM is paused: the snapshot
+        // flushes the disk, the image gets a second name (the commit) and
+        // an overlay on it, and the device goes on in the overlay.
+        block.prepare_snapshot();
+        let frozen = dir.path().join("commit.qcow2");
+        std::fs::hard_link(&live, &frozen).expect("link");
+        let overlay = dir.path().join("disk-2.qcow2");
+        tine_disk::create_overlay(&overlay, &frozen, tine_disk::Format::Qcow2, None)
+            .expect("overlay");
+        let frozen_before = std::fs::read(&frozen).expect("read");
+        block.switch_disk(&overlay).expect("switch");
+        assert_eq!(block.identity().path, overlay);
+
+        submit(&mem, &mock, 8, VIRTIO_BLK_T_IN, 3, &[(DATA + 512, 512, W)]);
+        mem.write_slice(&[0xb2; 512], GuestAddress(DATA + 1024))
+            .expect("data");
+        submit(
+            &mem,
+            &mock,
+            16,
+            VIRTIO_BLK_T_OUT,
+            3,
+            &[(DATA + 1024, 512, R)],
+        );
+        block.process_queue(0);
+        assert_eq!(status(&mem, 8), VIRTIO_BLK_S_OK);
+        assert_eq!(status(&mem, 16), VIRTIO_BLK_S_OK);
+        assert_eq!(read_guest(&mem, DATA + 512, 512), vec![0xa1; 512]);
+        let frozen_after = std::fs::read(&frozen).expect("read");
+        let changed = frozen_after
+            .iter()
+            .zip(&frozen_before)
+            .position(|(a, b)| a != b);
+        assert!(
+            changed.is_none() && frozen_after.len() == frozen_before.len(),
+            "the frozen image changed after the switch (first at byte {changed:?}, {} -> {} bytes)",
+            frozen_before.len(),
+            frozen_after.len()
+        );
+        let mut reopened = tine_disk::open_disk(&overlay, true).expect("reopen");
+        let mut sector = vec![0u8; 512];
+        reopened.read_at(&mut sector, 3 * 512).expect("read");
+        assert_eq!(sector, vec![0xb2; 512]);
+    }
+
+    #[test]
+    fn test_block_switch_disk_refuses_another_size_and_keeps_serving() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let live = dir.path().join("disk.qcow2");
+        tine_disk::create_empty(&live, DISK_SIZE as u64).expect("create");
+        let small = dir.path().join("small.qcow2");
+        tine_disk::create_empty(&small, DISK_SIZE as u64 / 2).expect("create");
+        let mut block = Block::open(BlockConfig {
+            path: live.clone(),
+            read_only: false,
+            serial: String::new(),
+        })
+        .expect("open");
+        let err = block.switch_disk(&small).expect_err("another size");
+        assert!(
+            err.to_string().contains("the guest knows a disk of"),
+            "{err}"
+        );
+        let missing = block
+            .switch_disk(&dir.path().join("missing"))
+            .expect_err("missing");
+        assert!(matches!(missing, BlockError::Open { .. }), "{missing}");
+        assert_eq!(block.identity().path, live);
+        assert_eq!(block.capacity(), SECTORS);
     }
 
     #[test]

@@ -36,8 +36,11 @@ pub struct BlockConstructorArgs {
     /// The interrupt line the device signals once re-activated; the
     /// transport shares it.
     pub interrupt: Arc<IrqTrigger>,
-    /// The disk, reopened from [`DiskIdentity::path`].
+    /// The disk, reopened from [`DiskIdentity::path`] or from `path`.
     pub backend: Box<dyn BlockBackend>,
+    /// Where `backend` was opened, when not the saved path (a fork's own
+    /// disk): the restored device names it, so its next snapshot does too.
+    pub path: Option<PathBuf>,
 }
 
 /// Why a [`Block`] could not be restored.
@@ -101,9 +104,13 @@ impl Persist for Block {
         if state.common.activated {
             common.activate(args.mem, args.interrupt)?;
         }
+        let identity = DiskIdentity {
+            path: args.path.unwrap_or_else(|| state.disk.path.clone()),
+            ..state.disk.clone()
+        };
         Ok(Block::from_parts(
             common,
-            state.disk.clone(),
+            identity,
             state.serial,
             args.backend,
         ))
@@ -153,6 +160,7 @@ mod tests {
             mem: mem.clone(),
             interrupt: Arc::new(IrqTrigger::new().expect("irq")),
             backend,
+            path: None,
         }
     }
 
