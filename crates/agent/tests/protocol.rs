@@ -150,8 +150,17 @@ async fn test_negative_network_bad_prefix_and_missing_interface_are_clear_errors
         prefix,
         gateway: None,
         dns: Vec::new(),
+        mac: None,
+    };
+    let bad_mac = tine_client::proto::NetworkRequest {
+        mac: Some("02:00:00:00:00".into()),
+        ..request("eth0", 24)
     };
 
+    let refused_mac = client
+        .network(bad_mac)
+        .await
+        .expect_err("a five-byte MAC must be refused");
     let bad_prefix = client
         .network(request("eth0", 33))
         .await
@@ -166,6 +175,12 @@ async fn test_negative_network_bad_prefix_and_missing_interface_are_clear_errors
         "{bad_prefix}"
     );
     assert!(missing.to_string().contains("tine-nosuch0"), "{missing}");
+    assert!(
+        refused_mac
+            .to_string()
+            .contains("MAC address `02:00:00:00:00`"),
+        "{refused_mac}"
+    );
     assert!(
         client.health().await.is_ok(),
         "the connection keeps serving"

@@ -124,7 +124,17 @@ pub(crate) async fn network(req: NetworkRequest) -> Result<Response, OpError> {
             format!("prefix length {} is over 32", req.prefix),
         ));
     }
+    let mac = match &req.mac {
+        Some(text) => Some(NetworkRequest::parse_mac(text).ok_or_else(|| {
+            OpError::new(
+                ErrorCode::BadRequest,
+                format!("MAC address `{text}` is not six hex pairs such as 02:00:00:00:00:01"),
+            )
+        })?),
+        None => None,
+    };
     let config = system::net::NetConfig {
+        mac,
         iface: req.iface,
         addr: req.address,
         prefix: req.prefix,

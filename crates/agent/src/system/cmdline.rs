@@ -119,6 +119,7 @@ impl KernelCmdline {
                     prefix,
                     gateway: gw,
                     dns,
+                    mac: None,
                 })
             }
             None if gw.is_some() || !dns.is_empty() => out.warn(
@@ -285,6 +286,7 @@ mod tests {
                     "1.1.1.1".parse().expect("ip"),
                     "2606:4700::1111".parse().expect("ip")
                 ],
+                mac: None,
             })
         );
         assert!(c.warnings.is_empty(), "{:?}", c.warnings);

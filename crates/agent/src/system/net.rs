@@ -3,7 +3,7 @@
 //! min image needs no `ip` binary and the agent no netlink crate.
 //!
 //! [`configure`] is idempotent and also re-addresses a running interface (a
-//! fork's new IP): the primary address is replaced and the default route is
+//! fork's new IP, and a hot fork's new MAC through `SIOCSIFHWADDR`): the primary address is replaced and the default route is
 //! deleted before the new one is added. IPv6 addresses are not handled.
 
 use std::io;
@@ -26,6 +26,9 @@ pub struct NetConfig {
     pub gateway: Option<Ipv4Addr>,
     /// Name servers for `/etc/resolv.conf`; empty leaves the file alone.
     pub dns: Vec<IpAddr>,
+    /// The MAC address to give the interface first; `None` keeps it.
+    #[serde(default)]
+    pub mac: Option<[u8; 6]>,
 }
 
 /// Errors from this module.
@@ -84,6 +87,9 @@ pub fn configure_link(cfg: &NetConfig) -> Result<(), NetError> {
         return Err(NetError::InvalidPrefix(cfg.prefix));
     }
     let sock = control_socket()?;
+    if let Some(mac) = cfg.mac {
+        set_mac(&sock, &cfg.iface, mac)?;
+    }
     let mut req = ifreq(&cfg.iface)?;
     req.ifr_ifru.ifru_addr = sockaddr_v4(cfg.addr);
     ioctl(
@@ -113,6 +119,35 @@ pub fn configure_link(cfg: &NetConfig) -> Result<(), NetError> {
         route_ioctl(&sock, libc::SIOCADDRT, "SIOCADDRT", &cfg.iface, &mut rt)?;
     }
     Ok(())
+}
+
+/// Gives `iface` the hardware address `mac`, keeping its address family
+/// (virtio-net, like loopback, takes it while the link is up).
+fn set_mac(sock: &OwnedFd, iface: &str, mac: [u8; 6]) -> Result<(), NetError> {
+    let mut req = ifreq(iface)?;
+    ioctl(sock, libc::SIOCGIFHWADDR, "SIOCGIFHWADDR", iface, &mut req)?;
+    // SAFETY: SIOCGIFHWADDR filled the hwaddr member of the union.
+    let mut hw = unsafe { req.ifr_ifru.ifru_hwaddr };
+    for (dst, src) in hw.sa_data.iter_mut().zip(mac) {
+        *dst = src as libc::c_char;
+    }
+    let mut req = ifreq(iface)?;
+    req.ifr_ifru.ifru_hwaddr = hw;
+    ioctl(sock, libc::SIOCSIFHWADDR, "SIOCSIFHWADDR", iface, &mut req)
+}
+
+/// The interface's hardware address (its first six bytes).
+pub fn mac_addr(iface: &str) -> Result<[u8; 6], NetError> {
+    let sock = control_socket()?;
+    let mut req = ifreq(iface)?;
+    ioctl(&sock, libc::SIOCGIFHWADDR, "SIOCGIFHWADDR", iface, &mut req)?;
+    // SAFETY: SIOCGIFHWADDR filled the hwaddr member of the union.
+    let hw = unsafe { req.ifr_ifru.ifru_hwaddr };
+    let mut mac = [0u8; 6];
+    for (dst, src) in mac.iter_mut().zip(hw.sa_data) {
+        *dst = src as u8;
+    }
+    Ok(mac)
 }
 
 /// The interface's primary IPv4 address and prefix, or `None` when it has
@@ -387,18 +422,27 @@ mod tests {
                 prefix: 24,
                 gateway: Some(Ipv4Addr::new(10, 1, 2, 1)),
                 dns: vec![],
+                mac: None,
             };
+            let mac_before = mac_addr("lo").expect("mac");
             configure(&cfg).expect("configure");
             assert_eq!(ipv4_addr("lo").expect("addr"), Some((cfg.addr, 24)));
             assert_eq!(default_gateway(), cfg.gateway);
+            assert_eq!(mac_addr("lo").expect("mac"), mac_before);
 
             // A fork gets a new address and gateway: both are replaced.
             cfg.addr = Ipv4Addr::new(10, 9, 0, 5);
             cfg.prefix = 30;
             cfg.gateway = Some(Ipv4Addr::new(10, 9, 0, 6));
+            // A hot fork also gets its own MAC, on the link that is up.
+            cfg.mac = Some([0x02, 0x74, 0x69, 0x6e, 0x65, 0x2a]);
             configure(&cfg).expect("reconfigure");
             assert_eq!(ipv4_addr("lo").expect("addr"), Some((cfg.addr, 30)));
             assert_eq!(default_gateway(), cfg.gateway);
+            assert_eq!(
+                mac_addr("lo").expect("mac"),
+                [0x02, 0x74, 0x69, 0x6e, 0x65, 0x2a]
+            );
         });
     }
 
@@ -411,6 +455,7 @@ mod tests {
                 prefix: 24,
                 gateway: None,
                 dns: vec![],
+                mac: None,
             };
             let err = configure(&cfg).expect_err("no eth0 in a new netns");
             match err {

@@ -595,6 +595,27 @@ pub struct NetworkRequest {
     /// Name servers for /etc/resolv.conf; empty leaves the file alone.
     #[serde(default)]
     pub dns: Vec<std::net::IpAddr>,
+    /// The interface's MAC address (`02:…`, six hex pairs), set first: a
+    /// hot fork resumes with its source's and gets its own. Left out, the
+    /// MAC stays.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mac: Option<String>,
+}
+
+impl NetworkRequest {
+    /// The six bytes of a MAC written as six colon-separated hex pairs.
+    pub fn parse_mac(text: &str) -> Option<[u8; 6]> {
+        let mut bytes = [0u8; 6];
+        let mut parts = text.split(':');
+        for byte in &mut bytes {
+            let part = parts.next()?;
+            if part.len() != 2 {
+                return None;
+            }
+            *byte = u8::from_str_radix(part, 16).ok()?;
+        }
+        parts.next().is_none().then_some(bytes)
+    }
 }
 
 fn default_iface() -> String {
@@ -1068,6 +1089,24 @@ mod opt_u128_string {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn macs_are_six_hex_pairs() {
+        assert_eq!(
+            NetworkRequest::parse_mac("02:74:69:6E:65:2a"),
+            Some([0x02, 0x74, 0x69, 0x6e, 0x65, 0x2a])
+        );
+        for bad in [
+            "",
+            "02:74:69:6e:65",
+            "02:74:69:6e:65:2a:00",
+            "2:74:69:6e:65:2a",
+            "02-74-69-6e-65-2a",
+            "zz:74:69:6e:65:2a",
+        ] {
+            assert_eq!(NetworkRequest::parse_mac(bad), None, "{bad}");
+        }
+    }
 
     #[test]
     fn test_request_exec_json_shape_is_flat() {
