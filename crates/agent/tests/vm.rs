@@ -107,6 +107,25 @@ fn vsock_connect(uds: &Path, port: u32) -> Result<UnixStream, String> {
     Ok(stream)
 }
 
+/// How long one step with the agent may take before the test fails naming
+/// it (instead of running into the bed's limit with no word on where).
+const STEP_LIMIT: Duration = Duration::from_secs(150);
+
+async fn step<T>(
+    what: &str,
+    log: &Path,
+    call: impl std::future::Future<Output = Result<T, Failed>>,
+) -> Result<T, Failed> {
+    match tokio::time::timeout(STEP_LIMIT, call).await {
+        Ok(done) => done.map_err(|e| format!("{what}: {}", e.message().unwrap_or("failed")).into()),
+        Err(_) => Err(format!(
+            "{what}: no answer within {STEP_LIMIT:?}; the guest console's last lines:\n{}",
+            log_tail(log)
+        )
+        .into()),
+    }
+}
+
 async fn sh(client: &AgentClient, script: &str) -> Result<String, Failed> {
     let out = client
         .exec_output(ExecRequest::shell(script))
@@ -161,7 +180,7 @@ async fn agent_in_vm_async() -> Result<(), Failed> {
     let started = Instant::now();
     let mut vmm = Vmm::boot(&config, &console(&log))?;
     let client = connect_agent(&uds, &log, READY_LIMIT).await?;
-    let health = client.health().await?;
+    let health = step("health", &log, async { Ok(client.health().await?) }).await?;
     println!(
         "boot: agent {} ready over vsock in {} ms (system uptime {} ms)",
         health.agent_version,
@@ -169,7 +188,7 @@ async fn agent_in_vm_async() -> Result<(), Failed> {
         health.system_uptime_ms
     );
 
-    let uname = sh(&client, "uname -a").await?;
+    let uname = step("uname", &log, sh(&client, "uname -a")).await?;
     if !uname.starts_with("Linux") {
         return Err(format!("uname -a printed {uname:?}").into());
     }
@@ -177,23 +196,38 @@ async fn agent_in_vm_async() -> Result<(), Failed> {
     let blob: Vec<u8> = (0..300_000u32)
         .map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8)
         .collect();
-    client
-        .write_file("/tmp/blob", &blob, FileAttrs::default())
-        .await?;
-    if client.read_file("/tmp/blob").await? != blob {
+    step("write a 300 KB file", &log, async {
+        Ok(client
+            .write_file("/tmp/blob", &blob, FileAttrs::default())
+            .await?)
+    })
+    .await?;
+    let back = step("read it back", &log, async {
+        Ok(client.read_file("/tmp/blob").await?)
+    })
+    .await?;
+    if back != blob {
         return Err("the uploaded file came back different".into());
     }
 
-    let old_id = sh(&client, "cat /etc/machine-id 2>/dev/null || true").await?;
-    let report = client
-        .fixups(FixupRequest {
-            hostname: Some("tine-agent-vm".into()),
-            machine_id: true,
-            ..FixupRequest::default()
-        })
-        .await?;
-    let host = sh(&client, "hostname").await?;
-    let new_id = sh(&client, "cat /etc/machine-id").await?;
+    let old_id = step(
+        "read the machine-id",
+        &log,
+        sh(&client, "cat /etc/machine-id 2>/dev/null || true"),
+    )
+    .await?;
+    let report = step("fix-ups", &log, async {
+        Ok(client
+            .fixups(FixupRequest {
+                hostname: Some("tine-agent-vm".into()),
+                machine_id: true,
+                ..FixupRequest::default()
+            })
+            .await?)
+    })
+    .await?;
+    let host = step("hostname", &log, sh(&client, "hostname")).await?;
+    let new_id = step("new machine-id", &log, sh(&client, "cat /etc/machine-id")).await?;
     if host.trim() != "tine-agent-vm" {
         return Err(format!("hostname is {host:?} after the fix-up ({report:?})").into());
     }
@@ -204,7 +238,10 @@ async fn agent_in_vm_async() -> Result<(), Failed> {
     let mut times = Vec::new();
     for _ in 0..20 {
         let t = Instant::now();
-        let out = client.exec_output(ExecRequest::argv(["true"])).await?;
+        let out = step("exec true", &log, async {
+            Ok(client.exec_output(ExecRequest::argv(["true"])).await?)
+        })
+        .await?;
         times.push(t.elapsed());
         if out.status.code != Some(0) {
             return Err(format!("true ended with {:?}", out.status).into());
@@ -246,18 +283,24 @@ async fn agent_in_vm_async() -> Result<(), Failed> {
         let connect_ms = t.elapsed().as_millis();
         let mut entropy = vec![0u8; 64];
         getrandom::fill(&mut entropy).map_err(|e| format!("host randomness: {e}"))?;
-        let report = client
-            .fixups(FixupRequest {
-                entropy: Some(entropy),
-                ..FixupRequest::default()
-            })
-            .await?;
+        let report = step("a fork's fix-ups", fork_log, async {
+            Ok(client
+                .fixups(FixupRequest {
+                    entropy: Some(entropy),
+                    ..FixupRequest::default()
+                })
+                .await?)
+        })
+        .await?;
         if !report.reseeded {
             return Err(format!("fork {i} did not reseed: {report:?}").into());
         }
-        let out = client
-            .exec_output(ExecRequest::shell("head -c 32 /dev/urandom"))
-            .await?;
+        let out = step("a fork's urandom", fork_log, async {
+            Ok(client
+                .exec_output(ExecRequest::shell("head -c 32 /dev/urandom"))
+                .await?)
+        })
+        .await?;
         if out.stdout.len() != 32 {
             return Err(format!("fork {i} read {} random bytes", out.stdout.len()).into());
         }
