@@ -311,7 +311,8 @@ pub enum VmCommand {
         #[command(subcommand)]
         command: TagCommand,
     },
-    /// Commit a stopped persistent VM's disk, or list and delete commits
+    /// Commit a stopped persistent VM's disk (or a running one's memory with
+    /// --memory), or list and delete commits
     Commit(CommitArgs),
     /// Boot a new VM from a commit
     Fork(ForkArgs),
@@ -687,9 +688,13 @@ pub struct CommitArgs {
     /// `list` or `delete`.
     #[command(subcommand)]
     pub command: Option<CommitCommand>,
-    /// The VM to commit (stopped and persistent)
+    /// The VM to commit (persistent; stopped, or running with --memory)
     #[arg(required = true)]
     pub vm: Option<String>,
+    /// Commit the running VM's memory, vCPUs and devices with its disk:
+    /// forks resume its processes (hot forks)
+    #[arg(long)]
+    pub memory: bool,
     /// Tag for the commit (repeatable)
     #[arg(long, value_parser = parse_tag, value_name = "TAG")]
     pub tag: Vec<String>,
@@ -727,6 +732,27 @@ pub struct CommitListArgs {
     /// Only commits of this source VM
     #[arg(long)]
     pub source: Option<String>,
+    /// Only commits of this mode
+    #[arg(long, value_enum)]
+    pub mode: Option<CommitModeArg>,
+}
+
+/// A commit mode on the command line (`tine_proto::api::CommitMode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum CommitModeArg {
+    /// Disk commits (cold forks)
+    Disk,
+    /// Memory commits (hot forks)
+    Memory,
+}
+
+impl From<CommitModeArg> for tine_client::rest::CommitMode {
+    fn from(m: CommitModeArg) -> Self {
+        match m {
+            CommitModeArg::Disk => tine_client::rest::CommitMode::Disk,
+            CommitModeArg::Memory => tine_client::rest::CommitMode::Memory,
+        }
+    }
 }
 
 /// `--fixup`: one of the API's fix-up names (`tine_proto::api::Fixup`).

@@ -527,6 +527,7 @@ async fn commit(g: &GlobalArgs, c: &TineClient, args: CommitArgs) -> anyhow::Res
                     tags: l.tag,
                     cache_key: l.cache_key,
                     source: l.source,
+                    mode: l.mode.map(Into::into),
                 })
                 .await?;
             output::print_list(
@@ -558,6 +559,7 @@ async fn commit(g: &GlobalArgs, c: &TineClient, args: CommitArgs) -> anyhow::Res
                 tags: args.tag,
                 labels: args.label.into_iter().collect(),
                 cache_key: args.cache_key,
+                mode: args.memory.then_some(tine_client::rest::CommitMode::Memory),
             };
             let info = {
                 let _p = Progress::start(g, format!("committing {vm}"));
@@ -569,6 +571,15 @@ async fn commit(g: &GlobalArgs, c: &TineClient, args: CommitArgs) -> anyhow::Res
                 print_json(&info)?;
             } else if g.quiet {
                 println!("{}", info.commit_id);
+            } else if let Some(pause_us) = info.pause_us {
+                println!(
+                    "{} committed from {} with its memory (in {}; {} paused for {:.1} ms)",
+                    info.commit_id,
+                    info.source,
+                    output::millis(info.elapsed_ms),
+                    info.source,
+                    pause_us as f64 / 1000.0
+                );
             } else {
                 println!(
                     "{} committed from {} (in {})",

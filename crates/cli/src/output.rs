@@ -223,6 +223,7 @@ pub fn commit_table(commits: &[CommitInfo], now: SystemTime) -> String {
         .map(|c| {
             vec![
                 c.commit_id.clone(),
+                c.mode.to_string(),
                 c.source.clone(),
                 c.cache_key.clone().unwrap_or_else(|| "-".into()),
                 size(c.size_bytes),
@@ -236,7 +237,15 @@ pub fn commit_table(commits: &[CommitInfo], now: SystemTime) -> String {
         })
         .collect();
     table(
-        &["COMMIT", "SOURCE", "CACHE KEY", "SIZE", "AGE", "TAGS"],
+        &[
+            "COMMIT",
+            "MODE",
+            "SOURCE",
+            "CACHE KEY",
+            "SIZE",
+            "AGE",
+            "TAGS",
+        ],
         &rows,
     )
 }

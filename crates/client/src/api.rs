@@ -318,6 +318,8 @@ pub struct CommitQuery {
     pub cache_key: Option<String>,
     /// Only commits of this source VM.
     pub source: Option<String>,
+    /// Only commits of this mode.
+    pub mode: Option<tine_proto::api::CommitMode>,
 }
 
 /// How the daemon is reached.
@@ -1138,6 +1140,7 @@ impl TineClient {
         let path = q
             .opt("cache_key", query.cache_key.as_ref())
             .opt("source", query.source.as_ref())
+            .opt("mode", query.mode.map(|m| m.as_str()))
             .finish("/vm/commits".to_string());
         self.get(&path).await
     }

@@ -522,6 +522,7 @@ async fn commits_and_forks() {
         tags: vec!["base".into()],
         labels: [("os".to_string(), "min".to_string())].into(),
         cache_key: Some("k1".into()),
+        mode: None,
     };
     let commit = c.commit("dev-2", &req).await.expect("commit");
     assert_eq!(commit.mode, tine_proto::api::CommitMode::Disk);

@@ -86,7 +86,8 @@ fn main() -> anyhow::Result<()> {
         }
         figures.push(("create, wait=none", stats(ms)));
         // Its parts, alone.
-        let commit_disk = PathBuf::from(&d.commits(&[], None, None)?[0].disk);
+        let commit_disk =
+            PathBuf::from(&d.commits(&tine_daemon::db::CommitFilter::default())?[0].disk);
         let mut verify = Vec::new();
         let mut disk = Vec::new();
         for i in 0..runs {

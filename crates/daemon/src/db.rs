@@ -12,7 +12,7 @@ use std::path::Path;
 use std::sync::{Mutex, MutexGuard};
 
 use rusqlite::{params, Connection, OptionalExtension, Row, Transaction};
-use tine_proto::api::{Fixup, ForkNetwork, StopMode, VmState};
+use tine_proto::api::{CommitMode, Fixup, ForkNetwork, StopMode, VmState};
 
 use crate::network::VmNetwork;
 
@@ -113,6 +113,12 @@ const MIGRATIONS: &[&str] = &[
     "ALTER TABLE vms ADD COLUMN secrets TEXT NOT NULL DEFAULT '[]';
     ALTER TABLE vms ADD COLUMN ssh_keys TEXT NOT NULL DEFAULT '[]';
     ALTER TABLE commits ADD COLUMN secrets TEXT NOT NULL DEFAULT '[]';",
+    // 5: memory commits (hot forks): what a commit holds, the folder of a
+    // memory commit's state and memory files, and the RAM bytes it holds.
+    "ALTER TABLE commits ADD COLUMN mode TEXT NOT NULL DEFAULT 'disk';
+    ALTER TABLE commits ADD COLUMN snapshot TEXT;
+    ALTER TABLE commits ADD COLUMN memory_bytes INTEGER;
+    ALTER TABLE commits ADD COLUMN has_nic INTEGER;",
 ];
 
 /// One VM as recorded.
@@ -249,6 +255,27 @@ pub struct CommitRecord {
     pub elapsed_ms: u64,
     /// The source's secret grants (forks inherit them).
     pub secrets: Vec<String>,
+    /// What it holds.
+    pub mode: CommitMode,
+    /// A memory commit's snapshot folder (its `state` and `memory` files).
+    pub snapshot: Option<String>,
+    /// Bytes of guest RAM a memory commit holds.
+    pub memory_bytes: Option<u64>,
+    /// Whether a memory commit's source had a NIC (its forks must too).
+    pub has_nic: Option<bool>,
+}
+
+/// Which commits a listing shows: those matching every filter given.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CommitFilter<'a> {
+    /// Tags a commit has (all of them).
+    pub tags: &'a [&'a str],
+    /// Its cache key.
+    pub cache_key: Option<&'a str>,
+    /// Its source VM.
+    pub source: Option<&'a str>,
+    /// What it holds.
+    pub mode: Option<CommitMode>,
 }
 
 /// An image imported into the data directory.
@@ -353,13 +380,15 @@ fn vm_from_row(row: &Row<'_>) -> rusqlite::Result<std::result::Result<VmRecord, 
 }
 
 const COMMIT_COLUMNS: &str = "id, host_group, source, disk, tags, labels, cache_key, \
-     parent_commit_id, cpus, ram_bytes, size_bytes, created_ms, elapsed_ms, source_tags, secrets";
+     parent_commit_id, cpus, ram_bytes, size_bytes, created_ms, elapsed_ms, source_tags, secrets, \
+     mode, snapshot, memory_bytes, has_nic";
 
 fn commit_from_row(row: &Row<'_>) -> rusqlite::Result<std::result::Result<CommitRecord, DbError>> {
     let tags: String = row.get(4)?;
     let labels: String = row.get(5)?;
     let source_tags: String = row.get(13)?;
     let secrets: String = row.get(14)?;
+    let mode: String = row.get(15)?;
     let build = || -> Result<CommitRecord> {
         Ok(CommitRecord {
             id: row.get(0)?,
@@ -380,6 +409,13 @@ fn commit_from_row(row: &Row<'_>) -> rusqlite::Result<std::result::Result<Commit
             elapsed_ms: row.get::<_, i64>(12)? as u64,
             source_tags: json_vec(&source_tags, "commits.source_tags")?,
             secrets: json_vec(&secrets, "commits.secrets")?,
+            mode: mode.parse::<CommitMode>().map_err(|_| DbError::Corrupt {
+                what: "commits.mode",
+                detail: mode.clone(),
+            })?,
+            snapshot: row.get(16)?,
+            memory_bytes: row.get::<_, Option<i64>>(17)?.map(|b| b as u64),
+            has_nic: row.get(18)?,
         })
     };
     Ok(build())
@@ -681,7 +717,7 @@ impl Store {
                     c.source
                 )));
             }
-            tx.prepare_cached(&format!("INSERT INTO commits ({COMMIT_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)"))?.execute(params![
+            tx.prepare_cached(&format!("INSERT INTO commits ({COMMIT_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19)"))?.execute(params![
                     c.id,
                     c.host_group,
                     c.source,
@@ -697,6 +733,10 @@ impl Store {
                     c.elapsed_ms as i64,
                     to_json(&c.source_tags),
                     to_json(&c.secrets),
+                    c.mode.as_str(),
+                    c.snapshot,
+                    c.memory_bytes.map(|b| b as i64),
+                    c.has_nic,
                 ],
             )?;
             tx.prepare_cached("UPDATE vms SET commit_id = ?2, disk = ?3 WHERE hostname = ?1")?.execute(params![c.source, c.id, source_new_disk],
@@ -716,24 +756,24 @@ impl Store {
         found.transpose()
     }
 
-    /// Commits matching every given filter, oldest first.
-    pub fn list_commits(
-        &self,
-        tags: &[&str],
-        cache_key: Option<&str>,
-        source: Option<&str>,
-    ) -> Result<Vec<CommitRecord>> {
+    /// Commits matching every filter given, oldest first.
+    pub fn list_commits(&self, filter: &CommitFilter<'_>) -> Result<Vec<CommitRecord>> {
         let conn = self.lock();
         let sql = format!(
             "SELECT {COMMIT_COLUMNS} FROM commits WHERE (?1 IS NULL OR cache_key = ?1) \
-             AND (?2 IS NULL OR source = ?2) ORDER BY created_ms, id"
+             AND (?2 IS NULL OR source = ?2) AND (?3 IS NULL OR mode = ?3) \
+             ORDER BY created_ms, id"
         );
         let mut stmt = conn.prepare_cached(&sql)?;
-        let rows = stmt.query_map(params![cache_key, source], commit_from_row)?;
+        let mode = filter.mode.map(CommitMode::as_str);
+        let rows = stmt.query_map(
+            params![filter.cache_key, filter.source, mode],
+            commit_from_row,
+        )?;
         let mut out = Vec::new();
         for row in rows {
             let c = row??;
-            if tags.iter().all(|t| c.tags.iter().any(|x| x == t)) {
+            if filter.tags.iter().all(|t| c.tags.iter().any(|x| x == t)) {
                 out.push(c);
             }
         }
@@ -812,13 +852,18 @@ impl Store {
         Ok(())
     }
 
-    /// Every commit's disk path.
+    /// Every file and folder a commit holds: each one's disk and, for a
+    /// memory commit, its snapshot folder.
     pub fn commit_paths(&self) -> Result<Vec<String>> {
         let conn = self.lock();
-        let mut stmt = conn.prepare_cached("SELECT disk FROM commits")?;
-        let out = stmt
-            .query_map([], |r| r.get(0))?
-            .collect::<rusqlite::Result<_>>()?;
+        let mut stmt = conn.prepare_cached("SELECT disk, snapshot FROM commits")?;
+        let mut out = Vec::new();
+        let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get::<_, Option<String>>(1)?)))?;
+        for row in rows {
+            let (disk, snapshot) = row?;
+            out.push(disk);
+            out.extend(snapshot);
+        }
         Ok(out)
     }
 
@@ -1030,6 +1075,10 @@ mod tests {
             created_ms: 1,
             elapsed_ms: 1,
             secrets: vec![],
+            mode: CommitMode::Disk,
+            snapshot: None,
+            memory_bytes: None,
+            has_nic: None,
         }
     }
 
@@ -1062,9 +1111,27 @@ mod tests {
             s.get_commit("cmt-dev-3").expect("get").is_none(),
             "no half commit"
         );
-        assert_eq!(s.list_commits(&[], Some("k"), None).expect("list").len(), 1);
-        assert_eq!(s.list_commits(&["t"], None, None).expect("list").len(), 1);
-        assert_eq!(s.list_commits(&["x"], None, None).expect("list").len(), 0);
+        let by_key = CommitFilter {
+            cache_key: Some("k"),
+            ..CommitFilter::default()
+        };
+        assert_eq!(s.list_commits(&by_key).expect("list").len(), 1);
+        let by_tag = |tags| CommitFilter {
+            tags,
+            ..CommitFilter::default()
+        };
+        assert_eq!(s.list_commits(&by_tag(&["t"])).expect("list").len(), 1);
+        assert_eq!(s.list_commits(&by_tag(&["x"])).expect("list").len(), 0);
+        let memory = CommitFilter {
+            mode: Some(CommitMode::Memory),
+            ..CommitFilter::default()
+        };
+        assert_eq!(s.list_commits(&memory).expect("list").len(), 0);
+        let disk_only = CommitFilter {
+            mode: Some(CommitMode::Disk),
+            ..CommitFilter::default()
+        };
+        assert_eq!(s.list_commits(&disk_only).expect("list").len(), 1);
 
         let mut fork = new_vm("dev");
         fork.parent_commit_id = Some("cmt-dev-1".into());

@@ -57,6 +57,14 @@ pub enum Failpoint {
     /// The restored process is recorded; the snapshot files are still
     /// there.
     RestoreRecorded,
+    /// A memory commit's snapshot is sealed; its source is paused, its
+    /// disk not frozen yet, nothing recorded.
+    MemoryCommitCaptured,
+    /// The source's VMM writes its fresh overlay (still paused); nothing
+    /// is recorded.
+    MemoryCommitSwitched,
+    /// The memory commit is recorded; its source is still paused.
+    MemoryCommitRecorded,
 }
 
 impl Failpoint {
@@ -79,6 +87,9 @@ impl Failpoint {
         Failpoint::SuspendRecordedSuspended,
         Failpoint::RestoreSpawned,
         Failpoint::RestoreRecorded,
+        Failpoint::MemoryCommitCaptured,
+        Failpoint::MemoryCommitSwitched,
+        Failpoint::MemoryCommitRecorded,
     ];
 
     /// The name `TINE_FAILPOINT` takes.
@@ -101,6 +112,9 @@ impl Failpoint {
             Failpoint::SuspendRecordedSuspended => "suspend-recorded-suspended",
             Failpoint::RestoreSpawned => "restore-spawned",
             Failpoint::RestoreRecorded => "restore-recorded",
+            Failpoint::MemoryCommitCaptured => "memory-commit-captured",
+            Failpoint::MemoryCommitSwitched => "memory-commit-switched",
+            Failpoint::MemoryCommitRecorded => "memory-commit-recorded",
         }
     }
 

@@ -83,7 +83,7 @@ pub fn prestart(vmm: &Path, spec: &RestoreSpec, paths: &VmPaths) -> std::io::Res
         .arg("--mem-mib")
         .arg(spec.ram_mib.to_string());
     if let Some(disk) = &spec.disk {
-        let mut arg = std::ffi::OsString::from("drive0=");
+        let mut arg = std::ffi::OsString::from(format!("{}=", crate::launcher::ROOT_DRIVE));
         arg.push(disk);
         cmd.arg("--drive-override").arg(arg);
     }

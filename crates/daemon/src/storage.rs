@@ -135,6 +135,36 @@ pub fn commit_disk(disk: &Path, commit_path: &Path, new_disk: &Path) -> Result<u
     Ok(size)
 }
 
+/// Undoes [`commit_disk`] of a disk nothing wrote since (a memory commit
+/// that failed after it): removes the source's fresh overlay and the
+/// commit file, and makes `disk` writable again. Each step is tried; the
+/// first failure is returned.
+pub fn uncommit_disk(disk: &Path, commit_path: &Path, new_disk: &Path) -> Result<(), DiskError> {
+    let mut first = None;
+    let mut note = |e: DiskError| {
+        tracing::warn!("undo a commit: {e}");
+        first.get_or_insert(e);
+    };
+    if let Err(e) = make_writable(disk) {
+        note(e);
+    }
+    for made in [new_disk, commit_path] {
+        match std::fs::remove_file(made) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                note(err(&format!("remove {}", made.display()), &e))
+            }
+            _ => {}
+        }
+    }
+    first.map_or(Ok(()), Err)
+}
+
+/// Gives a VM's disk back the mode a commit took from it (0600).
+pub fn make_writable(disk: &Path) -> Result<(), DiskError> {
+    std::fs::set_permissions(disk, std::fs::Permissions::from_mode(0o600))
+        .map_err(|e| err(&format!("make {} writable again", disk.display()), &e))
+}
+
 fn create_disk_on(parent: &Path, dest: &Path) -> Result<(), DiskError> {
     vstore::create_overlay(dest, parent, Format::Qcow2, None)
         .map_err(|e| err(&format!("create {}", dest.display()), &e))?;

@@ -867,6 +867,10 @@ pub struct CommitRequest {
     /// A key unique among commits: a later run finds the commit by it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache_key: Option<String>,
+    /// What to capture (default `disk`: a stopped VM's disk; `memory`: a
+    /// running VM's memory, vCPUs, devices and disk, for hot forks).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<CommitMode>,
 }
 
 /// A commit: an immutable disk that forks boot from.
@@ -910,6 +914,13 @@ pub struct CommitInfo {
     pub created_at: String,
     /// Milliseconds the commit took.
     pub elapsed_ms: u64,
+    /// Bytes of guest RAM a memory commit holds (zero pages are holes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_bytes: Option<u64>,
+    /// Microseconds a memory commit kept its source paused (in the answer
+    /// to the commit only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pause_us: Option<u64>,
 }
 
 /// `POST /vm/commits/{id}/fork` body. Omitted fields inherit from the
@@ -1436,8 +1447,11 @@ wire_enum! {
 wire_enum! {
     /// What a commit holds.
     CommitMode, "mode" {
-        /// The disk of a stopped VM.
+        /// The disk of a stopped VM: forks boot from it (cold forks).
         Disk = "disk",
+        /// The memory, vCPU and device state of a running VM with its disk:
+        /// forks resume its processes (hot forks).
+        Memory = "memory",
     }
 }
 

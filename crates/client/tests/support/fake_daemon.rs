@@ -1090,7 +1090,7 @@ fn commit_info(id: &str, source: &str, req: &CommitRequest) -> CommitInfo {
     CommitInfo {
         commit_id: id.to_string(),
         status: tine_proto::api::CommitStatus::Committed,
-        mode: tine_proto::api::CommitMode::Disk,
+        mode: req.mode.unwrap_or(tine_proto::api::CommitMode::Disk),
         hostname: source.to_string(),
         source: source.to_string(),
         host_group: "dev".into(),
@@ -1104,6 +1104,8 @@ fn commit_info(id: &str, source: &str, req: &CommitRequest) -> CommitInfo {
         size_bytes: 4 << 30,
         created_at: "2026-01-01T00:00:00.000Z".into(),
         elapsed_ms: 120,
+        memory_bytes: (req.mode == Some(tine_proto::api::CommitMode::Memory)).then_some(96 << 20),
+        pause_us: None,
     }
 }
 
@@ -1113,18 +1115,26 @@ async fn commit(Path(h): Path<String>, Json(req): Json<CommitRequest>) -> Respon
     let Some(v) = vm(&h) else {
         return not_found_vm(&h);
     };
-    if v.state == VmState::Running {
+    let memory = req.mode == Some(tine_proto::api::CommitMode::Memory);
+    if v.state == VmState::Running && !memory {
         return conflict(&format!(
             "{h} is {}; shut it down first (tine vm shutdown {h}): \
-             only a stopped VM can be committed",
+             only a stopped VM's disk can be committed (a running one's with --memory)",
             v.state,
             h = v.hostname
+        ));
+    }
+    if v.state != VmState::Running && memory {
+        return conflict(&format!(
+            "{} is {}; only a running VM's memory can be committed",
+            v.hostname, v.state
         ));
     }
     (
         StatusCode::OK,
         Json(CommitInfo {
             parent_status: Some(v.state),
+            pause_us: memory.then_some(850),
             ..commit_info(COMMIT, &v.hostname, &req)
         }),
     )
@@ -1140,6 +1150,7 @@ async fn commits(RawQuery(q): RawQuery) -> Json<Vec<CommitInfo>> {
             tags: vec!["base".into()],
             labels: BTreeMap::new(),
             cache_key: Some("k1".into()),
+            mode: None,
         },
     );
     let keep = q
@@ -1147,7 +1158,8 @@ async fn commits(RawQuery(q): RawQuery) -> Json<Vec<CommitInfo>> {
         .filter(|(k, _)| k == "tag")
         .all(|(_, t)| c.tags.contains(t))
         && param(&q, "cache_key").is_none_or(|k| c.cache_key.as_deref() == Some(k.as_str()))
-        && param(&q, "source").is_none_or(|s| c.source == s);
+        && param(&q, "source").is_none_or(|s| c.source == s)
+        && param(&q, "mode").is_none_or(|m| c.mode.as_str() == m);
     Json(if keep { vec![c] } else { vec![] })
 }
 

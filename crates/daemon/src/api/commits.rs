@@ -14,6 +14,7 @@ use super::params::{
     AppState, DEFAULT_WAIT,
 };
 use crate::core::commit_info;
+use crate::db::CommitFilter;
 use crate::error::ApiResult;
 
 pub(super) async fn commit(
@@ -29,11 +30,15 @@ pub(super) async fn commit(
 pub(super) async fn list(State(d): State<AppState>, uri: Uri) -> ApiResult<Json<Vec<CommitInfo>>> {
     let q = query_pairs(&uri);
     query_only(&q, &["tag", "cache_key", "source", "mode"])?;
-    // Every commit holds a disk today; the value is still checked.
-    let _mode: Option<CommitMode> = parse_query_enum(&q, "mode")?;
+    let mode: Option<CommitMode> = parse_query_enum(&q, "mode")?;
     let tags = query_all(&q, "tag");
     let tags: Vec<&str> = tags.iter().map(String::as_str).collect();
-    let list = d.commits(&tags, query_get(&q, "cache_key"), query_get(&q, "source"))?;
+    let list = d.commits(&CommitFilter {
+        tags: &tags,
+        cache_key: query_get(&q, "cache_key"),
+        source: query_get(&q, "source"),
+        mode,
+    })?;
     Ok(Json(list.iter().map(commit_info).collect()))
 }
 

@@ -13,22 +13,18 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tine_proto::api::{
-    self, CommitInfo, CommitMode, CommitRequest, CommitStatus, ForkRequest, ForkStatus, VmState,
-    Wait,
+    self, CommitInfo, CommitMode, CommitRequest, ForkRequest, ForkStatus, VmState, Wait,
 };
 
+use super::commit_record::{check_request, info, new_commit_id, record_for};
 use super::daemon::{Daemon, FileStamp};
 use super::error::{chain, Error, Result};
 use super::plan;
-use crate::db::{now_ms, CommitRecord};
+use super::snapshot::SnapshotFiles;
+use crate::db::CommitFilter;
 use crate::failpoint::{self, Failpoint};
 use crate::storage;
 
-/// Most characters in a cache key.
-pub const MAX_CACHE_KEY: usize = 256;
-
-/// What identifies a file's content without reading it: inode, size,
-/// modification time.
 fn file_stamp(path: &Path) -> Option<FileStamp> {
     use std::os::unix::fs::MetadataExt;
     let m = std::fs::metadata(path).ok()?;
@@ -43,62 +39,19 @@ fn remove_file_logged(path: &Path) {
     }
 }
 
-/// A commit as the API shows it.
-pub fn info(c: &CommitRecord) -> CommitInfo {
-    CommitInfo {
-        commit_id: c.id.clone(),
-        status: CommitStatus::Committed,
-        mode: CommitMode::Disk,
-        hostname: c.source.clone(),
-        source: c.source.clone(),
-        host_group: c.host_group.clone(),
-        parent_status: None,
-        tags: c.tags.clone(),
-        labels: c.labels.clone(),
-        cache_key: c.cache_key.clone(),
-        parent_commit_id: c.parent_commit_id.clone(),
-        cpus: c.cpus,
-        ram_bytes: c.ram_bytes,
-        size_bytes: c.size_bytes,
-        created_at: api::rfc3339_millis(c.created_ms),
-        elapsed_ms: c.elapsed_ms,
-    }
-}
-
-fn new_commit_id(group: &str) -> Result<String> {
-    let mut raw = [0u8; 8];
-    getrandom::fill(&mut raw)
-        .map_err(|e| Error::io("random commit id", std::io::Error::other(e.to_string())))?;
-    let hex: String = raw.iter().map(|b| format!("{b:02x}")).collect();
-    Ok(format!("cmt-{group}-{hex}"))
-}
-
 impl Daemon {
     /// The folder of commit files.
     pub fn commits_dir(&self) -> PathBuf {
         self.data_dir.join("commits")
     }
 
-    /// Commits a stopped, persistent, never committed VM.
+    /// Commits a persistent, never committed VM: its disk once stopped
+    /// (mode `disk`), or, running, its memory with its disk (mode
+    /// `memory`, see `memory_commit`).
     pub async fn commit(self: &Arc<Self>, key: &str, req: CommitRequest) -> Result<CommitInfo> {
         let began = Instant::now();
-        for t in &req.tags {
-            plan::validate_tag(t)?;
-        }
-        for (k, v) in &req.labels {
-            if k.is_empty() || k.len() > 128 || v.len() > 1024 {
-                return Err(Error::BadRequest(format!(
-                    "label `{k}` is invalid: keys 1-128 characters, values up to 1024"
-                )));
-            }
-        }
-        if let Some(k) = &req.cache_key {
-            if k.is_empty() || k.len() > MAX_CACHE_KEY || k.chars().any(char::is_control) {
-                return Err(Error::BadRequest(format!(
-                    "cache key is invalid: use 1-{MAX_CACHE_KEY} printable characters"
-                )));
-            }
-        }
+        check_request(&req)?;
+        let mode = req.mode.unwrap_or(CommitMode::Disk);
         let vm = self.vm(key)?;
         let _guard = self.lock_vm(&vm.hostname).await;
         let vm = self.vm(&vm.hostname)?;
@@ -114,14 +67,27 @@ impl Daemon {
                 vm.hostname
             )));
         }
-        if vm.state != VmState::Stopped {
-            return Err(Error::Conflict(format!(
-                "{} is {}; shut it down first (tine vm shutdown {}): only a stopped VM can be committed",
-                vm.hostname, vm.state, vm.hostname
-            )));
+        match mode {
+            CommitMode::Disk if vm.state != VmState::Stopped => {
+                return Err(Error::Conflict(format!(
+                    "{} is {}; shut it down first (tine vm shutdown {}): only a stopped VM's disk can be committed (a running one's with --memory)",
+                    vm.hostname, vm.state, vm.hostname
+                )));
+            }
+            CommitMode::Memory if vm.state != VmState::Running || vm.pid.is_none() => {
+                return Err(Error::Conflict(format!(
+                    "{} is {}; only a running VM's memory can be committed",
+                    vm.hostname, vm.state
+                )));
+            }
+            _ => {}
         }
         if let Some(k) = &req.cache_key {
-            if let Some(c) = self.store.list_commits(&[], Some(k), None)?.first() {
+            let by_key = CommitFilter {
+                cache_key: Some(k),
+                ..CommitFilter::default()
+            };
+            if let Some(c) = self.store.list_commits(&by_key)?.first() {
                 return Err(Error::Conflict(format!(
                     "the cache key `{k}` is already used by commit {}",
                     c.id
@@ -129,6 +95,9 @@ impl Daemon {
             }
         }
         let id = new_commit_id(&vm.host_group)?;
+        if mode == CommitMode::Memory {
+            return self.commit_memory(&vm, req, id, began).await;
+        }
         let commit_path = self.commits_dir().join(format!("{id}.qcow2"));
         let paths = self.paths(&vm.hostname);
         let new_disk = paths
@@ -148,28 +117,7 @@ impl Daemon {
                     e,
                 )
             })?;
-        let record = CommitRecord {
-            id: id.clone(),
-            host_group: vm.host_group.clone(),
-            source: vm.hostname.clone(),
-            disk: commit_path.display().to_string(),
-            tags: req.tags,
-            labels: req.labels,
-            source_tags: vm
-                .tags
-                .iter()
-                .filter(|t| !t.starts_with("name="))
-                .cloned()
-                .collect(),
-            cache_key: req.cache_key,
-            parent_commit_id: vm.parent_commit_id.clone(),
-            cpus: vm.cpus,
-            ram_bytes: vm.ram_bytes,
-            size_bytes: size,
-            created_ms: now_ms(),
-            elapsed_ms: began.elapsed().as_millis() as u64,
-            secrets: vm.secrets.clone(),
-        };
+        let record = record_for(&vm, req, &id, &commit_path, size, began);
         failpoint::hit(Failpoint::CommitOverlayMade);
         if let Err(e) = self
             .store
@@ -196,10 +144,15 @@ impl Daemon {
             .delete_commit(id)?
             .ok_or_else(|| Error::NotFound(format!("no commit `{id}`")))?;
         remove_file_logged(Path::new(&c.disk));
+        if let Some(dir) = &c.snapshot {
+            self.remove_snapshot_logged(&c.source, &SnapshotFiles::in_dir(PathBuf::from(dir)));
+        }
         Ok(())
     }
 
-    /// Forks a commit: a new VM booting from a copy-on-write child of it.
+    /// Forks a commit: a new VM on a copy-on-write child of its disk,
+    /// booting from it (a disk commit) or resuming the commit's guest (a
+    /// memory commit: see `hot_fork`).
     pub async fn fork(
         self: &Arc<Self>,
         id: &str,
@@ -217,7 +170,15 @@ impl Daemon {
             Some(n) => self.store.find_vm(n)?.is_some(),
             None => false,
         };
-        let new = plan::fork(&group, &c, &req, name_taken)?;
+        let hot = c.mode == CommitMode::Memory;
+        let new = if hot {
+            plan::hot_fork(&group, &c, &req, name_taken)?
+        } else {
+            plan::fork(&group, &c, &req, name_taken)?
+        };
+        if hot {
+            self.memory_snapshot_of(&c)?;
+        }
         if req.secrets.is_some() {
             // Inherited grants are not checked: one whose secret was
             // deleted since is skipped when the fork boots.
@@ -265,6 +226,23 @@ impl Daemon {
                     )));
                 }
             },
+            // A hot fork answers once its vCPUs run (its set-up goes on).
+            Wait::None if hot => {
+                match self
+                    .wait_until(&hostname, timeout, |vm| vm.pid.is_some())
+                    .await
+                {
+                    Ok(vm) => vm,
+                    Err(e) if e.is_timeout() => return Err(e),
+                    Err(e) => {
+                        self.discard(&hostname).await;
+                        return Err(Error::Failed(format!(
+                            "fork failed and was removed: {}",
+                            chain(&e)
+                        )));
+                    }
+                }
+            }
             Wait::None => self.vm(&hostname)?,
         };
         Ok(api::ForkResponse {
@@ -272,7 +250,7 @@ impl Daemon {
             source_hostname: c.source,
             commit_id: c.id,
             status: ForkStatus::Forked,
-            mode: CommitMode::Disk,
+            mode: c.mode,
             child_status: vm.state,
             persistent: vm.persistent,
             elapsed_ms: began.elapsed().as_millis() as u64,

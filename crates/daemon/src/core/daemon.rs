@@ -14,7 +14,7 @@ use tokio::sync::watch;
 
 use super::error::{chain, Error, Result};
 use crate::config::{Config, HostGroup};
-use crate::db::{now_ms, CommitRecord, ImageRecord, Store, VmRecord};
+use crate::db::{now_ms, CommitFilter, CommitRecord, ImageRecord, Store, VmRecord};
 use crate::failpoint::{self, Failpoint};
 use crate::launcher::{Instance, Launcher, LauncherExt};
 use crate::network::NetworkManager;
@@ -358,14 +358,9 @@ impl Daemon {
         Ok(self.store.get_image(name)?)
     }
 
-    /// Commits, filtered by tags (all of them), cache key and source VM.
-    pub fn commits(
-        &self,
-        tags: &[&str],
-        cache_key: Option<&str>,
-        source: Option<&str>,
-    ) -> Result<Vec<CommitRecord>> {
-        Ok(self.store.list_commits(tags, cache_key, source)?)
+    /// Commits matching every filter given.
+    pub fn commits(&self, filter: &CommitFilter<'_>) -> Result<Vec<CommitRecord>> {
+        Ok(self.store.list_commits(filter)?)
     }
 
     pub(super) fn notify(&self) {
@@ -406,6 +401,18 @@ impl Daemon {
     /// Waits until `hostname` is running (agent ready), failed, stopped or
     /// gone, or `timeout` passes.
     pub async fn wait_running(&self, hostname: &str, timeout: Duration) -> Result<VmRecord> {
+        self.wait_until(hostname, timeout, |vm| vm.state == VmState::Running)
+            .await
+    }
+
+    /// Waits until `hostname`'s record satisfies `done` (or its start
+    /// failed: an error says why).
+    pub(super) async fn wait_until(
+        &self,
+        hostname: &str,
+        timeout: Duration,
+        done: impl Fn(&VmRecord) -> bool,
+    ) -> Result<VmRecord> {
         let deadline = tokio::time::Instant::now() + timeout;
         let mut rx = self.changes.subscribe();
         loop {
@@ -420,8 +427,10 @@ impl Daemon {
                     .unwrap_or_else(|| "no reason recorded".into());
                 Error::Failed(format!("{hostname} failed to start and was removed: {why}"))
             })?;
+            if done(&vm) {
+                return Ok(vm);
+            }
             match vm.state {
-                VmState::Running => return Ok(vm),
                 VmState::Failed | VmState::Stopped | VmState::Suspended => {
                     return Err(Error::Failed(format!(
                         "{hostname} {} before its agent answered: {}",

@@ -257,10 +257,18 @@ impl Daemon {
                     source,
                 })
                 .and_then(|r| r.map_err(|e| Error::disk("sync disk before boot", e)));
-            let launched = synced.and_then(|()| {
-                failpoint::hit(Failpoint::BootDiskSynced);
-                this.launch(&h, permit)
-            });
+            let launched = match synced {
+                Ok(()) => {
+                    failpoint::hit(Failpoint::BootDiskSynced);
+                    // An unborn fork of a memory commit resumes it.
+                    match this.hot_fork_snapshot(&h) {
+                        Ok(Some(files)) => this.launch_hot_fork(&h, permit, &files).await,
+                        Ok(None) => this.launch(&h, permit),
+                        Err(e) => Err(e),
+                    }
+                }
+                Err(e) => Err(e),
+            };
             if let Err(e) = launched {
                 let reason = chain(&e);
                 tracing::warn!(vm = %h, "launch: {reason}");

@@ -8,12 +8,16 @@
 //! shares), `netattach`, `secrets` (host secrets and their sync into
 //! guests), `supervise` (launch, boot set-up, exit policy), `snapshot` (a
 //! VM's state and memory to files and back), `suspend`, `lifecycle`,
-//! `commits`, `reconcile`.
+//! `commit_record` (what disk and memory commits share), `memory_commit`,
+//! `hot_fork`, `commits`, `reconcile`.
 
+mod commit_record;
 mod commits;
 mod daemon;
 mod error;
+mod hot_fork;
 mod lifecycle;
+mod memory_commit;
 mod netattach;
 mod plan;
 mod reconcile;
@@ -25,7 +29,7 @@ mod suspend;
 #[cfg(test)]
 mod tests;
 
-pub use commits::{info as commit_info, MAX_CACHE_KEY};
+pub use commit_record::{info as commit_info, MAX_CACHE_KEY};
 pub use daemon::{capped, Daemon, Deadlines, Parts, MAX_REASON};
 pub use error::{chain, Error, Result};
 pub use lifecycle::DEFAULT_SHUTDOWN_TIMEOUT;

@@ -206,6 +206,72 @@ pub fn create(
     })
 }
 
+/// A hot fork of memory commit `commit`: [`fork`], then what resuming
+/// the commit's guest demands. Its shape is the commit's (a changed CPU
+/// or RAM size is refused: the guest's memory and vCPUs are restored as
+/// they were); it gets every identity fix-up; it has a NIC exactly when
+/// the source had one (a guest cannot lose or gain a device it runs with).
+pub fn hot_fork(
+    group: &HostGroup,
+    commit: &CommitRecord,
+    req: &ForkRequest,
+    name_taken: bool,
+) -> Result<NewVm> {
+    let id = &commit.id;
+    if let Some(cpus) = req.cpus.filter(|&c| c != commit.cpus) {
+        return Err(Error::BadRequest(format!(
+            "{id} is a memory commit of a VM with {} vCPUs: a hot fork resumes that guest, so it cannot have {cpus} (resizing is not supported; fork a disk commit to choose)",
+            commit.cpus
+        )));
+    }
+    if let Some(ram) = req.ram_bytes.filter(|&r| r != commit.ram_bytes) {
+        return Err(Error::BadRequest(format!(
+            "{id} is a memory commit of a VM with {} MiB of RAM: a hot fork resumes that guest's memory, so it cannot have {} MiB (resizing is not supported)",
+            commit.ram_bytes >> 20,
+            ram >> 20
+        )));
+    }
+    if let Some(list) = &req.fixups {
+        let missing: Vec<&str> = Fixup::ALL
+            .iter()
+            .filter(|f| !list.contains(f))
+            .map(|f| f.as_str())
+            .collect();
+        if !missing.is_empty() {
+            return Err(Error::BadRequest(format!(
+                "a hot fork always gets its own hostname, machine-id and SSH host keys (it runs its source's memory); fixups leaves out {}",
+                missing.join(", ")
+            )));
+        }
+    }
+    let source_nic = commit.has_nic.unwrap_or(false);
+    match &req.network {
+        Some(ForkNetwork::None) if source_nic => {
+            return Err(Error::BadRequest(format!(
+                "{id}'s source had a NIC, and a hot fork resumes its guest with it: `network: none` needs a commit of a VM without one"
+            )))
+        }
+        Some(ForkNetwork::Policy(_)) if !source_nic => {
+            return Err(Error::BadRequest(format!(
+                "{id}'s source had no NIC, so its hot forks have none: a network policy does not apply"
+            )))
+        }
+        _ => {}
+    }
+    if source_nic && group.network.mode == NetMode::None {
+        return Err(Error::BadRequest(format!(
+            "{id}'s source had a NIC, but host group {} has no network now: its hot forks cannot resume",
+            group.name
+        )));
+    }
+    let mut new = fork(group, commit, req, name_taken)?;
+    new.fixups = Some(Fixup::ALL.to_vec());
+    if !source_nic {
+        new.policy = Some(ForkNetwork::None);
+    }
+    Ok(new)
+}
+
 /// A new VM forked from `commit`. It never runs userdata (the commit's
 /// source did), so the group's script is not read.
 pub fn fork(
@@ -298,6 +364,10 @@ mod tests {
             created_ms: 0,
             elapsed_ms: 0,
             secrets: vec!["db".into(), "api".into()],
+            mode: tine_proto::api::CommitMode::Disk,
+            snapshot: None,
+            memory_bytes: None,
+            has_nic: None,
         }
     }
 

@@ -106,6 +106,7 @@ impl Daemon {
                 VmState::Suspending => self.finish_suspend_at_start(vm, &mut report).await?,
                 VmState::Suspended => self.check_suspended_at_start(vm, &mut report).await?,
                 s if s.is_live() => {
+                    self.finish_memory_commit_at_start(vm).await?;
                     if let Some(running) = self.adopt(vm) {
                         if s == VmState::Stopping {
                             // The stop request died with the old daemon.
@@ -307,11 +308,14 @@ impl Daemon {
                 }
             }
         }
+        // Commit files and memory commits' snapshot folders (a partial
+        // one is never named).
         let commits: HashSet<String> = self.store.commit_paths()?.into_iter().collect();
         if let Ok(entries) = std::fs::read_dir(self.commits_dir()) {
             for e in entries.flatten() {
                 if !commits.contains(&e.path().display().to_string()) {
-                    remove_logged(&e.path(), false, report);
+                    let dir = e.file_type().is_ok_and(|t| t.is_dir());
+                    remove_logged(&e.path(), dir, report);
                 }
             }
         }

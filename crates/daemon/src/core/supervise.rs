@@ -32,6 +32,11 @@ pub enum SetUp {
     /// identity, network and processes, so only fresh entropy and the clock
     /// (it stood still while the VM was suspended).
     Resume,
+    /// A hot fork resumed from its memory commit: the guest is a copy of
+    /// the source, so it gets every identity fix-up (hostname, machine-id,
+    /// SSH host keys), entropy, the clock, its own MAC and address, and the
+    /// fork's secrets; no first-boot userdata (the source ran it).
+    HotFork,
 }
 
 /// How a run ended: `forced` when the daemon killed it, `clean` when the
@@ -212,6 +217,7 @@ impl Daemon {
         let first = !vm.booted_once && setup == SetUp::Boot;
         let (set_hostname, machine_id, ssh_host_keys) = match &vm.fixups {
             _ if setup == SetUp::Resume => (false, false, false),
+            _ if setup == SetUp::HotFork => (true, true, true),
             // A fork's first boot: exactly the fix-ups it asked for.
             Some(list) => (
                 list.contains(&Fixup::Hostname),
@@ -240,7 +246,7 @@ impl Daemon {
         };
         let step = self.deadlines.setup_call;
         setup_call(step, "fix-ups", client.fixups(req)).await?;
-        if let Some(n) = vm.network.as_ref().filter(|_| setup == SetUp::Boot) {
+        if let Some(n) = vm.network.as_ref().filter(|_| setup != SetUp::Resume) {
             setup_call(step, "network set-up", client.network(n.agent_request())).await?;
         }
         if first && !vm.ssh_keys.is_empty() {

@@ -22,6 +22,7 @@ use crate::storage;
 
 const WAIT: Duration = Duration::from_secs(10);
 
+mod hot_fork;
 mod suspend;
 
 struct Bed {
@@ -287,7 +288,10 @@ async fn a_commit_damaged_after_a_fork_is_refused_by_the_next_fork() {
         .fork(&commit, ForkRequest::default(), Wait::None, WAIT)
         .await
         .expect("first fork");
-    let file = b.daemon.commits(&[], None, None).expect("commits")[0]
+    let file = b
+        .daemon
+        .commits(&crate::db::CommitFilter::default())
+        .expect("commits")[0]
         .disk
         .clone();
     std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).expect("chmod");

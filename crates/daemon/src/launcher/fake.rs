@@ -73,6 +73,8 @@ struct Run {
     stop: watch::Sender<Option<Stop>>,
     paused: bool,
     memory: u64,
+    /// The disk a switch moved it to.
+    disk: Option<std::path::PathBuf>,
 }
 
 /// The first line of a fake state file; the memory number follows.
@@ -190,6 +192,11 @@ impl FakeLauncher {
             .map(|r| r.memory)
     }
 
+    /// The disk a VM's run was last switched to, if it was.
+    pub fn switched_disk(&self, hostname: &str) -> Option<std::path::PathBuf> {
+        self.lock().runs.get(hostname).and_then(|r| r.disk.clone())
+    }
+
     /// Whether `hostname`'s current run has its vCPUs parked.
     pub fn is_paused(&self, hostname: &str) -> bool {
         self.lock()
@@ -260,6 +267,7 @@ impl FakeLauncher {
                 stop,
                 paused: false,
                 memory,
+                disk: None,
             },
         );
         instance
@@ -365,6 +373,13 @@ impl FakeLauncher {
                     duration_us: 1,
                 });
             }
+            VmmRequest::SwitchDisk { .. } if !run.paused => {
+                return error("switch_disk needs a paused VM; it is running")
+            }
+            VmmRequest::SwitchDisk { path, .. } if !path.is_file() => {
+                return error(&format!("cannot open disk image {}", path.display()))
+            }
+            VmmRequest::SwitchDisk { path, .. } => run.disk = Some(path.clone()),
             VmmRequest::Restore { .. } => {
                 return error("this process already runs a VM; restore needs a --prestart process")
             }

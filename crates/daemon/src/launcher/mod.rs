@@ -18,6 +18,9 @@ use tine_proto::vmm::{Request as VmmRequest, Response as VmmResponse};
 use tine_proto::vmm::{RunState, SnapshotInfo, StopReason};
 use tokio::io::{AsyncRead, AsyncWrite};
 
+/// The device id tine-vmm gives the first (root) disk.
+pub const ROOT_DRIVE: &str = "drive0";
+
 /// What to boot.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BootSpec {
@@ -312,6 +315,22 @@ pub trait LauncherExt: Launcher {
                 mem_path: memory,
             };
             Ok(self.request(hostname, request).await?.snapshot)
+        })
+    }
+
+    /// Serves the paused VM's root disk (`drive0`) from `disk` from now
+    /// on (the VMM flushes the one it leaves).
+    fn switch_disk<'a>(
+        &'a self,
+        hostname: &'a str,
+        disk: PathBuf,
+    ) -> BoxFuture<'a, Result<(), LaunchError>> {
+        Box::pin(async move {
+            let request = VmmRequest::SwitchDisk {
+                drive: ROOT_DRIVE.to_owned(),
+                path: disk,
+            };
+            self.request(hostname, request).await.map(drop)
         })
     }
 

@@ -105,6 +105,7 @@ impl VmNetwork {
             prefix: self.prefix,
             gateway: Some(self.gateway),
             dns: self.dns.clone(),
+            mac: Some(self.mac.clone()),
         }
     }
 

@@ -1,0 +1,104 @@
+//! Hot forks: a new VM that resumes a memory commit's guest, processes
+//! and all, on its own copy-on-write disk, TAP and vsock socket.
+//!
+//! A fork is provisioned as any fork (record, overlay disk on the commit's
+//! disk); its launch, instead of a boot, restores the commit's snapshot in
+//! a pre-started `tine-vmm`, the memory file mapped copy-on-write (every
+//! fork shares its pages until it writes them). Its set-up is
+//! [`SetUp::HotFork`]: the guest still believes it is the source, so it
+//! gets its own hostname, machine-id, SSH host keys, entropy, clock, MAC
+//! and address before it is `running`.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use tine_proto::api::CommitMode;
+
+use super::daemon::Daemon;
+use super::error::{Error, Result};
+use super::snapshot::SnapshotFiles;
+use super::supervise::SetUp;
+use crate::db::{CommitRecord, VmRecord};
+use crate::launcher::{Instance, RestoreSpec};
+
+impl Daemon {
+    /// The snapshot of a memory commit, checked complete; an error names
+    /// the commit and what is missing.
+    pub(super) fn memory_snapshot_of(&self, c: &CommitRecord) -> Result<SnapshotFiles> {
+        let Some(dir) = c.snapshot.as_deref() else {
+            return Err(Error::Failed(format!(
+                "commit {} is recorded as a memory commit without a snapshot folder",
+                c.id
+            )));
+        };
+        let files = SnapshotFiles::in_dir(PathBuf::from(dir));
+        if !files.is_complete() {
+            return Err(Error::Failed(format!(
+                "commit {} cannot be forked: its memory snapshot {} is missing or incomplete (its disk commit is intact)",
+                c.id,
+                files.dir.display()
+            )));
+        }
+        Ok(files)
+    }
+
+    /// The snapshot `hostname` resumes instead of booting: some for an
+    /// unborn fork of a memory commit, none for any other VM.
+    pub(super) fn hot_fork_snapshot(&self, hostname: &str) -> Result<Option<SnapshotFiles>> {
+        let vm = self.vm(hostname)?;
+        let Some(parent) = vm
+            .parent_commit_id
+            .as_deref()
+            .filter(|_| vm.is_unborn_fork())
+        else {
+            return Ok(None);
+        };
+        match self.store.get_commit(parent)? {
+            Some(c) if c.mode == CommitMode::Memory => self.memory_snapshot_of(&c).map(Some),
+            _ => Ok(None),
+        }
+    }
+
+    /// Launches an unborn hot fork (recorded `starting` without a process;
+    /// the caller holds its lock): network, a VMM restored from `files`
+    /// with the fork's own disk and TAP, the process recorded, then its
+    /// set-up supervised. `permit` is its boot slot.
+    pub(super) async fn launch_hot_fork(
+        self: &Arc<Self>,
+        hostname: &str,
+        permit: Option<tokio::sync::OwnedSemaphorePermit>,
+        files: &SnapshotFiles,
+    ) -> Result<()> {
+        let vm: VmRecord = self.vm(hostname)?;
+        let group = self.group(&vm.host_group)?.clone();
+        let network = self.attach_network(&group, &vm)?;
+        let spec = RestoreSpec {
+            hostname: hostname.to_owned(),
+            cpus: vm.cpus,
+            ram_mib: vm.ram_bytes >> 20,
+            state: files.state(),
+            memory: files.memory(),
+            paused: false,
+            disk: Some(PathBuf::from(&vm.disk)),
+            tap: network.map(|n| n.tap),
+        };
+        self.take_forced(hostname);
+        let running = self
+            .launcher
+            .restore(&spec)
+            .await
+            .map_err(|source| Error::Launch {
+                what: format!("resume {hostname} from {}", files.dir.display()),
+                source,
+            })?;
+        let Instance { pid, pid_start } = running.instance;
+        if let Err(e) = self.store.set_process(hostname, pid, pid_start) {
+            self.launcher.kill(hostname, running.instance);
+            return Err(e.into());
+        }
+        self.notify();
+        tracing::info!(vm = hostname, pid, "resumed from a memory commit");
+        self.supervise(hostname.to_owned(), running, permit, SetUp::HotFork);
+        Ok(())
+    }
+}

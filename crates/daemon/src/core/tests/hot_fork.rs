@@ -1,0 +1,385 @@
+//! Memory commits and hot forks on the fake launcher: what a memory
+//! commit does to its running source, what a hot fork resumes and with
+//! which set-up, what both refuse (by name), and a `kill -9` at every step
+//! of a memory commit followed by a restart.
+
+use std::sync::mpsc;
+
+use tine_proto::api::CommitMode;
+use tine_proto::vmm::Request as VmmRequest;
+
+use super::*;
+use crate::db::CommitFilter;
+use crate::failpoint::{self, Failpoint};
+use crate::launcher::RestoreSpec;
+
+fn memory_commit() -> CommitRequest {
+    CommitRequest {
+        mode: Some(CommitMode::Memory),
+        tags: vec!["warm".into()],
+        ..CommitRequest::default()
+    }
+}
+
+fn restores(b: &Bed, hostname: &str) -> Vec<RestoreSpec> {
+    b.fake
+        .seen(hostname)
+        .into_iter()
+        .filter_map(|s| match s {
+            Seen::Restore(spec) => Some(spec),
+            _ => None,
+        })
+        .collect()
+}
+
+fn controls(b: &Bed, hostname: &str) -> Vec<VmmRequest> {
+    b.fake
+        .seen(hostname)
+        .into_iter()
+        .filter_map(|s| match s {
+            Seen::Control(r) => Some(r),
+            _ => None,
+        })
+        .collect()
+}
+
+fn refusal<T: std::fmt::Debug>(r: super::super::Result<T>, code: ErrorCode) -> String {
+    let e: ApiError = r.expect_err("refused").into();
+    assert_eq!(e.code, code, "{}", e.message);
+    e.message
+}
+
+#[tokio::test]
+async fn a_memory_commit_freezes_the_disk_and_the_source_runs_on_in_a_fresh_overlay() {
+    let b = bed(true);
+    let h = b.create(Wait::Agent).await;
+    let memory = b.fake.memory_of(&h).expect("runs");
+    let old_disk = b.daemon.vm(&h).expect("vm").disk;
+    let info = b.daemon.commit(&h, memory_commit()).await.expect("commit");
+    assert_eq!(info.mode, CommitMode::Memory);
+    assert!(info.pause_us.is_some(), "{info:?}");
+    assert!(info.memory_bytes.is_some_and(|b| b > 0), "{info:?}");
+    // Pause, snapshot, switch to the overlay, resume: nothing else.
+    match controls(&b, &h).as_slice() {
+        [VmmRequest::Pause, VmmRequest::Snapshot { .. }, VmmRequest::SwitchDisk { drive, path }, VmmRequest::Resume] =>
+        {
+            assert_eq!(drive, "drive0");
+            let vm = b.daemon.vm(&h).expect("vm");
+            assert_eq!(path.display().to_string(), vm.disk, "the recorded disk");
+        }
+        other => panic!("unexpected VMM requests: {other:?}"),
+    }
+    // The source runs on, the same run, unpaused, on its new overlay.
+    let vm = b.daemon.vm(&h).expect("vm");
+    assert_eq!(vm.state, VmState::Running);
+    assert_eq!(b.fake.memory_of(&h), Some(memory));
+    assert!(!b.fake.is_paused(&h));
+    assert_ne!(vm.disk, old_disk);
+    assert!(!Path::new(&old_disk).exists(), "the old name is gone");
+    assert_eq!(
+        b.fake.switched_disk(&h).map(|p| p.display().to_string()),
+        Some(vm.disk.clone())
+    );
+    // The commit's disk is the old inode, read-only, under the overlay.
+    let c = b
+        .daemon
+        .store
+        .get_commit(&info.commit_id)
+        .expect("read")
+        .expect("recorded");
+    let chain = tine_disk::backing_chain(Path::new(&vm.disk)).expect("chain");
+    assert_eq!(chain[1].path.display().to_string(), c.disk);
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&c.disk)
+        .expect("commit file")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o222, 0, "read-only: {mode:o}");
+    assert!(b.daemon.memory_commit_files(&c.id).is_complete());
+    assert!(!PendingMemoryCommitFile::of(&b, &h).exists());
+    // Listed with its mode, and filtered by it.
+    let memory_only = CommitFilter {
+        mode: Some(CommitMode::Memory),
+        ..CommitFilter::default()
+    };
+    assert_eq!(b.daemon.commits(&memory_only).expect("list").len(), 1);
+    let disk_only = CommitFilter {
+        mode: Some(CommitMode::Disk),
+        ..CommitFilter::default()
+    };
+    assert!(b.daemon.commits(&disk_only).expect("list").is_empty());
+}
+
+/// The pending-commit file of a VM.
+struct PendingMemoryCommitFile;
+
+impl PendingMemoryCommitFile {
+    fn of(b: &Bed, hostname: &str) -> std::path::PathBuf {
+        super::super::memory_commit::PendingMemoryCommit::path(&b.daemon.paths(hostname).dir)
+    }
+}
+
+#[tokio::test]
+async fn a_hot_fork_resumes_the_commits_memory_on_its_own_disk_with_every_fixup() {
+    let b = bed(true);
+    let h = b.create(Wait::Agent).await;
+    let memory = b.fake.memory_of(&h).expect("runs");
+    let id = b
+        .daemon
+        .commit(&h, memory_commit())
+        .await
+        .expect("commit")
+        .commit_id;
+    let files = b.daemon.memory_commit_files(&id);
+    let mut forks = Vec::new();
+    for _ in 0..2 {
+        let r = b
+            .daemon
+            .fork(&id, ForkRequest::default(), Wait::Agent, WAIT)
+            .await
+            .expect("hot fork");
+        assert_eq!(r.mode, CommitMode::Memory);
+        assert_eq!(r.child_status, VmState::Running);
+        forks.push(r.hostname);
+    }
+    for f in &forks {
+        // Restored from the commit's files, on its own disk: never booted.
+        let specs = restores(&b, f);
+        assert_eq!(specs.len(), 1, "{specs:?}");
+        assert_eq!(specs[0].state, files.state());
+        assert_eq!(specs[0].memory, files.memory());
+        let vm = b.daemon.vm(f).expect("fork");
+        assert_eq!(
+            specs[0].disk.as_ref().map(|d| d.display().to_string()),
+            Some(vm.disk.clone())
+        );
+        assert!(!b.fake.seen(f).iter().any(|s| matches!(s, Seen::Boot(_))));
+        assert_eq!(b.fake.memory_of(f), Some(memory), "the source's memory");
+        let chain = tine_disk::backing_chain(Path::new(&vm.disk)).expect("chain");
+        assert!(chain[1]
+            .path
+            .display()
+            .to_string()
+            .ends_with(&format!("{id}.qcow2")));
+        // Every identity fix-up, fresh entropy and the clock.
+        let fixups = b.fixups_seen(f);
+        assert_eq!(fixups.len(), 1, "{fixups:?}");
+        assert_eq!(fixups[0].hostname.as_deref(), Some(f.as_str()));
+        assert!(fixups[0].machine_id && fixups[0].ssh_host_keys);
+        assert!(fixups[0].entropy.as_ref().is_some_and(|e| e.len() == 64));
+        assert!(fixups[0].clock_unix_nanos.is_some());
+        assert!(!vm.is_unborn_fork(), "its fix-ups are done");
+    }
+    // The commit cannot go while its source or forks exist.
+    let msg = refusal(b.daemon.delete_commit(&id), ErrorCode::Conflict);
+    assert!(msg.contains(&forks[0]), "{msg}");
+}
+
+#[tokio::test]
+async fn a_hot_fork_refuses_another_shape_partial_fixups_and_a_missing_snapshot() {
+    let b = bed(true);
+    let h = b.create(Wait::Agent).await;
+    let id = b
+        .daemon
+        .commit(&h, memory_commit())
+        .await
+        .expect("commit")
+        .commit_id;
+    let cpus = ForkRequest {
+        cpus: Some(2),
+        ..ForkRequest::default()
+    };
+    let msg = refusal(
+        b.daemon.fork(&id, cpus, Wait::Agent, WAIT).await,
+        ErrorCode::BadRequest,
+    );
+    assert!(
+        msg.contains("1 vCPUs") && msg.contains("cannot have 2"),
+        "{msg}"
+    );
+    let ram = ForkRequest {
+        ram_bytes: Some(512 << 20),
+        ..ForkRequest::default()
+    };
+    let msg = refusal(
+        b.daemon.fork(&id, ram, Wait::Agent, WAIT).await,
+        ErrorCode::BadRequest,
+    );
+    assert!(msg.contains("256 MiB") && msg.contains("512 MiB"), "{msg}");
+    let fixups = ForkRequest {
+        fixups: Some(vec![Fixup::Hostname]),
+        ..ForkRequest::default()
+    };
+    let msg = refusal(
+        b.daemon.fork(&id, fixups, Wait::Agent, WAIT).await,
+        ErrorCode::BadRequest,
+    );
+    assert!(msg.contains("machine-id, ssh-host-keys"), "{msg}");
+    // A damaged commit names what is missing; nothing is left behind.
+    let before = b.daemon.store.list_vms(None).expect("list").len();
+    std::fs::remove_file(b.daemon.memory_commit_files(&id).memory()).expect("remove");
+    let msg = refusal(
+        b.daemon
+            .fork(&id, ForkRequest::default(), Wait::Agent, WAIT)
+            .await,
+        ErrorCode::Internal,
+    );
+    assert!(
+        msg.contains("memory snapshot") && msg.contains(&id),
+        "{msg}"
+    );
+    assert_eq!(b.daemon.store.list_vms(None).expect("list").len(), before);
+}
+
+#[tokio::test]
+async fn a_memory_commit_refuses_what_is_not_running_and_persistent() {
+    let b = bed(false);
+    let h = b.create(Wait::Agent).await;
+    let msg = refusal(
+        b.daemon.commit(&h, memory_commit()).await,
+        ErrorCode::Conflict,
+    );
+    assert!(msg.contains("not persistent"), "{msg}");
+
+    let b = bed(true);
+    let h = b.create(Wait::Agent).await;
+    b.daemon
+        .shutdown(&h, ShutdownAction::Shutdown, WAIT)
+        .await
+        .expect("shutdown");
+    let msg = refusal(
+        b.daemon.commit(&h, memory_commit()).await,
+        ErrorCode::Conflict,
+    );
+    assert!(msg.contains("only a running VM's memory"), "{msg}");
+}
+
+#[tokio::test]
+async fn a_failed_snapshot_leaves_the_source_running_on_its_disk_and_nothing_recorded() {
+    let b = bed(true);
+    let h = b.create(Wait::Agent).await;
+    let disk = b.daemon.vm(&h).expect("vm").disk;
+    b.fake.refuse_snapshots(Some("no space left on device"));
+    let e = b
+        .daemon
+        .commit(&h, memory_commit())
+        .await
+        .expect_err("refused");
+    let why = super::super::chain(&e);
+    assert!(why.contains("no space left"), "{why}");
+    b.fake.refuse_snapshots(None);
+    let vm = b.daemon.vm(&h).expect("vm");
+    assert_eq!(
+        (vm.state, vm.disk.as_str()),
+        (VmState::Running, disk.as_str())
+    );
+    assert!(vm.commit_id.is_none());
+    assert!(!b.fake.is_paused(&h), "resumed");
+    assert!(b
+        .daemon
+        .commits(&CommitFilter::default())
+        .expect("list")
+        .is_empty());
+    let left: Vec<_> = std::fs::read_dir(b.daemon.commits_dir())
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "{left:?}");
+    assert!(!PendingMemoryCommitFile::of(&b, &h).exists());
+}
+
+/// A first daemon memory-commits a running VM until `point` stops it for
+/// good (a `kill -9` there); a second daemon on the same data directory
+/// then reconciles. Returns the bed of the second, the VM, the disk it
+/// had and its memory.
+fn restart_during_memory_commit(point: Failpoint) -> (Bed, String, String, u64) {
+    let dir = tempfile::tempdir().expect("tmp");
+    let fake = FakeLauncher::new();
+    let cfg = config(dir.path(), true, 4);
+    let (ready_tx, ready) = mpsc::channel();
+    let (reached_tx, reached) = mpsc::channel();
+    let (path, first_fake, first_cfg) = (dir.path().to_owned(), fake.clone(), cfg.clone());
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async move {
+            let first = open(&path, &first_fake, first_cfg, Deadlines::default());
+            let h = first
+                .create_vm("dev", CreateVmRequest::default(), Wait::Agent, WAIT, false)
+                .await
+                .expect("create")
+                .hostname;
+            let disk = first.vm(&h).expect("vm").disk;
+            let memory = first_fake.memory_of(&h).expect("runs");
+            ready_tx.send((h.clone(), disk, memory)).expect("send");
+            failpoint::freeze::arm(point, reached_tx);
+            let done = first.commit(&h, memory_commit()).await.map(drop);
+            panic!("{} was not reached: {done:?}", point.name());
+        });
+    });
+    let (hostname, disk, memory) = ready.recv_timeout(WAIT).expect("the first daemon's VM");
+    assert_eq!(reached.recv_timeout(WAIT), Ok(point), "the crash point");
+    let daemon = open(dir.path(), &fake, cfg, Deadlines::default());
+    (Bed { dir, fake, daemon }, hostname, disk, memory)
+}
+
+#[tokio::test]
+async fn a_kill_before_the_record_undoes_the_memory_commit_and_the_source_runs_on() {
+    for point in [
+        Failpoint::MemoryCommitCaptured,
+        Failpoint::MemoryCommitSwitched,
+    ] {
+        let (b, h, disk, memory) = restart_during_memory_commit(point);
+        let report = b.daemon.reconcile().await.expect("reconcile");
+        assert!(report.adopted.contains(&h), "{point:?}: {report:?}");
+        let vm = b.daemon.vm(&h).expect("vm");
+        assert_eq!(vm.disk, disk, "{point:?}: the disk it had");
+        assert!(vm.commit_id.is_none());
+        assert_eq!(b.fake.memory_of(&h), Some(memory), "the same run");
+        assert!(!b.fake.is_paused(&h), "{point:?}: resumed");
+        if point == Failpoint::MemoryCommitSwitched {
+            assert_eq!(
+                b.fake.switched_disk(&h).map(|p| p.display().to_string()),
+                Some(disk.clone()),
+                "back on its own disk"
+            );
+        }
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&disk).expect("disk").permissions().mode();
+        assert_eq!(mode & 0o777, 0o600, "writable again");
+        assert!(b
+            .daemon
+            .commits(&CommitFilter::default())
+            .expect("list")
+            .is_empty());
+        let left: Vec<_> = std::fs::read_dir(b.daemon.commits_dir())
+            .map(|d| d.flatten().map(|e| e.path()).collect())
+            .unwrap_or_default();
+        assert!(left.is_empty(), "{point:?}: {left:?}");
+        assert!(!PendingMemoryCommitFile::of(&b, &h).exists());
+        // ... and a memory commit works as ever.
+        let info = b.daemon.commit(&h, memory_commit()).await.expect("commit");
+        assert_eq!(info.mode, CommitMode::Memory);
+    }
+}
+
+#[tokio::test]
+async fn a_kill_after_the_record_keeps_the_commit_and_resumes_the_source() {
+    let (b, h, old_disk, memory) = restart_during_memory_commit(Failpoint::MemoryCommitRecorded);
+    let report = b.daemon.reconcile().await.expect("reconcile");
+    assert!(report.adopted.contains(&h), "{report:?}");
+    let vm = b.daemon.vm(&h).expect("vm");
+    let id = vm.commit_id.clone().expect("committed");
+    assert_ne!(vm.disk, old_disk);
+    assert!(!Path::new(&old_disk).exists(), "the old name is removed");
+    assert_eq!(b.fake.memory_of(&h), Some(memory));
+    assert!(!b.fake.is_paused(&h), "resumed");
+    assert!(!PendingMemoryCommitFile::of(&b, &h).exists());
+    let r = b
+        .daemon
+        .fork(&id, ForkRequest::default(), Wait::Agent, WAIT)
+        .await
+        .expect("the commit forks");
+    assert_eq!(b.fake.memory_of(&r.hostname), Some(memory));
+}
