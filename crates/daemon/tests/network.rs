@@ -595,6 +595,22 @@ fn isolated_traffic_follows_the_policy() {
     assert!(blocked(vm, vm2.address, 8083), "other VM reachable");
     assert!(blocked("tine-td-2", vm1.address, 8083), "VM reachable");
 
+    // A hot fork waits in quarantine until its fix-ups are done: nothing
+    // it sends leaves, nothing reaches it; out of it, the policy holds.
+    fx.mgr.set_quarantine(&vm1, true).expect("quarantine");
+    assert!(blocked(vm, a, 8080), "a quarantined VM reaches the outside");
+    let to_quarantined = in_netns(None, move || {
+        TcpStream::connect_timeout(&SocketAddr::from((me, 8083)), REACH_TIMEOUT)
+    });
+    assert!(to_quarantined.is_err(), "the host reaches a quarantined VM");
+    fx.mgr
+        .set_quarantine(&vm1, false)
+        .expect("out of quarantine");
+    assert!(
+        connects(vm, a, 8080),
+        "out of quarantine, the outside again"
+    );
+
     let mut set = |allow: &[&str], drop: &[&str]| {
         let over = PolicyOverride {
             allow: Some(allow.iter().map(|s| s.to_string()).collect()),

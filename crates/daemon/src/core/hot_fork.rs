@@ -7,7 +7,8 @@
 //! fork shares its pages until it writes them). Its set-up is
 //! [`SetUp::HotFork`]: the guest still believes it is the source, so it
 //! gets its own hostname, machine-id, SSH host keys, entropy, clock, MAC
-//! and address before it is `running`.
+//! and address before it is `running`. Until then its TAP is in network
+//! quarantine (down): the copy of the source never reaches the wire.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -72,6 +73,16 @@ impl Daemon {
         let vm: VmRecord = self.vm(hostname)?;
         let group = self.group(&vm.host_group)?.clone();
         let network = self.attach_network(&group, &vm)?;
+        if let Some(n) = &network {
+            // Until its set-up gives the guest its own MAC and address, it
+            // is its source on the wire: nothing of it may get out.
+            self.network
+                .set_quarantine(n, true)
+                .map_err(|source| Error::Network {
+                    vm: hostname.to_owned(),
+                    source,
+                })?;
+        }
         let spec = RestoreSpec {
             hostname: hostname.to_owned(),
             cpus: vm.cpus,

@@ -117,7 +117,13 @@ impl Daemon {
                                 None,
                             )?;
                         }
-                        self.supervise(vm.hostname.clone(), running, None, SetUp::Boot);
+                        // A hot fork whose set-up the old daemon did not
+                        // finish gets the hot fork's (out of quarantine).
+                        let setup = match self.hot_fork_snapshot(&vm.hostname) {
+                            Ok(Some(_)) => SetUp::HotFork,
+                            _ => SetUp::Boot,
+                        };
+                        self.supervise(vm.hostname.clone(), running, None, setup);
                         report.adopted.push(vm.hostname.clone());
                     } else {
                         self.run_lost_at_start(vm, &mut report).await?;

@@ -248,6 +248,15 @@ impl Daemon {
         setup_call(step, "fix-ups", client.fixups(req)).await?;
         if let Some(n) = vm.network.as_ref().filter(|_| setup != SetUp::Resume) {
             setup_call(step, "network set-up", client.network(n.agent_request())).await?;
+            if setup == SetUp::HotFork {
+                // Its own identity and address now: out of quarantine.
+                self.network
+                    .set_quarantine(n, false)
+                    .map_err(|source| Error::Network {
+                        vm: hostname.to_owned(),
+                        source,
+                    })?;
+            }
         }
         if first && !vm.ssh_keys.is_empty() {
             let keys = vm.ssh_keys.clone();

@@ -501,9 +501,9 @@ impl NetworkManager {
             alias: (link.alias.as_deref() != Some(vm.hostname.as_str()))
                 .then_some(vm.hostname.as_str()),
             master: (link.master.unwrap_or(0) != master).then_some(master),
-            up: !link.up,
+            up: (!link.up).then_some(true),
         };
-        if change.alias.is_some() || change.master.is_some() || change.up {
+        if change.alias.is_some() || change.master.is_some() || change.up.is_some() {
             rtnl.set_link(link.index, change)?;
         }
         if addrs != want {
@@ -512,6 +512,33 @@ impl NetworkManager {
             }
         }
         sys::enable_ip_forward()
+    }
+
+    /// Puts the VM's TAP in network quarantine (down: nothing it sends is
+    /// received, nothing reaches it) or takes it out (up). A hot fork waits
+    /// in quarantine until its guest has its own MAC and address.
+    pub fn set_quarantine(&self, vm: &VmNetwork, quarantined: bool) -> Result<(), NetworkError> {
+        Self::check_record(vm)?;
+        if vm.mode == NetMode::None {
+            return Ok(());
+        }
+        let mut host = self.lock();
+        let rtnl = host.rtnl()?;
+        let link = rtnl.link(&vm.tap)?.ok_or_else(|| NetworkError::Netlink {
+            operation: format!("find the TAP {}", vm.tap),
+            source: std::io::Error::from_raw_os_error(libc::ENODEV),
+        })?;
+        check_owner(&link, vm)?;
+        if link.up == quarantined {
+            rtnl.set_link(
+                link.index,
+                LinkChange {
+                    up: Some(!quarantined),
+                    ..LinkChange::default()
+                },
+            )?;
+        }
+        Ok(())
     }
 
     /// Removes the VM's TAP, then its rules. A TAP already gone is fine; a
@@ -673,7 +700,7 @@ fn ensure_bridge(
         rtnl.set_link(
             link.index,
             LinkChange {
-                up: true,
+                up: Some(true),
                 ..LinkChange::default()
             },
         )?;

@@ -233,8 +233,10 @@ impl Rtnl {
         if let Some(master) = change.master {
             message.attributes.push(LinkAttribute::Controller(master));
         }
-        if change.up {
-            message.header.flags = LinkFlags::Up;
+        if let Some(up) = change.up {
+            if up {
+                message.header.flags = LinkFlags::Up;
+            }
             message.header.change_mask = LinkFlags::Up;
         }
         let operation = format!("change interface {index} ({change:?})");
@@ -274,7 +276,8 @@ impl Rtnl {
 pub(crate) struct LinkChange<'a> {
     pub alias: Option<&'a str>,
     pub master: Option<u32>,
-    pub up: bool,
+    /// Up (`Some(true)`) or down (`Some(false)`).
+    pub up: Option<bool>,
 }
 
 #[cfg(test)]
