@@ -1,0 +1,377 @@
+//! Memory commits and hot forks with booted guests, in the test bed
+//! (nested here). A source runs a counter in a tmpfs; a memory commit
+//! pauses it only briefly and it runs on; two hot forks resume the
+//! counter (same boot, same pid, the count going on) with their own
+//! hostname, machine-id, MAC and address, out of quarantine (the host
+//! answers their ARP), with private writes and different urandom bytes; a
+//! file the source wrote after the commit is in no fork; a changed CPU
+//! shape is refused; a `kill -9` in the middle of a memory commit leaves
+//! the source running on its own disk and no commit.
+//!
+//! It prints the figures: the source's cold boot, the memory commit's
+//! pause, hot fork to agent-ready, cold fork to agent-ready, and their
+//! ratio (absolute times in a nested bed mean little; the ratios do).
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use support::*;
+use tine_client::api::{CommitQuery, TineClient, Wait};
+use tine_daemon::failpoint::Failpoint;
+use tine_proto::api::{CommitMode, CommitRequest, ErrorCode, ForkRequest, ShutdownAction, VmState};
+use tine_testbed::{Failed, Trial};
+
+/// An isolated group: each VM has a TAP, its own /30 and the host as its
+/// gateway.
+const GROUP: &str = "  - name: hot
+    cpus: 1
+    ram_mb: 256
+    persistent: true
+    network:
+      mode: isolated
+      cidr: 169.254.72.0/22
+      allow: [0.0.0.0/0]
+";
+
+/// What identifies a guest from inside.
+#[derive(Debug, Clone, PartialEq)]
+struct Identity {
+    hostname: String,
+    machine_id: String,
+    mac: String,
+    address: String,
+}
+
+async fn identity(c: &TineClient, vm: &str) -> R<Identity> {
+    let out = sh_ok(
+        c,
+        vm,
+        "hostname; cat /etc/machine-id /sys/class/net/eth0/address; \
+         ip -4 addr show dev eth0 | sed -n 's/.*inet \\([0-9.\\/]*\\).*/\\1/p'",
+    )
+    .await?;
+    let lines: Vec<&str> = out.lines().map(str::trim).collect();
+    match lines.as_slice() {
+        [hostname, machine_id, mac, address] => Ok(Identity {
+            hostname: hostname.to_string(),
+            machine_id: machine_id.to_string(),
+            mac: mac.to_string(),
+            address: address.to_string(),
+        }),
+        _ => Err(fail(format!("{vm}: identity from {out:?}"))),
+    }
+}
+
+/// The identity the daemon gave `vm`.
+async fn assigned(c: &TineClient, vm: &str) -> R<(String, String, String)> {
+    let n = c.describe(vm).await.or_fail()?.network;
+    match (n.mac, n.address, n.gateway) {
+        (Some(mac), Some(address), Some(gateway)) => Ok((mac, address, gateway)),
+        other => Err(fail(format!(
+            "{vm} has no MAC, address or gateway: {other:?}"
+        ))),
+    }
+}
+
+/// Starts a counter in a tmpfs, in a session of its own; returns its pid.
+async fn start_counter(c: &TineClient, vm: &str) -> R<String> {
+    let pid = sh_ok(
+        c,
+        vm,
+        "mkdir -p /mnt/mem && mount -t tmpfs -o size=8m tmpfs /mnt/mem && \
+         setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /mnt/mem/count; sleep 0.2; done' \
+         </dev/null >/dev/null 2>&1 & echo $!",
+    )
+    .await?;
+    Ok(pid.trim().to_owned())
+}
+
+/// The boot id and the counter's count (the counter must run).
+async fn counter(c: &TineClient, vm: &str, pid: &str) -> R<(String, u64)> {
+    let out = sh_ok(
+        c,
+        vm,
+        &format!("kill -0 {pid} && cat /proc/sys/kernel/random/boot_id /mnt/mem/count"),
+    )
+    .await?;
+    let mut lines = out.lines();
+    let boot = lines.next().unwrap_or_default().to_owned();
+    let count = lines
+        .next()
+        .and_then(|l| l.trim().parse().ok())
+        .ok_or_else(|| fail(format!("{vm}: no count in {out:?}")))?;
+    Ok((boot, count))
+}
+
+/// The counter started in the source goes on in `vm`: same boot, same
+/// pid, from at least `from`, and still counting.
+async fn counter_goes_on(c: &TineClient, vm: &str, pid: &str, boot: &str, from: u64) -> R<u64> {
+    let (b1, n1) = counter(c, vm, pid).await?;
+    if b1 != boot {
+        return Err(fail(format!("{vm}: another boot ({boot} -> {b1})")));
+    }
+    if n1 < from {
+        return Err(fail(format!(
+            "{vm}: the counter went back from {from} to {n1}"
+        )));
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (_, n2) = counter(c, vm, pid).await?;
+    if n2 <= n1 {
+        return Err(fail(format!("{vm}: the counter stands still at {n1}")));
+    }
+    Ok(n2)
+}
+
+async fn urandom(c: &TineClient, vm: &str) -> R<String> {
+    sh_ok(
+        c,
+        vm,
+        "head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'",
+    )
+    .await
+}
+
+/// The host answers the guest's ARP for its gateway: its TAP is up.
+async fn nic_answers(c: &TineClient, vm: &str, gateway: &str) -> R {
+    let (code, out, err) = sh(c, vm, &format!("arping -c 1 -w 5 -I eth0 {gateway}")).await?;
+    if code != 0 {
+        return Err(fail(format!(
+            "{vm}: no ARP answer from the gateway {gateway}: {out}{err}"
+        )));
+    }
+    Ok(())
+}
+
+fn memory_commit(tag: &str) -> CommitRequest {
+    CommitRequest {
+        mode: Some(CommitMode::Memory),
+        tags: vec![tag.to_owned()],
+        ..CommitRequest::default()
+    }
+}
+
+fn hot_forks_resume_the_source() -> R {
+    let mut d = Daemon::start("hotfork", GROUP, None)?;
+    let result = checks(&mut d);
+    if result.is_err() {
+        println!("daemon log:\n{}", d.log_tail());
+        let vms = d.data().join("vms");
+        for e in std::fs::read_dir(&vms).into_iter().flatten().flatten() {
+            for (name, lines) in [("vmm.log", 10), ("serial.log", 40)] {
+                let log = e.path().join(name);
+                println!(
+                    "{}:\n{}",
+                    log.display(),
+                    tine_testbed::tail_lines(&log, lines)
+                );
+            }
+        }
+    }
+    result
+}
+
+fn checks(d: &mut Daemon) -> R {
+    let r = rt();
+    let c = d.client.clone();
+    let (src, boot_ms, pid, boot_id) = r.block_on(async {
+        let created = c
+            .create_vm("hot", &create_req(true), Wait::Agent, Some(BOOT))
+            .await
+            .or_fail()?;
+        let src = created.hostname;
+        let pid = start_counter(&c, &src).await?;
+        sh_ok(&c, &src, "echo before > /root/before && sync").await?;
+        let (boot, _) = counter(&c, &src, &pid).await?;
+        Ok::<_, Failed>((src, created.elapsed_ms, pid, boot))
+    })?;
+    println!("{src}: booted in {boot_ms} ms, counter {pid}");
+
+    // A kill -9 once the source runs on its fresh overlay, before the
+    // record: the next daemon puts it back on its disk and it runs on.
+    d.kill9()?;
+    d.spawn_armed(Failpoint::MemoryCommitSwitched)?;
+    let answer = r.block_on(c.commit(&src, &memory_commit("crashed")));
+    let status = d.wait_exit(BOOT)?;
+    println!(
+        "memory commit at {}: {answer:?}; daemon {status}",
+        Failpoint::MemoryCommitSwitched.name()
+    );
+    d.spawn()?;
+    r.block_on(async {
+        let state = c.describe(&src).await.or_fail()?.state;
+        if state != VmState::Running {
+            return Err(fail(format!("{src} is {state} after the restart")));
+        }
+        counter_goes_on(&c, &src, &pid, &boot_id, 0).await?;
+        let commits = c.list_commits(&CommitQuery::default()).await.or_fail()?;
+        if !commits.is_empty() {
+            return Err(fail(format!("a half commit is listed: {commits:?}")));
+        }
+        sh_ok(
+            &c,
+            &src,
+            "echo still > /root/still && sync && cat /root/before",
+        )
+        .await?;
+        Ok::<_, Failed>(())
+    })?;
+
+    let (id, pause_us, at_commit) = r.block_on(async {
+        let (_, at_commit) = counter(&c, &src, &pid).await?;
+        let info = c.commit(&src, &memory_commit("warm")).await.or_fail()?;
+        if info.mode != CommitMode::Memory || info.memory_bytes.unwrap_or(0) == 0 {
+            return Err(fail(format!("the memory commit answered {info:?}")));
+        }
+        let pause_us = info
+            .pause_us
+            .ok_or_else(|| fail(format!("no pause time in {info:?}")))?;
+        // The source runs on, on its new disk, and writes after the commit.
+        counter_goes_on(&c, &src, &pid, &boot_id, at_commit).await?;
+        sh_ok(&c, &src, "echo after > /root/after && sync").await?;
+        let listed = c
+            .list_commits(&CommitQuery {
+                mode: Some(CommitMode::Memory),
+                ..CommitQuery::default()
+            })
+            .await
+            .or_fail()?;
+        if listed.len() != 1 || listed[0].commit_id != info.commit_id {
+            return Err(fail(format!("memory commits listed: {listed:?}")));
+        }
+        Ok::<_, Failed>((info.commit_id, pause_us, at_commit))
+    })?;
+    println!(
+        "{src}: memory commit {id}, paused {:.1} ms",
+        pause_us as f64 / 1000.0
+    );
+
+    let (forks, hot_ms) = r.block_on(async {
+        let source = identity(&c, &src).await?;
+        let mut forks = Vec::new();
+        let mut hot_ms = Vec::new();
+        for _ in 0..2 {
+            let t = Instant::now();
+            let f = c
+                .fork(&id, &ForkRequest::default(), Wait::Agent, Some(BOOT))
+                .await
+                .or_fail()?;
+            if f.mode != CommitMode::Memory || f.child_status != VmState::Running {
+                return Err(fail(format!("the hot fork answered {f:?}")));
+            }
+            hot_ms.push(f.elapsed_ms);
+            let vm = f.hostname;
+            // Its exec works at once; the source's processes run on.
+            let echo = sh_ok(&c, &vm, "echo ready").await?;
+            println!(
+                "{vm}: hot fork to agent-ready {} ms ({} ms at the client), exec echo {:?}",
+                f.elapsed_ms,
+                t.elapsed().as_millis(),
+                echo.trim()
+            );
+            counter_goes_on(&c, &vm, &pid, &boot_id, at_commit).await?;
+            let files = sh_ok(
+                &c,
+                &vm,
+                "cat /root/before /root/still; test -e /root/after && echo after || echo no-after",
+            )
+            .await?;
+            if files.split_whitespace().collect::<Vec<_>>() != ["before", "still", "no-after"] {
+                return Err(fail(format!("{vm}: the source's files: {files:?}")));
+            }
+            let me = identity(&c, &vm).await?;
+            let (mac, address, gateway) = assigned(&c, &vm).await?;
+            if me.hostname != vm
+                || me.machine_id == source.machine_id
+                || me.mac != mac
+                || me.mac == source.mac
+                || me.address != address
+                || me.address == source.address
+            {
+                return Err(fail(format!(
+                    "{vm}: identity {me:?} (assigned {mac} {address}), source {source:?}"
+                )));
+            }
+            nic_answers(&c, &vm, &gateway).await?;
+            forks.push(vm);
+        }
+        // Their writes are their own.
+        sh_ok(&c, &forks[0], "echo mine > /root/mine && sync").await?;
+        for other in [&forks[1], &src] {
+            let (code, _, _) = sh(&c, other, "test -e /root/mine").await?;
+            if code == 0 {
+                return Err(fail(format!("{other} sees {}'s write", forks[0])));
+            }
+        }
+        let (a, b) = (urandom(&c, &forks[0]).await?, urandom(&c, &forks[1]).await?);
+        if a == b || a.len() != 64 {
+            return Err(fail(format!("the forks' urandom: {a} and {b}")));
+        }
+        expect_err(
+            c.fork(
+                &id,
+                &ForkRequest {
+                    cpus: Some(2),
+                    ..ForkRequest::default()
+                },
+                Wait::Agent,
+                Some(BOOT),
+            )
+            .await,
+            ErrorCode::BadRequest,
+            "cannot have 2",
+        )?;
+        Ok::<_, Failed>((forks, hot_ms))
+    })?;
+
+    // The cold fork to compare with: a disk commit of the stopped second
+    // fork, forked.
+    let cold_ms = r.block_on(async {
+        c.shutdown(&forks[1], ShutdownAction::Shutdown, Some(BOOT))
+            .await
+            .or_fail()?;
+        let disk = c
+            .commit(&forks[1], &CommitRequest::default())
+            .await
+            .or_fail()?;
+        let cold = c
+            .fork(
+                &disk.commit_id,
+                &ForkRequest::default(),
+                Wait::Agent,
+                Some(BOOT),
+            )
+            .await
+            .or_fail()?;
+        if cold.mode != CommitMode::Disk {
+            return Err(fail(format!("the cold fork answered {cold:?}")));
+        }
+        // Booted, not resumed: a new boot without the counter.
+        let (code, _, _) = sh(&c, &cold.hostname, &format!("kill -0 {pid}")).await?;
+        let boot = sh_ok(&c, &cold.hostname, "cat /proc/sys/kernel/random/boot_id").await?;
+        if code == 0 || boot.trim() == boot_id.trim() {
+            return Err(fail("the cold fork runs the source's boot"));
+        }
+        Ok::<_, Failed>(cold.elapsed_ms)
+    })?;
+    let hot = hot_ms.iter().min().copied().unwrap_or(0);
+    println!(
+        "hot fork (256 MiB guest): source cold boot {boot_ms} ms; memory commit pause {:.1} ms; \
+         hot fork to agent-ready {hot_ms:?} ms; cold fork to agent-ready {cold_ms} ms; \
+         hot/cold {:.3} (target <= 0.05)",
+        pause_us as f64 / 1000.0,
+        hot as f64 / cold_ms.max(1) as f64
+    );
+    Ok(())
+}
+
+fn main() {
+    bed_main(
+        "daemon hot fork test",
+        vec![Trial::test(
+            "hot_forks_resume_the_source",
+            hot_forks_resume_the_source,
+        )],
+    );
+}
