@@ -19,7 +19,9 @@ use std::time::{Duration, Instant};
 use support::*;
 use tine_client::api::{CommitQuery, TineClient, Wait};
 use tine_daemon::failpoint::Failpoint;
-use tine_proto::api::{CommitMode, CommitRequest, ErrorCode, ForkRequest, ShutdownAction, VmState};
+use tine_proto::api::{
+    CommitMode, CommitRequest, ErrorCode, ForkRequest, ShutdownAction, StopMode, VmState,
+};
 use tine_testbed::{Failed, Trial};
 
 /// An isolated group: each VM has a TAP, its own /30 and the host as its
@@ -142,6 +144,10 @@ async fn nic_answers(c: &TineClient, vm: &str, gateway: &str) -> R {
         )));
     }
     Ok(())
+}
+
+fn serial_of(d: &Daemon, vm: &str) -> std::path::PathBuf {
+    d.data().join("vms").join(vm).join("serial.log")
 }
 
 fn memory_commit(tag: &str) -> CommitRequest {
@@ -328,9 +334,21 @@ fn checks(d: &mut Daemon) -> R {
     // The cold fork to compare with: a disk commit of the stopped second
     // fork, forked.
     let cold_ms = r.block_on(async {
-        c.shutdown(&forks[1], ShutdownAction::Shutdown, Some(BOOT))
+        let stopped = c
+            .shutdown(&forks[1], ShutdownAction::Shutdown, Some(BOOT))
             .await
             .or_fail()?;
+        let reason = c.describe(&forks[1]).await.or_fail()?.reason;
+        println!(
+            "{}: shutdown {:?} ({} ms), reason {reason:?}; its console's last lines:\n{}",
+            forks[1],
+            stopped.stop_mode,
+            stopped.elapsed_ms,
+            tine_testbed::tail_lines(&serial_of(d, &forks[1]), 8)
+        );
+        if stopped.stop_mode != Some(StopMode::Graceful) {
+            return Err(fail(format!("{}: shutdown answered {stopped:?}", forks[1])));
+        }
         let disk = c
             .commit(&forks[1], &CommitRequest::default())
             .await
