@@ -83,7 +83,8 @@ async fn start_counter(c: &TineClient, vm: &str) -> R<String> {
         vm,
         "mkdir -p /mnt/mem && mount -t tmpfs -o size=8m tmpfs /mnt/mem && \
          setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /mnt/mem/count; sleep 0.2; done' \
-         </dev/null >/dev/null 2>&1 & echo $!",
+         </dev/null >/dev/null 2>&1 & \
+         while [ ! -s /mnt/mem/count ]; do sleep 0.05; done; echo $!",
     )
     .await?;
     Ok(pid.trim().to_owned())
