@@ -308,8 +308,9 @@ async fn exit_codes_tell_failures_apart() {
     let r = run(&fake, &["vm", "commit", "dev-1"]).await;
     assert_eq!(r.code, 1);
     assert!(
-        r.stderr
-            .contains("only a stopped VM can be committed (conflict)"),
+        r.stderr.contains(
+            "only a stopped VM's disk can be committed (a running one's with --memory) (conflict)"
+        ),
         "{}",
         r.stderr
     );
