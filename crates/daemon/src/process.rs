@@ -281,6 +281,14 @@ pub async fn control(
     })?
 }
 
+/// Whether the process `pid` started at `pid_start` has ended (gone, a
+/// zombie, or its pid reused). Unlike `!is_ours`, a child that has not
+/// reached its `exec` yet (its command line is still its parent's) has not
+/// ended.
+pub fn has_ended(pid: u32, pid_start: u64) -> bool {
+    start_time(pid) != Some(pid_start) || is_gone(pid)
+}
+
 /// Whether `pid` no longer runs: no such process, or a zombie whose parent
 /// has not reaped it yet.
 fn is_gone(pid: u32) -> bool {

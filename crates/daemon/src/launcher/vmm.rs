@@ -124,7 +124,7 @@ impl Launcher for VmmLauncher {
                         )
                 );
                 let ended = not_listening
-                    && !process::is_ours(running.instance.pid, running.instance.pid_start, &paths);
+                    && process::has_ended(running.instance.pid, running.instance.pid_start);
                 if !not_listening || ended || tokio::time::Instant::now() >= deadline {
                     break (answer, ended);
                 }
