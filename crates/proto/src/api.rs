@@ -1099,9 +1099,64 @@ pub mod shell {
         (u32::from_be_bytes(len_bytes) as usize == payload.len()).then_some((frame_type, payload))
     }
 
+    /// What a client's binary message asks of the shell.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Input<'a> {
+        /// Bytes for the terminal.
+        Data(&'a [u8]),
+        /// A new window size, each side clamped to `u16::MAX`.
+        Resize {
+            /// Rows.
+            rows: u16,
+            /// Columns.
+            cols: u16,
+        },
+        /// Hang up the shell.
+        Shutdown,
+        /// A heartbeat, a frame that does not parse, an unknown type or a
+        /// malformed size: dropped, never fatal.
+        Ignored,
+    }
+
+    /// Reads one binary message from the client.
+    pub fn input(msg: &[u8]) -> Input<'_> {
+        let clamp = |b: &[u8]| {
+            let n = u32::from_be_bytes([b[0], b[1], b[2], b[3]]);
+            u16::try_from(n).unwrap_or(u16::MAX)
+        };
+        match decode(msg) {
+            Some((DATA, bytes)) => Input::Data(bytes),
+            Some((WINDOW_SIZE, size)) if size.len() == 8 => Input::Resize {
+                cols: clamp(&size[..4]),
+                rows: clamp(&size[4..]),
+            },
+            Some((SHUTDOWN, _)) => Input::Shutdown,
+            _ => Input::Ignored,
+        }
+    }
+
     #[cfg(test)]
     mod tests {
         use super::*;
+
+        #[test]
+        fn client_messages_read_as_inputs() {
+            assert_eq!(input(&encode(DATA, b"ls")), Input::Data(b"ls"));
+            let mut size = 132u32.to_be_bytes().to_vec();
+            size.extend_from_slice(&u32::MAX.to_be_bytes());
+            assert_eq!(
+                input(&encode(WINDOW_SIZE, &size)),
+                Input::Resize {
+                    rows: u16::MAX,
+                    cols: 132
+                }
+            );
+            assert_eq!(input(&encode(WINDOW_SIZE, &[0; 7])), Input::Ignored);
+            assert_eq!(input(&encode(SHUTDOWN, b"")), Input::Shutdown);
+            assert_eq!(input(&encode(HEARTBEAT, b"")), Input::Ignored);
+            assert_eq!(input(&encode(9, b"x")), Input::Ignored);
+            assert_eq!(input(&[DATA, 0, 0, 0, 5, b'x']), Input::Ignored);
+        }
 
         #[test]
         fn frames_round_trip_and_bad_lengths_are_refused() {

@@ -786,18 +786,20 @@ async fn pump_shell(socket: WebSocket, mut session: tine_client::agent::ShellSes
                 }
                 continue;
             };
-            // A frame that does not parse is dropped, not fatal.
-            match shell_frames::decode(&data) {
-                Some((shell_frames::DATA, bytes)) if control.write(bytes).await.is_err() => break,
-                Some((shell_frames::DATA, _)) => {}
-                Some((shell_frames::WINDOW_SIZE, size)) if size.len() == 8 => {
-                    let cols = u32::from_be_bytes([size[0], size[1], size[2], size[3]]);
-                    let rows = u32::from_be_bytes([size[4], size[5], size[6], size[7]]);
-                    let clamp = |n: u32| u16::try_from(n).unwrap_or(u16::MAX);
-                    let _ = control.resize(clamp(rows), clamp(cols)).await;
+            match shell_frames::input(&data) {
+                shell_frames::Input::Data(bytes) => {
+                    if let Err(e) = control.write(bytes).await {
+                        tracing::debug!("shell input not delivered, the session ended: {e}");
+                        break;
+                    }
                 }
-                Some((shell_frames::SHUTDOWN, _)) => break,
-                _ => {}
+                shell_frames::Input::Resize { rows, cols } => {
+                    if let Err(e) = control.resize(rows, cols).await {
+                        tracing::debug!("shell resize not delivered: {e}");
+                    }
+                }
+                shell_frames::Input::Shutdown => break,
+                shell_frames::Input::Ignored => {}
             }
         }
         // The client left: hang up the terminal.
