@@ -226,6 +226,105 @@ fn vsock_tx(op: u16, payload: &[u8]) -> Vec<u8> {
     mem
 }
 
+/// A guest memory image for `virtio_net_queue`: a 2 KiB RX buffer offered
+/// at 0x2000 (RX queue at 0), one TX chain at 0x400 (its 12-byte header at
+/// 0x1000, a 60-byte frame at 0x1100), and one 60-byte host frame at
+/// `NET_HOST_FRAMES` (2-byte length first).
+fn net_frames(ethertype: u16) -> Vec<u8> {
+    const WRITE: u16 = 2;
+    const NEXT: u16 = 1;
+    let host_frames = crate::targets::NET_HOST_FRAMES;
+    let mut mem = vec![0u8; host_frames + 2 + 60];
+    let put_desc = |mem: &mut Vec<u8>, at: usize, addr: u64, len: u32, flags: u16, next: u16| {
+        mem[at..at + 8].copy_from_slice(&addr.to_le_bytes());
+        mem[at + 8..at + 12].copy_from_slice(&len.to_le_bytes());
+        mem[at + 12..at + 14].copy_from_slice(&flags.to_le_bytes());
+        mem[at + 14..at + 16].copy_from_slice(&next.to_le_bytes());
+    };
+    put_desc(&mut mem, 0, 0x2000, 2048, WRITE, 0);
+    mem[0x102..0x104].copy_from_slice(&1u16.to_le_bytes());
+    put_desc(&mut mem, 0x400, 0x1000, 12, NEXT, 1);
+    put_desc(&mut mem, 0x410, 0x1100, 60, 0, 0);
+    mem[0x502..0x504].copy_from_slice(&1u16.to_le_bytes());
+    let frame = |dst: [u8; 6], src: [u8; 6]| {
+        let mut f = vec![0u8; 60];
+        f[..6].copy_from_slice(&dst);
+        f[6..12].copy_from_slice(&src);
+        f[12..14].copy_from_slice(&ethertype.to_be_bytes());
+        f
+    };
+    let guest = frame([0xff; 6], [0x02, 0, 0, 0, 0, 1]);
+    mem[0x1100..0x1100 + 60].copy_from_slice(&guest);
+    let host = frame([0x02, 0, 0, 0, 0, 1], [0x02, 0, 0, 0, 0, 2]);
+    mem[host_frames..host_frames + 2].copy_from_slice(&60u16.to_be_bytes());
+    mem[host_frames + 2..].copy_from_slice(&host);
+    mem
+}
+
+/// A guest memory image for `virtio_rng_queue`: one writable buffer of
+/// `len` bytes at 0x1000.
+fn rng_request(len: u32) -> Vec<u8> {
+    const WRITE: u16 = 2;
+    let mut mem = vec![0u8; 0x1000];
+    mem[0..8].copy_from_slice(&0x1000u64.to_le_bytes());
+    mem[8..12].copy_from_slice(&len.to_le_bytes());
+    mem[12..14].copy_from_slice(&WRITE.to_le_bytes());
+    mem[0x102..0x104].copy_from_slice(&1u16.to_le_bytes());
+    mem
+}
+
+/// One masked client WebSocket frame (RFC 6455 5.2).
+fn ws_frame(fin: bool, opcode: u8, payload: &[u8]) -> Vec<u8> {
+    let key = [0x37u8, 0xfa, 0x21, 0x3d];
+    let mut out = vec![if fin { 0x80 } else { 0 } | opcode];
+    match payload.len() {
+        n @ 0..=125 => out.push(0x80 | n as u8),
+        n @ 126..=0xffff => {
+            out.push(0x80 | 126);
+            out.extend_from_slice(&(n as u16).to_be_bytes());
+        }
+        n => {
+            out.push(0x80 | 127);
+            out.extend_from_slice(&(n as u64).to_be_bytes());
+        }
+    }
+    out.extend_from_slice(&key);
+    out.extend(payload.iter().enumerate().map(|(i, b)| b ^ key[i % 4]));
+    out
+}
+
+/// Client streams of the shell WebSocket: data, a resize, a ping, a
+/// fragmented message, a text forward target, heartbeat, shutdown, close.
+fn ws_streams() -> Vec<Vec<u8>> {
+    use tine_proto::api::shell;
+    const TEXT: u8 = 1;
+    const BINARY: u8 = 2;
+    const CONTINUATION: u8 = 0;
+    const CLOSE: u8 = 8;
+    const PING: u8 = 9;
+    let mut size = 132u32.to_be_bytes().to_vec();
+    size.extend_from_slice(&43u32.to_be_bytes());
+    let data = shell::encode(shell::DATA, b"ls -l\r");
+    let (head, tail) = data.split_at(3);
+    vec![
+        ws_frame(true, BINARY, &shell::encode(shell::DATA, b"echo hi\r")),
+        [
+            ws_frame(true, BINARY, &shell::encode(shell::WINDOW_SIZE, &size)),
+            ws_frame(true, PING, b"p"),
+            ws_frame(true, BINARY, &shell::encode(shell::HEARTBEAT, b"")),
+            ws_frame(true, BINARY, &shell::encode(shell::SHUTDOWN, b"")),
+        ]
+        .concat(),
+        [
+            ws_frame(true, TEXT, b"tcp:127.0.0.1:8080"),
+            ws_frame(false, BINARY, head),
+            ws_frame(true, CONTINUATION, tail),
+            ws_frame(true, CLOSE, &1000u16.to_be_bytes()),
+        ]
+        .concat(),
+    ]
+}
+
 /// Writes every target's seeds under `root`; returns how many files.
 pub fn write_all(root: &Path) -> io::Result<usize> {
     let scratch = tempfile::tempdir()?;
@@ -262,6 +361,15 @@ pub fn write_all(root: &Path) -> io::Result<usize> {
             "vsock_packet",
             vec![vsock_tx(1, b""), vsock_tx(5, b"hello"), vsock_tx(3, b"")],
         ),
+        (
+            "virtio_net_queue",
+            vec![net_frames(0x0800), net_frames(0x0806)],
+        ),
+        (
+            "virtio_rng_queue",
+            vec![rng_request(64), rng_request(4096), rng_request(u32::MAX)],
+        ),
+        ("ws_shell", ws_streams()),
     ];
     let mut n = 0;
     for (target, seeds) in sets {

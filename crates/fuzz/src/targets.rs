@@ -109,6 +109,24 @@ pub const ALL: &[Target] = &[
         run: vsock_packet,
         hang: Duration::from_secs(1),
     },
+    Target {
+        name: "virtio_net_queue",
+        init,
+        run: virtio_net_queue,
+        hang: Duration::from_secs(1),
+    },
+    Target {
+        name: "virtio_rng_queue",
+        init,
+        run: virtio_rng_queue,
+        hang: Duration::from_secs(1),
+    },
+    Target {
+        name: "ws_shell",
+        init,
+        run: ws_shell,
+        hang: Duration::from_secs(2),
+    },
 ];
 
 /// Frames from the synchronous decoder, until it needs more bytes or fails.
@@ -491,6 +509,221 @@ fn vsock_process(
     activated.then_some(mem)
 }
 
+/// Where the net target's host frames start in the input: the bytes
+/// from here on, cut into frames by 2-byte big-endian lengths, are what
+/// the host side sends to the guest.
+pub const NET_HOST_FRAMES: usize = 0x3000;
+
+/// The host side of the net target: one end of a datagram socket pair.
+#[derive(Debug)]
+struct SocketBackend(std::os::unix::net::UnixDatagram);
+
+impl tine_vmm::devices::virtio::net::NetBackend for SocketBackend {
+    fn recv(
+        &mut self,
+        hdr: &mut [u8; tine_vmm::devices::virtio::net::VNET_HDR_LEN],
+        frame: &mut [u8],
+    ) -> std::io::Result<usize> {
+        *hdr = [0; tine_vmm::devices::virtio::net::VNET_HDR_LEN];
+        self.0.recv(frame)
+    }
+
+    fn send(
+        &mut self,
+        _hdr: &[u8; tine_vmm::devices::virtio::net::VNET_HDR_LEN],
+        frame: &[u8],
+    ) -> std::io::Result<usize> {
+        self.0.send(frame)
+    }
+
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        use std::os::fd::AsRawFd;
+        self.0.as_raw_fd()
+    }
+
+    fn name(&self) -> &str {
+        ""
+    }
+}
+
+/// Guest memory of the net target: the RX and TX queues (16 entries each)
+/// at 0 and 0x400, laid out like the vsock target's.
+fn virtio_net_queue(_: &mut State, data: &[u8]) {
+    let _ = net_process(data);
+}
+
+/// Guest memory and what the guest sent to the host.
+type NetOutcome = (tine_vmm::vstate::memory::GuestMemoryMmap, Vec<Vec<u8>>);
+
+/// Runs the net device over `data` laid out as guest memory, with host
+/// frames cut from `data[NET_HOST_FRAMES..]`; returns the memory and what
+/// the guest sent to the host (`None` when the queues do not activate).
+fn net_process(data: &[u8]) -> Option<NetOutcome> {
+    use tine_vmm::devices::virtio::net::{Net, RX_QUEUE_INDEX, TX_QUEUE_INDEX};
+    use tine_vmm::devices::virtio::{IrqTrigger, VirtioDevice};
+    use virtio_queue::QueueT;
+    use vm_memory::{Bytes, GuestAddress};
+
+    let (device_end, host_end) = match std::os::unix::net::UnixDatagram::pair() {
+        Ok(p) => p,
+        Err(e) => panic!("cannot make a socket pair: {e}"),
+    };
+    for end in [&device_end, &host_end] {
+        if let Err(e) = end.set_nonblocking(true) {
+            panic!("cannot make a socket non-blocking: {e}");
+        }
+    }
+    let mut rest = data.get(NET_HOST_FRAMES..).unwrap_or_default();
+    while let [hi, lo, tail @ ..] = rest {
+        let len = (usize::from(*hi) << 8 | usize::from(*lo)).min(tail.len());
+        let (frame, after) = tail.split_at(len);
+        // A full socket buffer only means fewer frames for this case.
+        if host_end.send(frame).is_err() {
+            break;
+        }
+        rest = after;
+    }
+    let mem =
+        match tine_vmm::vstate::memory::GuestMemoryMmap::from_ranges(&[(GuestAddress(0), BLK_MEM)])
+        {
+            Ok(m) => m,
+            Err(e) => panic!("cannot make guest memory: {e}"),
+        };
+    let len = data.len().min(BLK_MEM);
+    if let Err(e) = mem.write_slice(&data[..len], GuestAddress(0)) {
+        panic!("cannot fill guest memory: {e}");
+    }
+    let mac = [0x02, 0, 0, 0, 0, 1];
+    let mut dev = match Net::new(Box::new(SocketBackend(device_end)), mac) {
+        Ok(d) => d,
+        Err(e) => panic!("cannot make a net device: {e}"),
+    };
+    {
+        let common = dev.common_mut();
+        common.acked_features = common.avail_features;
+        for (i, q) in common.queues.iter_mut().enumerate() {
+            let base = 0x400 * i as u64;
+            q.set_size(BLK_QUEUE);
+            q.set_desc_table_address(Some(base as u32), Some(0));
+            q.set_avail_ring_address(Some((base + 0x100) as u32), Some(0));
+            q.set_used_ring_address(Some((base + 0x200) as u32), Some(0));
+            q.set_ready(true);
+        }
+    }
+    let irq = match IrqTrigger::new() {
+        Ok(i) => std::sync::Arc::new(i),
+        Err(e) => panic!("cannot make an eventfd: {e}"),
+    };
+    dev.activate(mem.clone(), irq).ok()?;
+    let host_fd = dev.host_fds().first().map(|(fd, _)| *fd);
+    dev.process_queue(TX_QUEUE_INDEX);
+    if let Some(fd) = host_fd {
+        dev.process_host_event(fd, libc::EPOLLIN as u32);
+    }
+    dev.process_queue(RX_QUEUE_INDEX);
+    dev.process_queue(TX_QUEUE_INDEX);
+    let mut cfg = [0u8; 8];
+    for off in [0u64, 6, 8, 4096] {
+        dev.read_config(off, &mut cfg);
+    }
+    let mut sent = Vec::new();
+    let mut buf = vec![0u8; 70 * 1024];
+    while let Ok(n) = host_end.recv(&mut buf) {
+        sent.push(buf[..n].to_vec());
+    }
+    Some((mem, sent))
+}
+
+/// Guest memory of the rng target: one 16-entry queue at 0, like the
+/// block target's.
+fn virtio_rng_queue(_: &mut State, data: &[u8]) {
+    let _ = rng_process(data);
+}
+
+/// Runs the entropy device over `data` laid out as guest memory; returns
+/// the memory afterwards (`None` when the queue does not activate).
+fn rng_process(data: &[u8]) -> Option<tine_vmm::vstate::memory::GuestMemoryMmap> {
+    use tine_vmm::devices::virtio::rng::Rng;
+    use tine_vmm::devices::virtio::{IrqTrigger, VirtioDevice};
+    use virtio_queue::QueueT;
+    use vm_memory::{Bytes, GuestAddress};
+
+    let mem =
+        match tine_vmm::vstate::memory::GuestMemoryMmap::from_ranges(&[(GuestAddress(0), BLK_MEM)])
+        {
+            Ok(m) => m,
+            Err(e) => panic!("cannot make guest memory: {e}"),
+        };
+    let len = data.len().min(BLK_MEM);
+    if let Err(e) = mem.write_slice(&data[..len], GuestAddress(0)) {
+        panic!("cannot fill guest memory: {e}");
+    }
+    let mut dev = Rng::new();
+    {
+        let common = dev.common_mut();
+        common.acked_features = common.avail_features;
+        let q = common.queues.get_mut(0)?;
+        q.set_size(BLK_QUEUE);
+        q.set_desc_table_address(Some(0), Some(0));
+        q.set_avail_ring_address(Some(0x100), Some(0));
+        q.set_used_ring_address(Some(0x200), Some(0));
+        q.set_event_idx(data.first().is_some_and(|b| b & 1 == 1));
+        q.set_ready(true);
+    }
+    let irq = match IrqTrigger::new() {
+        Ok(i) => std::sync::Arc::new(i),
+        Err(e) => panic!("cannot make an eventfd: {e}"),
+    };
+    dev.activate(mem.clone(), irq).ok()?;
+    dev.process_queue(0);
+    dev.process_queue(0);
+    Some(mem)
+}
+
+/// The bytes as what a client sends on the shell WebSocket after the
+/// upgrade: WebSocket frames (masked or not, fragmented, control frames)
+/// read as the daemon reads them, each binary message through the shell
+/// protocol; text messages go through the forward target parsers.
+fn ws_shell(state: &mut State, data: &[u8]) {
+    let _ = ws_messages(state, data);
+}
+
+/// Reads `data` as a client's WebSocket stream; returns the shell inputs
+/// of the binary messages read before the stream ended or failed.
+fn ws_messages(state: &mut State, data: &[u8]) -> Vec<String> {
+    use futures_util::StreamExt;
+    use tine_proto::api::shell;
+    use tokio_tungstenite::tungstenite::protocol::Role;
+    use tokio_tungstenite::tungstenite::Message;
+
+    let data = data.to_vec();
+    state.rt.block_on(async move {
+        let (server, mut client) = tokio::io::duplex(64 * 1024);
+        let feed = tokio::spawn(async move {
+            // The server may stop reading first: a failed write ends the feed.
+            let _ = client.write_all(&data).await;
+            let _ = client.shutdown().await;
+            client
+        });
+        let mut ws =
+            tokio_tungstenite::WebSocketStream::from_raw_socket(server, Role::Server, None).await;
+        let mut seen = Vec::new();
+        while let Some(Ok(msg)) = ws.next().await {
+            match msg {
+                Message::Binary(bytes) => seen.push(format!("{:?}", shell::input(&bytes))),
+                Message::Text(text) => {
+                    let _ = tine_daemon::api::parse_target(text.as_str());
+                    let _ = tine_daemon::api::parse_upstream(text.as_str());
+                }
+                _ => {}
+            }
+        }
+        drop(ws);
+        let _ = feed.await;
+        seen
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -522,6 +755,59 @@ mod tests {
             assert_eq!(used_idx, 1, "the request was used");
             let status: u8 = mem.read_obj(GuestAddress(0x800)).expect("status");
             assert_eq!(status, 0, "the request succeeded");
+        }
+    }
+
+    #[test]
+    fn test_net_seeds_send_and_receive_frames() {
+        use vm_memory::{Bytes, GuestAddress};
+        let seeds = crate::load_corpus("virtio_net_queue");
+        assert!(!seeds.is_empty());
+        for seed in seeds {
+            let (mem, sent) = net_process(&seed).expect("queues activate");
+            assert_eq!(sent.len(), 1, "the guest's TX frame reached the host");
+            let rx_used: u16 = mem.read_obj(GuestAddress(0x202)).expect("rx used idx");
+            assert_eq!(rx_used, 1, "the host's frame reached the guest");
+        }
+    }
+
+    #[test]
+    fn test_rng_seeds_are_filled() {
+        use vm_memory::{Bytes, GuestAddress};
+        let seeds = crate::load_corpus("virtio_rng_queue");
+        assert!(!seeds.is_empty());
+        for seed in seeds {
+            let mem = rng_process(&seed).expect("queue activates");
+            let used_idx: u16 = mem.read_obj(GuestAddress(0x202)).expect("used idx");
+            assert_eq!(used_idx, 1, "the buffer was used");
+            let len = u32::from_le_bytes(seed[8..12].try_into().expect("4 bytes"));
+            let written: u32 = mem.read_obj(GuestAddress(0x204 + 4)).expect("used len");
+            if 0x1000 + u64::from(len) <= BLK_MEM as u64 {
+                assert_eq!(written, len, "the whole buffer was filled");
+                let mut filled = [0u8; 64];
+                mem.read_slice(&mut filled, GuestAddress(0x1000))
+                    .expect("buffer");
+                assert!(filled.iter().any(|b| *b != 0), "entropy was written");
+            } else {
+                assert!(
+                    u64::from(written) <= BLK_MEM as u64,
+                    "a buffer past guest memory was written in part at most: {written}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn test_ws_seeds_reach_the_shell_protocol() {
+        let mut state = init();
+        let seeds = crate::load_corpus("ws_shell");
+        assert!(!seeds.is_empty());
+        for seed in seeds {
+            let inputs = ws_messages(&mut state, &seed);
+            assert!(
+                inputs.iter().any(|i| i != "Ignored"),
+                "a seed's messages all read as ignored: {inputs:?}"
+            );
         }
     }
 

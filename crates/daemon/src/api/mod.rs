@@ -28,6 +28,7 @@ use crate::error::ApiError;
 /// The OpenAPI description kept in the repository and served as is.
 pub const OPENAPI_YAML: &str = include_str!("../../../../docs/openapi.yaml");
 
+pub use guest::{parse_target, parse_upstream};
 pub use params::{
     parse_json, parse_query_enum, parse_timeout, query_get, query_num, query_only, query_pairs,
     AppState, DEFAULT_WAIT,
