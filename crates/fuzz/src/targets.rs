@@ -394,18 +394,10 @@ impl tine_disk::BlockBackend for MemDisk {
 const BLK_MEM: usize = 64 * 1024;
 const BLK_QUEUE: u16 = 16;
 
-fn virtio_blk_queue(_: &mut State, data: &[u8]) {
-    let _ = blk_process(data);
-}
-
-/// Runs the block device over `data` laid out as guest memory; returns
-/// the memory afterwards (`None` when the queue does not activate).
-fn blk_process(data: &[u8]) -> Option<tine_vmm::vstate::memory::GuestMemoryMmap> {
-    use tine_vmm::devices::virtio::block::{Block, BlockConfig};
-    use tine_vmm::devices::virtio::{IrqTrigger, VirtioDevice};
-    use virtio_queue::QueueT;
+/// Guest memory of the device targets: `BLK_MEM` bytes from address 0,
+/// the input copied to its start.
+fn guest_memory(data: &[u8]) -> tine_vmm::vstate::memory::GuestMemoryMmap {
     use vm_memory::{Bytes, GuestAddress};
-
     let mem =
         match tine_vmm::vstate::memory::GuestMemoryMmap::from_ranges(&[(GuestAddress(0), BLK_MEM)])
         {
@@ -416,6 +408,41 @@ fn blk_process(data: &[u8]) -> Option<tine_vmm::vstate::memory::GuestMemoryMmap>
     if let Err(e) = mem.write_slice(&data[..len], GuestAddress(0)) {
         panic!("cannot fill guest memory: {e}");
     }
+    mem
+}
+
+/// A device's interrupt line.
+fn interrupt() -> std::sync::Arc<tine_vmm::devices::virtio::IrqTrigger> {
+    match tine_vmm::devices::virtio::IrqTrigger::new() {
+        Ok(i) => std::sync::Arc::new(i),
+        Err(e) => panic!("cannot make an eventfd: {e}"),
+    }
+}
+
+/// Makes `q` a ready 16-entry queue with its descriptor table at `base`,
+/// its available ring at `base + 0x100` and its used ring at
+/// `base + 0x200`.
+fn place_queue(q: &mut virtio_queue::Queue, base: u64) {
+    use virtio_queue::QueueT;
+    q.set_size(BLK_QUEUE);
+    q.set_desc_table_address(Some(base as u32), Some(0));
+    q.set_avail_ring_address(Some((base + 0x100) as u32), Some(0));
+    q.set_used_ring_address(Some((base + 0x200) as u32), Some(0));
+    q.set_ready(true);
+}
+
+fn virtio_blk_queue(_: &mut State, data: &[u8]) {
+    let _ = blk_process(data);
+}
+
+/// Runs the block device over `data` laid out as guest memory; returns
+/// the memory afterwards (`None` when the queue does not activate).
+fn blk_process(data: &[u8]) -> Option<tine_vmm::vstate::memory::GuestMemoryMmap> {
+    use tine_vmm::devices::virtio::block::{Block, BlockConfig};
+    use tine_vmm::devices::virtio::VirtioDevice;
+    use virtio_queue::QueueT;
+
+    let mem = guest_memory(data);
     let config = BlockConfig {
         path: PathBuf::from("fuzz"),
         read_only: data.first().is_some_and(|b| b & 1 == 1),
@@ -426,17 +453,10 @@ fn blk_process(data: &[u8]) -> Option<tine_vmm::vstate::memory::GuestMemoryMmap>
         let common = dev.common_mut();
         common.acked_features = common.avail_features;
         let q = common.queues.get_mut(0)?;
-        q.set_size(BLK_QUEUE);
-        q.set_desc_table_address(Some(0), Some(0));
-        q.set_avail_ring_address(Some(0x100), Some(0));
-        q.set_used_ring_address(Some(0x200), Some(0));
+        place_queue(q, 0);
         q.set_event_idx(data.get(1).is_some_and(|b| b & 1 == 1));
-        q.set_ready(true);
     }
-    let irq = match IrqTrigger::new() {
-        Ok(i) => std::sync::Arc::new(i),
-        Err(e) => panic!("cannot make an eventfd: {e}"),
-    };
+    let irq = interrupt();
     dev.activate(mem.clone(), irq).ok()?;
     // Twice: the second pass sees the rings as the first left them.
     dev.process_queue(0);
@@ -463,41 +483,22 @@ fn vsock_process(
     data: &[u8],
 ) -> Option<tine_vmm::vstate::memory::GuestMemoryMmap> {
     use tine_vmm::devices::virtio::vsock::{Vsock, EVQ, RXQ, TXQ};
-    use tine_vmm::devices::virtio::{IrqTrigger, VirtioDevice};
-    use virtio_queue::QueueT;
-    use vm_memory::{Bytes, GuestAddress};
+    use tine_vmm::devices::virtio::VirtioDevice;
 
     let uds = state.file.with_extension("vsock");
     let _ = std::fs::remove_file(&uds);
     let Ok(mut dev) = Vsock::new(3, uds.clone()) else {
         panic!("cannot start a vsock device at {}", uds.display());
     };
-    let mem =
-        match tine_vmm::vstate::memory::GuestMemoryMmap::from_ranges(&[(GuestAddress(0), BLK_MEM)])
-        {
-            Ok(m) => m,
-            Err(e) => panic!("cannot make guest memory: {e}"),
-        };
-    let len = data.len().min(BLK_MEM);
-    if let Err(e) = mem.write_slice(&data[..len], GuestAddress(0)) {
-        panic!("cannot fill guest memory: {e}");
-    }
+    let mem = guest_memory(data);
     {
         let common = dev.common_mut();
         common.acked_features = common.avail_features;
         for (i, q) in common.queues.iter_mut().enumerate() {
-            let base = 0x400 * i as u64;
-            q.set_size(BLK_QUEUE);
-            q.set_desc_table_address(Some(base as u32), Some(0));
-            q.set_avail_ring_address(Some((base + 0x100) as u32), Some(0));
-            q.set_used_ring_address(Some((base + 0x200) as u32), Some(0));
-            q.set_ready(true);
+            place_queue(q, 0x400 * i as u64);
         }
     }
-    let irq = match IrqTrigger::new() {
-        Ok(i) => std::sync::Arc::new(i),
-        Err(e) => panic!("cannot make an eventfd: {e}"),
-    };
+    let irq = interrupt();
     let activated = dev.activate(mem.clone(), irq).is_ok();
     if activated {
         for q in [TXQ, RXQ, EVQ, TXQ, RXQ] {
@@ -560,9 +561,7 @@ type NetOutcome = (tine_vmm::vstate::memory::GuestMemoryMmap, Vec<Vec<u8>>);
 /// the guest sent to the host (`None` when the queues do not activate).
 fn net_process(data: &[u8]) -> Option<NetOutcome> {
     use tine_vmm::devices::virtio::net::{Net, RX_QUEUE_INDEX, TX_QUEUE_INDEX};
-    use tine_vmm::devices::virtio::{IrqTrigger, VirtioDevice};
-    use virtio_queue::QueueT;
-    use vm_memory::{Bytes, GuestAddress};
+    use tine_vmm::devices::virtio::VirtioDevice;
 
     let (device_end, host_end) = match std::os::unix::net::UnixDatagram::pair() {
         Ok(p) => p,
@@ -583,16 +582,7 @@ fn net_process(data: &[u8]) -> Option<NetOutcome> {
         }
         rest = after;
     }
-    let mem =
-        match tine_vmm::vstate::memory::GuestMemoryMmap::from_ranges(&[(GuestAddress(0), BLK_MEM)])
-        {
-            Ok(m) => m,
-            Err(e) => panic!("cannot make guest memory: {e}"),
-        };
-    let len = data.len().min(BLK_MEM);
-    if let Err(e) = mem.write_slice(&data[..len], GuestAddress(0)) {
-        panic!("cannot fill guest memory: {e}");
-    }
+    let mem = guest_memory(data);
     let mac = [0x02, 0, 0, 0, 0, 1];
     let mut dev = match Net::new(Box::new(SocketBackend(device_end)), mac) {
         Ok(d) => d,
@@ -602,18 +592,10 @@ fn net_process(data: &[u8]) -> Option<NetOutcome> {
         let common = dev.common_mut();
         common.acked_features = common.avail_features;
         for (i, q) in common.queues.iter_mut().enumerate() {
-            let base = 0x400 * i as u64;
-            q.set_size(BLK_QUEUE);
-            q.set_desc_table_address(Some(base as u32), Some(0));
-            q.set_avail_ring_address(Some((base + 0x100) as u32), Some(0));
-            q.set_used_ring_address(Some((base + 0x200) as u32), Some(0));
-            q.set_ready(true);
+            place_queue(q, 0x400 * i as u64);
         }
     }
-    let irq = match IrqTrigger::new() {
-        Ok(i) => std::sync::Arc::new(i),
-        Err(e) => panic!("cannot make an eventfd: {e}"),
-    };
+    let irq = interrupt();
     dev.activate(mem.clone(), irq).ok()?;
     let host_fd = dev.host_fds().first().map(|(fd, _)| *fd);
     dev.process_queue(TX_QUEUE_INDEX);
@@ -644,36 +626,19 @@ fn virtio_rng_queue(_: &mut State, data: &[u8]) {
 /// the memory afterwards (`None` when the queue does not activate).
 fn rng_process(data: &[u8]) -> Option<tine_vmm::vstate::memory::GuestMemoryMmap> {
     use tine_vmm::devices::virtio::rng::Rng;
-    use tine_vmm::devices::virtio::{IrqTrigger, VirtioDevice};
+    use tine_vmm::devices::virtio::VirtioDevice;
     use virtio_queue::QueueT;
-    use vm_memory::{Bytes, GuestAddress};
 
-    let mem =
-        match tine_vmm::vstate::memory::GuestMemoryMmap::from_ranges(&[(GuestAddress(0), BLK_MEM)])
-        {
-            Ok(m) => m,
-            Err(e) => panic!("cannot make guest memory: {e}"),
-        };
-    let len = data.len().min(BLK_MEM);
-    if let Err(e) = mem.write_slice(&data[..len], GuestAddress(0)) {
-        panic!("cannot fill guest memory: {e}");
-    }
+    let mem = guest_memory(data);
     let mut dev = Rng::new();
     {
         let common = dev.common_mut();
         common.acked_features = common.avail_features;
         let q = common.queues.get_mut(0)?;
-        q.set_size(BLK_QUEUE);
-        q.set_desc_table_address(Some(0), Some(0));
-        q.set_avail_ring_address(Some(0x100), Some(0));
-        q.set_used_ring_address(Some(0x200), Some(0));
+        place_queue(q, 0);
         q.set_event_idx(data.first().is_some_and(|b| b & 1 == 1));
-        q.set_ready(true);
     }
-    let irq = match IrqTrigger::new() {
-        Ok(i) => std::sync::Arc::new(i),
-        Err(e) => panic!("cannot make an eventfd: {e}"),
-    };
+    let irq = interrupt();
     dev.activate(mem.clone(), irq).ok()?;
     dev.process_queue(0);
     dev.process_queue(0);
