@@ -823,7 +823,8 @@ pub struct ShutdownRequest {
     pub action: Option<ShutdownAction>,
 }
 
-/// `POST /vm/{hostname}/shutdown` response, also `relaunch` and `delete`.
+/// `POST /vm/{hostname}/shutdown` response, also `delete` (a relaunch
+/// answers as a create does, [`CreateVmResponse`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LifecycleResponse {
     /// The VM.

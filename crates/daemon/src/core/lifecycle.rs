@@ -482,7 +482,7 @@ impl Daemon {
         key: &str,
         wait: Wait,
         timeout: Duration,
-    ) -> Result<api::LifecycleResponse> {
+    ) -> Result<api::CreateVmResponse> {
         let began = Instant::now();
         let vm = self.vm(key)?;
         {
@@ -507,10 +507,15 @@ impl Daemon {
             Wait::Agent => self.wait_running(&vm.hostname, timeout).await?,
             Wait::None => self.vm(&vm.hostname)?,
         };
-        Ok(api::LifecycleResponse {
+        // Slicer answers a relaunch as it answers a create.
+        let info = self.describe(&vm);
+        Ok(api::CreateVmResponse {
             hostname: vm.hostname,
+            host_group: info.host_group,
             state: vm.state,
-            stop_mode: None,
+            ip: info.ip,
+            created_at: info.created_at,
+            arch: info.arch,
             elapsed_ms: began.elapsed().as_millis() as u64,
         })
     }
