@@ -9,6 +9,7 @@
 
 mod frames;
 mod observe;
+mod refused;
 mod streams;
 
 use std::sync::Arc;

@@ -37,6 +37,10 @@ use crate::error::{ApiError, ApiResult};
 
 /// `health?wait=agent` gets at least this long for the agent's answer
 /// once the VM is running, even when the wait used up its `timeout`.
+/// Where Slicer's guest agent lives; its `upload` subcommands finish the Go
+/// SDK's chunked copies inside the guest.
+const SLICER_AGENT: &str = "/usr/local/bin/slicer-agent";
+
 const MIN_HEALTH_BUDGET: Duration = Duration::from_secs(1);
 
 fn millis(d: Duration) -> String {
@@ -249,6 +253,13 @@ fn exec_query(uri: &Uri) -> ApiResult<ExecQuery> {
         .filter(|(k, _)| k == "args")
         .map(|(_, v)| v.clone())
         .collect();
+    if cmd == SLICER_AGENT && args.first().is_some_and(|a| a == "upload") {
+        return Err(ApiError::bad_request(format!(
+            "`{SLICER_AGENT} upload` is Slicer's chunked-copy helper, which tine guests do not have: \
+             chunked copy (SupportsChunkedCopy, CpToVMChunked) is not supported; \
+             cp (CpToVM) copies the same file or directory in one request"
+        )));
+    }
     let mut options = ProcessOptions::default();
     for (_, kv) in q.iter().filter(|(k, _)| k == "env") {
         let (k, v) = kv
