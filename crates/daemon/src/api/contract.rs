@@ -7,6 +7,7 @@
 //! types: a field the SDK reads is required here, so a missing or retyped
 //! field fails the test.
 
+mod defaults;
 mod frames;
 mod observe;
 mod refused;
