@@ -256,3 +256,75 @@ async fn forward_relays_a_tcp_connection_named_by_x_inlets_upstream() {
         other => panic!("a forward without an upstream was not refused: {other:?}"),
     }
 }
+
+#[tokio::test]
+async fn the_shell_takes_the_go_handlers_directory() {
+    let (sdk, _root) = Sdk::with_real_agent(&["shell"]);
+    let h = sdk.create(serde_json::json!({})).await.hostname;
+    let addr = serve(&sdk).await;
+    let dir = tempfile::tempdir().expect("tmp");
+    // shell.NewProxyHandler's URL: `shell`, and `cwd` when set (`uid` and
+    // `gid` only when not 0).
+    let request = format!(
+        "ws://{addr}/vm/{h}/shell?cwd={}&shell=%2Fbin%2Fsh",
+        url_path(dir.path())
+    )
+    .into_client_request()
+    .expect("request");
+    let (mut ws, _) = tokio_tungstenite::connect_async(request)
+        .await
+        .expect("the shell upgrades");
+    ws.send(Message::Binary(
+        shell::encode(shell::DATA, b"echo at-$(pwd)-end\r").into(),
+    ))
+    .await
+    .expect("send");
+    let want = format!("at-{}-end", dir.path().display());
+    let (out, _) = read_shell(&mut ws, &want).await;
+    assert!(out.contains(&want), "{out:?}");
+}
+
+#[tokio::test]
+async fn forward_relays_a_unix_socket_named_by_x_inlets_upstream() {
+    let (sdk, _root) = Sdk::with_real_agent(&["forward"]);
+    let h = sdk.create(serde_json::json!({})).await.hostname;
+    // A Unix socket service "in the guest" (forward.Start's and TS
+    // forward()'s `9000:/var/run/docker.sock` form): echoes reversed.
+    let dir = tempfile::tempdir().expect("tmp");
+    let socket = dir.path().join("svc.sock");
+    let service = tokio::net::UnixListener::bind(&socket).expect("bind");
+    tokio::spawn(async move {
+        let (mut conn, _) = service.accept().await.expect("accept");
+        let mut buf = [0u8; 64];
+        let n = conn.read(&mut buf).await.expect("read");
+        let mut back = buf[..n].to_vec();
+        back.reverse();
+        conn.write_all(&back).await.expect("write");
+    });
+    let addr = serve(&sdk).await;
+    let mut request = format!("ws://{addr}/vm/{h}/forward")
+        .into_client_request()
+        .expect("request");
+    request.headers_mut().insert(
+        "x-inlets-upstream",
+        format!("unix:{}", socket.display())
+            .parse()
+            .expect("header"),
+    );
+    let (mut ws, _) = tokio_tungstenite::connect_async(request)
+        .await
+        .expect("the forward upgrades");
+    ws.send(Message::Binary(b"abc".to_vec().into()))
+        .await
+        .expect("send");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let mut got = Vec::new();
+    while got.len() < 3 {
+        match tokio::time::timeout_at(deadline, ws.next()).await {
+            Ok(Some(Ok(Message::Binary(b)))) => got.extend_from_slice(&b),
+            Ok(Some(Ok(_))) => {}
+            other => panic!("no answer through the forward: {other:?} after {got:?}"),
+        }
+    }
+    assert_eq!(got, b"cba");
+}
