@@ -836,6 +836,13 @@ pub struct LifecycleResponse {
     pub stop_mode: Option<StopMode>,
     /// Milliseconds the request took.
     pub elapsed_ms: u64,
+    /// For a delete: what was done, for people (Slicer's `message`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    /// For a delete: the disk file removed with the VM (Slicer's
+    /// `disk_removed`, a string).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_removed: Option<String>,
 }
 
 /// `POST /vm/{hostname}/suspend` response.

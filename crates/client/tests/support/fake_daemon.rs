@@ -648,6 +648,8 @@ fn lifecycle(h: &str, state: VmState, stop_mode: Option<StopMode>) -> Response {
             state,
             stop_mode,
             elapsed_ms: 5,
+            message: None,
+            disk_removed: None,
         })
         .into_response(),
         None => not_found_vm(h),

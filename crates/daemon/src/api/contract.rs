@@ -290,9 +290,12 @@ struct SdkLogs {
     content: String,
 }
 
-/// Go `SlicerDeleteResponse` (an `error` that is not empty fails it).
+/// Go `SlicerDeleteResponse` (an `error` that is not empty fails it;
+/// `message` and `disk_removed` are strings it hands back).
 #[derive(Debug, Deserialize)]
 struct SdkDelete {
+    message: String,
+    disk_removed: String,
     #[serde(default)]
     error: Option<String>,
 }
@@ -456,6 +459,13 @@ async fn create_list_describe_and_delete_a_vm() {
     assert_eq!(a.status, StatusCode::OK, "{}", a.text());
     let del: SdkDelete = a.decode();
     assert!(del.error.unwrap_or_default().is_empty());
+    assert!(del.message.contains("dev-1"), "{}", del.message);
+    assert!(!del.disk_removed.is_empty());
+    assert!(
+        !std::path::Path::new(&del.disk_removed).exists(),
+        "{} is gone",
+        del.disk_removed
+    );
     assert!(sdk.get("/nodes").await.decode::<Vec<SdkNode>>().is_empty());
 }
 

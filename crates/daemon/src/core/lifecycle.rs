@@ -325,6 +325,8 @@ impl Daemon {
                     state: VmState::Stopped,
                     stop_mode: Some(StopMode::Forced),
                     elapsed_ms: began.elapsed().as_millis() as u64,
+                    message: None,
+                    disk_removed: None,
                 });
             }
             if vm.state == VmState::Suspended {
@@ -359,6 +361,8 @@ impl Daemon {
                     state: VmState::Stopped,
                     stop_mode: Some(StopMode::Graceful),
                     elapsed_ms: began.elapsed().as_millis() as u64,
+                    message: None,
+                    disk_removed: None,
                 });
             }
             self.store.transition(
@@ -382,6 +386,8 @@ impl Daemon {
             state,
             stop_mode: Some(mode),
             elapsed_ms: began.elapsed().as_millis() as u64,
+            message: None,
+            disk_removed: None,
         })
     }
 
@@ -552,12 +558,7 @@ impl Daemon {
                     tracing::warn!(vm = %vm.hostname, "cannot remove {}: {e}", dir.display());
                 }
             }
-            return Ok(api::LifecycleResponse {
-                hostname: vm.hostname,
-                state: VmState::Stopped,
-                stop_mode: None,
-                elapsed_ms: began.elapsed().as_millis() as u64,
-            });
+            return Ok(deleted(vm.hostname, vm.disk, began));
         };
         if vm.state.is_live() && vm.pid.is_some() {
             return Err(Error::Failed(format!(
@@ -573,12 +574,7 @@ impl Daemon {
         self.release_network(&vm);
         self.forget(&vm.hostname)?;
         self.notify();
-        Ok(api::LifecycleResponse {
-            hostname: vm.hostname,
-            state: VmState::Stopped,
-            stop_mode: None,
-            elapsed_ms: began.elapsed().as_millis() as u64,
-        })
+        Ok(deleted(vm.hostname, vm.disk, began))
     }
 
     /// Applies a tag change.
@@ -648,5 +644,17 @@ impl Daemon {
     async fn wait_not_live_until(&self, hostname: &str, deadline: tokio::time::Instant) -> bool {
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         self.wait_not_live(hostname, left).await
+    }
+}
+
+/// A delete's answer, with Slicer's `message` and `disk_removed`.
+fn deleted(hostname: String, disk: String, began: Instant) -> api::LifecycleResponse {
+    api::LifecycleResponse {
+        message: Some(format!("deleted {hostname} and its disk")),
+        hostname,
+        state: VmState::Stopped,
+        stop_mode: None,
+        elapsed_ms: began.elapsed().as_millis() as u64,
+        disk_removed: Some(disk),
     }
 }
