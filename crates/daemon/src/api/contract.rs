@@ -37,6 +37,7 @@ struct Sdk {
 struct Answer {
     status: StatusCode,
     content_type: String,
+    headers: axum::http::HeaderMap,
     body: Vec<u8>,
 }
 
@@ -108,6 +109,7 @@ impl Sdk {
             .expect("request");
         let response = self.app.clone().oneshot(req).await.expect("infallible");
         let status = response.status();
+        let headers = response.headers().clone();
         let content_type = response
             .headers()
             .get("content-type")
@@ -124,6 +126,7 @@ impl Sdk {
         Answer {
             status,
             content_type,
+            headers,
             body,
         }
     }

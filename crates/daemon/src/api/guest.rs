@@ -619,6 +619,7 @@ pub(super) async fn download(
 ) -> ApiResult<Response> {
     let (_, path, tar) = cp_query(&uri, &["path", "mode", "exclude"])?;
     let client = agent(&d, &hostname).await?;
+    let mut file_mode = None;
     if !tar {
         // Fail before the body starts when the file is not there.
         let stat = client
@@ -630,18 +631,30 @@ pub(super) async fn download(
                 "{path} is not a regular file; use mode=tar for a directory"
             )));
         }
+        file_mode = Some(stat.mode & 0o7777);
     }
     let content_type = if tar {
         "application/x-tar"
     } else {
         "application/octet-stream"
     };
-    Ok((
+    let mut response = (
         [(header::CONTENT_TYPE, content_type)],
         download_body(client, path, tar),
     )
-        .into_response())
+        .into_response();
+    if let Some(mode) = file_mode {
+        // Slicer's header: Go's ReadFile returns it, and CpFromVM gives the
+        // local copy this mode when the caller names none.
+        if let Ok(value) = header::HeaderValue::from_str(&format!("{mode:04o}")) {
+            response.headers_mut().insert(FILE_MODE_HEADER, value);
+        }
+    }
+    Ok(response)
 }
+
+/// The guest file's permission bits (octal) on a binary download.
+const FILE_MODE_HEADER: &str = "x-slicer-file-mode";
 
 /// The body of a download: the agent's bytes, then an error in the body
 /// stream if the download failed (the agent's error, fewer bytes than it

@@ -61,12 +61,20 @@ async fn cp_moves_bytes_both_ways_in_binary_and_tar_mode() {
         &std::fs::metadata(&file).expect("meta").permissions(),
     );
     assert_eq!(mode & 0o777, 0o640);
-    // ReadFile / CpFromVM binary.
+    // ReadFile / CpFromVM binary: the bytes, and the file's mode in
+    // X-Slicer-File-Mode (ReadFile returns it; CpFromVM gives the local
+    // copy that mode when no permissions are named).
     let a = sdk
         .get(&format!("/vm/{h}/cp?path={}", url_path(&file)))
         .await;
     assert_eq!(a.status, StatusCode::OK, "{}", a.text());
     assert_eq!(a.body, payload);
+    assert_eq!(
+        a.headers
+            .get("x-slicer-file-mode")
+            .and_then(|v| v.to_str().ok()),
+        Some("0640")
+    );
     // A missing file: Go ReadFile maps 404 to os.ErrNotExist.
     let a = sdk
         .get(&format!(
