@@ -903,7 +903,7 @@ async fn cp_v1_modes_get_the_answer_the_go_sdk_falls_back_on() {
         "{}",
         a.text()
     );
-    // Permissions on a tar, and server-side excludes, are refused by name.
+    // Permissions on a tar, and excludes on one file, are refused by name.
     for (query, says) in [
         (
             "mode=tar&permissions=0600",
@@ -913,7 +913,10 @@ async fn cp_v1_modes_get_the_answer_the_go_sdk_falls_back_on() {
             "mode=binary&permissions=rw",
             "permissions `rw` is not octal",
         ),
-        ("mode=tar&exclude=*.log", "`exclude=*.log` is not supported"),
+        (
+            "mode=binary&exclude=*.log",
+            "`exclude=*.log` applies to mode=tar",
+        ),
     ] {
         let uri = format!("/vm/{h}/cp?path=%2Ftmp&{query}");
         let a = sdk.send(Method::POST, &uri, None).await;

@@ -134,6 +134,60 @@ async fn cp_moves_bytes_both_ways_in_binary_and_tar_mode() {
         names.push(name);
     }
     assert!(names.iter().any(|n| n.ends_with("sub/b.txt")), "{names:?}");
+
+    // CpToVM and CpFromVM with exclude patterns: `exclude=` repeated on
+    // the tar request; the daemon leaves those entries out both ways.
+    let mut builder = tar::Builder::new(Vec::new());
+    for (name, data) in [
+        ("keep.txt", &b"k"[..]),
+        ("debug.log", &b"l"[..]),
+        ("node_modules/m/index.js", &b"m"[..]),
+    ] {
+        let mut header = tar::Header::new_gnu();
+        header.set_size(data.len() as u64);
+        header.set_mode(0o644);
+        header.set_cksum();
+        builder
+            .append_data(&mut header, name, data)
+            .expect("tar entry");
+    }
+    let archive = builder.into_inner().expect("tar");
+    let dest = dir.path().join("ex");
+    let a = sdk
+        .send(
+            Method::POST,
+            &format!(
+                "/vm/{h}/cp?path={}&mode=tar&exclude=*.log&exclude=node_modules",
+                url_path(&dest)
+            ),
+            Some(("application/x-tar", archive)),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    assert!(dest.join("keep.txt").exists());
+    assert!(!dest.join("debug.log").exists() && !dest.join("node_modules").exists());
+    std::fs::write(dest.join("trace.log"), b"t").expect("write");
+    let a = sdk
+        .get(&format!(
+            "/vm/{h}/cp?path={}&mode=tar&exclude=trace.log",
+            url_path(&dest)
+        ))
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    let mut archive = tar::Archive::new(a.body.as_slice());
+    let names: Vec<String> = archive
+        .entries()
+        .expect("a tar")
+        .map(|e| {
+            e.expect("entry")
+                .path()
+                .expect("path")
+                .display()
+                .to_string()
+        })
+        .collect();
+    assert!(names.iter().any(|n| n.ends_with("keep.txt")), "{names:?}");
+    assert!(!names.iter().any(|n| n.ends_with("trace.log")), "{names:?}");
 }
 
 /// Reads shell frames until `want` shows up in the terminal output or the
