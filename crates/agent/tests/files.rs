@@ -271,6 +271,7 @@ async fn test_tar_tree_round_trip_keeps_symlinks_empty_dirs_and_modes() {
                 mkdirs: true,
                 uid: None,
                 gid: None,
+                exclude: Vec::new(),
             },
             archive.as_slice(),
         )
@@ -309,6 +310,7 @@ async fn test_tar_upload_with_owner_override_chowns_entries() {
                 mkdirs: true,
                 uid: Some(2000),
                 gid: Some(3000),
+                exclude: Vec::new(),
             },
             archive.as_slice(),
         )
@@ -351,6 +353,7 @@ async fn upload_raw(agent: &TestAgent, dest: &Path, archive: Vec<u8>) -> tine_cl
                 mkdirs: true,
                 uid: None,
                 gid: None,
+                exclude: Vec::new(),
             },
             archive.as_slice(),
         )

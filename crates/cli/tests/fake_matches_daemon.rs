@@ -358,7 +358,7 @@ fn cases() -> Vec<Case> {
             M::POST,
             "/vm/{hostname}/relaunch",
             "/vm/dev-2/relaunch?wait=agent",
-            json::<LifecycleResponse>(200),
+            json::<CreateVmResponse>(200),
         ),
         case(
             M::POST,

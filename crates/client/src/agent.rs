@@ -14,12 +14,13 @@ use std::time::Duration;
 use tine_proto::agent::mux::{Inbound, Mux, MuxConfig, MuxError, StreamReceiver, StreamSender};
 use tine_proto::agent::{
     client_handshake, AuthorizedKeysRequest, BackgroundOptions, BgIdRequest, BgJob, BgKillRequest,
-    BgLogsRequest, BgWaitRequest, Channel, CloseReason, Control, DirEntry, ErrorCode, ExecRequest,
-    ExitStatus, FileAttrs, FileStat, FixupReport, FixupRequest, ForwardRequest, ForwardTarget,
-    GuestStats, HandshakeError, Health, Hello, KeysReport, MkdirRequest, NetworkRequest,
-    PathRequest, RemoveRequest, Request, Response, SecretFile, SecretsReport, SecretsSyncRequest,
-    ShellRequest, ShutdownAction, ShutdownRequest, StatRequest, UploadRequest, UploadTarRequest,
-    UserdataRunRequest, UserdataStatus, WatchEvent, WatchRequest, Welcome, PROTOCOL_VERSION,
+    BgLogsRequest, BgWaitRequest, Channel, CloseReason, Control, DirEntry, DownloadTarRequest,
+    ErrorCode, ExecRequest, ExitStatus, FileAttrs, FileStat, FixupReport, FixupRequest,
+    ForwardRequest, ForwardTarget, GuestStats, HandshakeError, Health, Hello, KeysReport,
+    MkdirRequest, NetworkRequest, PathRequest, RemoveRequest, Request, Response, SecretFile,
+    SecretsReport, SecretsSyncRequest, ShellRequest, ShutdownAction, ShutdownRequest, StatRequest,
+    UploadRequest, UploadTarRequest, UserdataRunRequest, UserdataStatus, WatchEvent, WatchRequest,
+    Welcome, PROTOCOL_VERSION,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
@@ -980,10 +981,22 @@ impl AgentClient {
     pub async fn download_tar<W: AsyncWrite + Unpin>(
         &self,
         path: &str,
+        writer: W,
+    ) -> Result<TarSummary> {
+        self.download_tar_excluding(path, &[], writer).await
+    }
+
+    /// [`Self::download_tar`] leaving out what matches `exclude` (see
+    /// [`DownloadTarRequest::exclude`]).
+    pub async fn download_tar_excluding<W: AsyncWrite + Unpin>(
+        &self,
+        path: &str,
+        exclude: &[String],
         mut writer: W,
     ) -> Result<TarSummary> {
-        let request = Request::DownloadTar(PathRequest {
+        let request = Request::DownloadTar(DownloadTarRequest {
             path: path.to_owned(),
+            exclude: exclude.to_vec(),
         });
         let (_tx, mut rx) = self.open(&request).await?;
         self.receive_data(&mut rx, &mut writer).await?;

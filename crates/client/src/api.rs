@@ -898,7 +898,7 @@ impl TineClient {
         vm: &str,
         wait: Wait,
         timeout: Option<Duration>,
-    ) -> Result<LifecycleResponse> {
+    ) -> Result<CreateVmResponse> {
         let path = Query::new()
             .wait(wait, timeout)
             .finish(format!("/vm/{}/relaunch", seg(vm)));

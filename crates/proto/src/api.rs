@@ -823,7 +823,8 @@ pub struct ShutdownRequest {
     pub action: Option<ShutdownAction>,
 }
 
-/// `POST /vm/{hostname}/shutdown` response, also `relaunch` and `delete`.
+/// `POST /vm/{hostname}/shutdown` response, also `delete` (a relaunch
+/// answers as a create does, [`CreateVmResponse`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LifecycleResponse {
     /// The VM.
@@ -835,6 +836,13 @@ pub struct LifecycleResponse {
     pub stop_mode: Option<StopMode>,
     /// Milliseconds the request took.
     pub elapsed_ms: u64,
+    /// For a delete: what was done, for people (Slicer's `message`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    /// For a delete: the disk file removed with the VM (Slicer's
+    /// `disk_removed`, a string).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_removed: Option<String>,
 }
 
 /// `POST /vm/{hostname}/suspend` response.

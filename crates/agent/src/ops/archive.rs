@@ -17,7 +17,7 @@ use std::time::{Duration, UNIX_EPOCH};
 
 use tar::EntryType;
 use tine_proto::agent::mux::{Chunk, Inbound, StreamReceiver, StreamSender, MAX_DATA_CHUNK};
-use tine_proto::agent::{Channel, ErrorCode, PathRequest, Response, UploadTarRequest};
+use tine_proto::agent::{Channel, DownloadTarRequest, ErrorCode, Response, UploadTarRequest};
 use tokio::sync::mpsc;
 
 use super::files::absolute;
@@ -185,6 +185,80 @@ fn clear_target(path: &Path) -> Result<(), OpError> {
     }
 }
 
+/// Slicer's cp `exclude` patterns (see [`DownloadTarRequest::exclude`]).
+struct Excludes(Vec<ExcludePattern>);
+
+struct ExcludePattern {
+    /// The pattern's segments; `None` is `**`.
+    segments: Vec<Option<glob::Pattern>>,
+    /// A pattern without `/`: it also matches any entry's name.
+    name_only: bool,
+}
+
+impl Excludes {
+    fn new(patterns: &[String]) -> Result<Self, OpError> {
+        let mut out = Vec::new();
+        for raw in patterns {
+            let p = raw.trim();
+            let p = p.strip_prefix("./").unwrap_or(p).trim_matches('/');
+            if p.is_empty() {
+                continue;
+            }
+            let segments = p
+                .split('/')
+                .filter(|s| !s.is_empty())
+                .map(|s| match s {
+                    "**" => Ok(None),
+                    s => glob::Pattern::new(s).map(Some).map_err(|e| {
+                        OpError::bad_request(format!("exclude {raw:?} is not a glob: {e}"))
+                    }),
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            out.push(ExcludePattern {
+                name_only: !p.contains('/'),
+                segments,
+            });
+        }
+        Ok(Excludes(out))
+    }
+
+    /// Whether `path` (its components below the archive's root) or one of
+    /// its parent directories is excluded.
+    fn matches(&self, path: &[String]) -> bool {
+        if self.0.is_empty() {
+            return false;
+        }
+        (1..=path.len()).any(|n| {
+            let prefix = &path[..n];
+            self.0.iter().any(|p| {
+                segments_match(&p.segments, prefix)
+                    || (p.name_only
+                        && p.segments
+                            .first()
+                            .and_then(Option::as_ref)
+                            .is_some_and(|g| prefix.last().is_some_and(|name| g.matches(name))))
+            })
+        })
+    }
+}
+
+fn segments_match(pattern: &[Option<glob::Pattern>], path: &[String]) -> bool {
+    match pattern.split_first() {
+        None => path.is_empty(),
+        Some((None, rest)) => (0..=path.len()).any(|i| segments_match(rest, &path[i..])),
+        Some((Some(g), rest)) => path
+            .split_first()
+            .is_some_and(|(first, tail)| g.matches(first) && segments_match(rest, tail)),
+    }
+}
+
+fn lossy(parts: &[OsString]) -> Vec<String> {
+    parts
+        .iter()
+        .map(|p| p.to_string_lossy().into_owned())
+        .collect()
+}
+
 struct Owner {
     uid: Option<u32>,
     gid: Option<u32>,
@@ -209,6 +283,7 @@ fn unpack(reader: ChannelReader, req: &UploadTarRequest) -> Result<Response, OpE
         )));
     }
     let root = fs::canonicalize(&dest).map_err(|e| OpError::path("resolve", &dest, &e))?;
+    let excludes = Excludes::new(&req.exclude)?;
     let preserve_owner = nix::unistd::geteuid().is_root();
     let mut archive = tar::Archive::new(reader);
     let mut dirs: Vec<(PathBuf, u32)> = Vec::new();
@@ -220,6 +295,10 @@ fn unpack(reader: ChannelReader, req: &UploadTarRequest) -> Result<Response, OpE
             .map_err(|e| tar_error("entry path", &e))?
             .into_owned();
         let parts = components(&entry_path)?;
+        if excludes.matches(&lossy(&parts)) {
+            skipped += 1;
+            continue;
+        }
         let header = entry.header();
         let kind = header.entry_type();
         let mode = header.mode().unwrap_or(0o644) & 0o7777;
@@ -392,14 +471,14 @@ pub(crate) async fn upload(
     result
 }
 
-fn pack(path: &Path, writer: ChannelWriter) -> Result<(u64, u64), OpError> {
+fn pack(path: &Path, excludes: &Excludes, writer: ChannelWriter) -> Result<(u64, u64), OpError> {
     let meta = fs::symlink_metadata(path).map_err(|e| OpError::path("stat", path, &e))?;
     let mut builder = tar::Builder::new(writer);
     builder.follow_symlinks(false);
     builder.mode(tar::HeaderMode::Complete);
     let mut counts = (0u64, 0u64);
     if meta.is_dir() {
-        walk(&mut builder, path, Path::new(""), &mut counts)?;
+        walk(&mut builder, path, &[], excludes, &mut counts)?;
     } else {
         let name = path
             .file_name()
@@ -417,7 +496,8 @@ fn pack(path: &Path, writer: ChannelWriter) -> Result<(u64, u64), OpError> {
 fn walk(
     builder: &mut tar::Builder<ChannelWriter>,
     dir: &Path,
-    rel: &Path,
+    rel: &[OsString],
+    excludes: &Excludes,
     counts: &mut (u64, u64),
 ) -> Result<(), OpError> {
     let mut names: Vec<OsString> = fs::read_dir(dir)
@@ -427,7 +507,13 @@ fn walk(
     names.sort();
     for name in names {
         let full = dir.join(&name);
-        let rel = rel.join(&name);
+        let mut parts = rel.to_vec();
+        parts.push(name);
+        if excludes.matches(&lossy(&parts)) {
+            counts.1 += 1;
+            continue;
+        }
+        let rel_path: PathBuf = parts.iter().collect();
         // Entries removed while packing are skipped.
         let Ok(meta) = fs::symlink_metadata(&full) else {
             continue;
@@ -438,11 +524,11 @@ fn walk(
             continue;
         }
         builder
-            .append_path_with_name(&full, &rel)
+            .append_path_with_name(&full, &rel_path)
             .map_err(|e| OpError::io(format_args!("pack {}", full.display()), &e))?;
         counts.0 += 1;
         if file_type.is_dir() {
-            walk(builder, &full, &rel, counts)?;
+            walk(builder, &full, &parts, excludes, counts)?;
         }
     }
     Ok(())
@@ -451,14 +537,18 @@ fn walk(
 /// Sends a directory (or one file) as a tar archive on the data channel,
 /// then EOF and [`Response::TarDone`]. Symlinks are stored as symlinks;
 /// sockets, FIFOs and devices are skipped and counted.
-pub(crate) async fn download(req: PathRequest, tx: StreamSender) -> Result<Response, OpError> {
+pub(crate) async fn download(
+    req: DownloadTarRequest,
+    tx: StreamSender,
+) -> Result<Response, OpError> {
     let path = absolute(&req.path)?;
+    let excludes = Excludes::new(&req.exclude)?;
     let (chunk_tx, mut chunk_rx) = mpsc::channel(4);
     let writer = ChannelWriter {
         tx: chunk_tx,
         buf: Vec::with_capacity(MAX_DATA_CHUNK),
     };
-    let worker = tokio::task::spawn_blocking(move || pack(&path, writer));
+    let worker = tokio::task::spawn_blocking(move || pack(&path, &excludes, writer));
     while let Some(chunk) = chunk_rx.recv().await {
         if tx.send_data_vec(Channel::Data, chunk).await.is_err() {
             drop(chunk_rx);
@@ -478,6 +568,32 @@ pub(crate) async fn download(req: PathRequest, tx: StreamSender) -> Result<Respo
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn excludes_match_as_slicers_cp_does() {
+        let ex = Excludes::new(&[
+            "*.log".into(),
+            "./node_modules/".into(),
+            "build/**/tmp".into(),
+        ])
+        .expect("globs");
+        let m = |p: &str| ex.matches(&p.split('/').map(str::to_owned).collect::<Vec<_>>());
+        assert!(
+            m("a.log") && m("src/deep/b.log"),
+            "a name pattern, anywhere"
+        );
+        assert!(
+            m("node_modules") && m("node_modules/x/y.js"),
+            "with its contents"
+        );
+        assert!(m("build/tmp") && m("build/a/b/tmp/f"), "`**` is any depth");
+        assert!(!m("src/node_modules_not") && !m("build/a/keep") && !m("log"));
+        assert!(!Excludes::new(&[]).expect("none").matches(&["a".into()]));
+        assert!(
+            Excludes::new(&["[".into()]).is_err(),
+            "a bad glob is refused"
+        );
+    }
 
     #[test]
     fn test_negative_components_parent_and_absolute_refused() {

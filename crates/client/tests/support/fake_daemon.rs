@@ -648,6 +648,8 @@ fn lifecycle(h: &str, state: VmState, stop_mode: Option<StopMode>) -> Response {
             state,
             stop_mode,
             elapsed_ms: 5,
+            message: None,
+            disk_removed: None,
         })
         .into_response(),
         None => not_found_vm(h),
@@ -789,7 +791,20 @@ async fn relaunch(Path(h): Path<String>, RawQuery(q): RawQuery) -> Response {
     } else {
         VmState::Starting
     };
-    lifecycle(&h, state, None)
+    // A relaunch answers as a create does.
+    match vm(&h) {
+        Some(v) => Json(CreateVmResponse {
+            hostname: v.hostname,
+            host_group: "dev".into(),
+            state,
+            ip: None,
+            created_at: "2026-01-01T00:00:00.000Z".into(),
+            arch: "amd64".into(),
+            elapsed_ms: 5,
+        })
+        .into_response(),
+        None => not_found_vm(&h),
+    }
 }
 
 fn frame_line(f: &ExecFrame) -> Bytes {

@@ -7,8 +7,10 @@
 //! types: a field the SDK reads is required here, so a missing or retyped
 //! field fails the test.
 
+mod defaults;
 mod frames;
 mod observe;
+mod refused;
 mod streams;
 
 use std::sync::Arc;
@@ -35,6 +37,7 @@ struct Sdk {
 struct Answer {
     status: StatusCode,
     content_type: String,
+    headers: axum::http::HeaderMap,
     body: Vec<u8>,
 }
 
@@ -106,6 +109,7 @@ impl Sdk {
             .expect("request");
         let response = self.app.clone().oneshot(req).await.expect("infallible");
         let status = response.status();
+        let headers = response.headers().clone();
         let content_type = response
             .headers()
             .get("content-type")
@@ -122,6 +126,7 @@ impl Sdk {
         Answer {
             status,
             content_type,
+            headers,
             body,
         }
     }
@@ -288,9 +293,12 @@ struct SdkLogs {
     content: String,
 }
 
-/// Go `SlicerDeleteResponse` (an `error` that is not empty fails it).
+/// Go `SlicerDeleteResponse` (an `error` that is not empty fails it;
+/// `message` and `disk_removed` are strings it hands back).
 #[derive(Debug, Deserialize)]
 struct SdkDelete {
+    message: String,
+    disk_removed: String,
     #[serde(default)]
     error: Option<String>,
 }
@@ -454,6 +462,13 @@ async fn create_list_describe_and_delete_a_vm() {
     assert_eq!(a.status, StatusCode::OK, "{}", a.text());
     let del: SdkDelete = a.decode();
     assert!(del.error.unwrap_or_default().is_empty());
+    assert!(del.message.contains("dev-1"), "{}", del.message);
+    assert!(!del.disk_removed.is_empty());
+    assert!(
+        !std::path::Path::new(&del.disk_removed).exists(),
+        "{} is gone",
+        del.disk_removed
+    );
     assert!(sdk.get("/nodes").await.decode::<Vec<SdkNode>>().is_empty());
 }
 
@@ -888,7 +903,7 @@ async fn cp_v1_modes_get_the_answer_the_go_sdk_falls_back_on() {
         "{}",
         a.text()
     );
-    // Permissions on a tar, and server-side excludes, are refused by name.
+    // Permissions on a tar, and excludes on one file, are refused by name.
     for (query, says) in [
         (
             "mode=tar&permissions=0600",
@@ -898,7 +913,10 @@ async fn cp_v1_modes_get_the_answer_the_go_sdk_falls_back_on() {
             "mode=binary&permissions=rw",
             "permissions `rw` is not octal",
         ),
-        ("mode=tar&exclude=*.log", "`exclude=*.log` is not supported"),
+        (
+            "mode=binary&exclude=*.log",
+            "`exclude=*.log` applies to mode=tar",
+        ),
     ] {
         let uri = format!("/vm/{h}/cp?path=%2Ftmp&{query}");
         let a = sdk.send(Method::POST, &uri, None).await;

@@ -31,9 +31,13 @@ use super::agent_call::{
     agent, agent_err, call_err, exit_fields, shell_exit_code, Deadlines, DEADLINES,
 };
 use super::params::{
-    parse_timeout, query_bool, query_get, query_num, query_only, query_pairs, AppState,
+    parse_timeout, query_all, query_bool, query_get, query_num, query_only, query_pairs, AppState,
 };
 use crate::error::{ApiError, ApiResult};
+
+/// Where Slicer's guest agent lives; its `upload` subcommands finish the Go
+/// SDK's chunked copies inside the guest.
+const SLICER_AGENT: &str = "/usr/local/bin/slicer-agent";
 
 /// `health?wait=agent` gets at least this long for the agent's answer
 /// once the VM is running, even when the wait used up its `timeout`.
@@ -249,6 +253,13 @@ fn exec_query(uri: &Uri) -> ApiResult<ExecQuery> {
         .filter(|(k, _)| k == "args")
         .map(|(_, v)| v.clone())
         .collect();
+    if cmd == SLICER_AGENT && args.first().is_some_and(|a| a == "upload") {
+        return Err(ApiError::bad_request(format!(
+            "`{SLICER_AGENT} upload` is Slicer's chunked-copy helper, which tine guests do not have: \
+             chunked copy (SupportsChunkedCopy, CpToVMChunked) is not supported; \
+             cp (CpToVM) copies the same file or directory in one request"
+        )));
+    }
     let mut options = ProcessOptions::default();
     for (_, kv) in q.iter().filter(|(k, _)| k == "env") {
         let (k, v) = kv
@@ -590,9 +601,11 @@ fn cp_query(uri: &Uri, allowed: &[&str]) -> ApiResult<CpQuery> {
     };
     query_only(&q, allowed)?;
     if let Some((_, pattern)) = q.iter().find(|(k, _)| k == "exclude") {
-        return Err(ApiError::bad_request(format!(
-            "`exclude={pattern}` is not supported: leave the files out of the tar on the client side"
-        )));
+        if !tar {
+            return Err(ApiError::bad_request(format!(
+                "`exclude={pattern}` applies to mode=tar (a binary copy is one file)"
+            )));
+        }
     }
     let path = query_get(&q, "path")
         .filter(|p| p.starts_with('/'))
@@ -606,8 +619,9 @@ pub(super) async fn download(
     Path(hostname): Path<String>,
     uri: Uri,
 ) -> ApiResult<Response> {
-    let (_, path, tar) = cp_query(&uri, &["path", "mode", "exclude"])?;
+    let (q, path, tar) = cp_query(&uri, &["path", "mode", "exclude"])?;
     let client = agent(&d, &hostname).await?;
+    let mut file_mode = None;
     if !tar {
         // Fail before the body starts when the file is not there.
         let stat = client
@@ -619,31 +633,46 @@ pub(super) async fn download(
                 "{path} is not a regular file; use mode=tar for a directory"
             )));
         }
+        file_mode = Some(stat.mode & 0o7777);
     }
     let content_type = if tar {
         "application/x-tar"
     } else {
         "application/octet-stream"
     };
-    Ok((
+    let mut response = (
         [(header::CONTENT_TYPE, content_type)],
-        download_body(client, path, tar),
+        download_body(client, path, tar, query_all(&q, "exclude")),
     )
-        .into_response())
+        .into_response();
+    if let Some(mode) = file_mode {
+        // Slicer's header: Go's ReadFile returns it, and CpFromVM gives the
+        // local copy this mode when the caller names none.
+        if let Ok(value) = header::HeaderValue::from_str(&format!("{mode:04o}")) {
+            response.headers_mut().insert(FILE_MODE_HEADER, value);
+        }
+    }
+    Ok(response)
 }
+
+/// The guest file's permission bits (octal) on a binary download.
+const FILE_MODE_HEADER: &str = "x-slicer-file-mode";
 
 /// The body of a download: the agent's bytes, then an error in the body
 /// stream if the download failed (the agent's error, fewer bytes than it
 /// announced, the cap passed, a stall). The error makes hyper abort the
 /// response, so the client sees a broken transfer, never a short success.
-fn download_body(client: AgentClient, path: String, tar: bool) -> Body {
+fn download_body(client: AgentClient, path: String, tar: bool, exclude: Vec<String>) -> Body {
     let (writer, reader) = tokio::io::duplex(256 * 1024);
     let (done_tx, done_rx) = tokio::sync::oneshot::channel();
     tokio::spawn(async move {
         // `writer` is gone when the call returns: the reader ends, then
         // reads the result.
         let result = if tar {
-            client.download_tar(&path, writer).await.map(|_| ())
+            client
+                .download_tar_excluding(&path, &exclude, writer)
+                .await
+                .map(|_| ())
         } else {
             client.download(&path, writer).await.map(|_| ())
         };
@@ -714,6 +743,7 @@ pub(super) async fn upload(
                     mkdirs: true,
                     uid,
                     gid,
+                    exclude: query_all(&q, "exclude"),
                 },
                 reader,
             )
@@ -1115,7 +1145,7 @@ mod tests {
         ];
         for (what, tar, steps) in cases {
             let client = download_agent(steps).await;
-            let (data, err) = read_body(download_body(client, "/f".into(), tar)).await;
+            let (data, err) = read_body(download_body(client, "/f".into(), tar, Vec::new())).await;
             assert!(err.is_some(), "{what}: the body ended cleanly");
             assert!(data.len() as u64 <= FAST.download_bytes, "{what}");
         }
@@ -1126,7 +1156,7 @@ mod tests {
             Step::Reply(AgentResponse::Ok),
         ];
         let client = download_agent(honest).await;
-        let (data, err) = read_body(download_body(client, "/f".into(), false)).await;
+        let (data, err) = read_body(download_body(client, "/f".into(), false, Vec::new())).await;
         assert_eq!((data.as_slice(), err), (&b"hello"[..], None));
     }
 
@@ -1147,7 +1177,7 @@ mod tests {
                     Step::Reply(AgentResponse::Ok),
                 ]);
                 let client = download_agent(steps).await;
-                download_body(client, "/f".into(), false)
+                download_body(client, "/f".into(), false, Vec::new())
             }),
         );
         tokio::spawn(async move { axum::serve(listener, app).await });

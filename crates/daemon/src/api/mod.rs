@@ -167,7 +167,17 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 }
 
 async fn not_found(req: Request) -> ApiError {
-    ApiError::not_found(format!("no route {} {}", req.method(), req.uri().path()))
+    let path = req.uri().path();
+    if path == "/proxy" || path.starts_with("/proxy/") {
+        return ApiError::not_found(format!(
+            "{} {path}: Slicer's egress proxy API is not part of tine; no proxy runs, \
+             so there are no proxy clients, secrets or allow rules to manage. \
+             A VM's egress is limited by its isolated network's allow/drop lists \
+             (`network` at create and fork, PUT /vm/{{hostname}}/network)",
+            req.method()
+        ));
+    }
+    ApiError::not_found(format!("no route {} {path}", req.method()))
 }
 
 async fn method_not_allowed(req: Request) -> Response {

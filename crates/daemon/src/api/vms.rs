@@ -264,7 +264,7 @@ pub(super) async fn relaunch(
     State(d): State<AppState>,
     Path(hostname): Path<String>,
     uri: Uri,
-) -> ApiResult<Json<api::LifecycleResponse>> {
+) -> ApiResult<Json<api::CreateVmResponse>> {
     let q = query_pairs(&uri);
     query_only(&q, &["wait", "timeout"])?;
     let wait: Wait = parse_query_enum(&q, "wait")?.unwrap_or_default();

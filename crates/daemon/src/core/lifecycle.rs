@@ -325,6 +325,8 @@ impl Daemon {
                     state: VmState::Stopped,
                     stop_mode: Some(StopMode::Forced),
                     elapsed_ms: began.elapsed().as_millis() as u64,
+                    message: None,
+                    disk_removed: None,
                 });
             }
             if vm.state == VmState::Suspended {
@@ -359,6 +361,8 @@ impl Daemon {
                     state: VmState::Stopped,
                     stop_mode: Some(StopMode::Graceful),
                     elapsed_ms: began.elapsed().as_millis() as u64,
+                    message: None,
+                    disk_removed: None,
                 });
             }
             self.store.transition(
@@ -382,6 +386,8 @@ impl Daemon {
             state,
             stop_mode: Some(mode),
             elapsed_ms: began.elapsed().as_millis() as u64,
+            message: None,
+            disk_removed: None,
         })
     }
 
@@ -482,7 +488,7 @@ impl Daemon {
         key: &str,
         wait: Wait,
         timeout: Duration,
-    ) -> Result<api::LifecycleResponse> {
+    ) -> Result<api::CreateVmResponse> {
         let began = Instant::now();
         let vm = self.vm(key)?;
         {
@@ -507,10 +513,15 @@ impl Daemon {
             Wait::Agent => self.wait_running(&vm.hostname, timeout).await?,
             Wait::None => self.vm(&vm.hostname)?,
         };
-        Ok(api::LifecycleResponse {
+        // Slicer answers a relaunch as it answers a create.
+        let info = self.describe(&vm);
+        Ok(api::CreateVmResponse {
             hostname: vm.hostname,
+            host_group: info.host_group,
             state: vm.state,
-            stop_mode: None,
+            ip: info.ip,
+            created_at: info.created_at,
+            arch: info.arch,
             elapsed_ms: began.elapsed().as_millis() as u64,
         })
     }
@@ -547,12 +558,7 @@ impl Daemon {
                     tracing::warn!(vm = %vm.hostname, "cannot remove {}: {e}", dir.display());
                 }
             }
-            return Ok(api::LifecycleResponse {
-                hostname: vm.hostname,
-                state: VmState::Stopped,
-                stop_mode: None,
-                elapsed_ms: began.elapsed().as_millis() as u64,
-            });
+            return Ok(deleted(vm.hostname, vm.disk, began));
         };
         if vm.state.is_live() && vm.pid.is_some() {
             return Err(Error::Failed(format!(
@@ -568,12 +574,7 @@ impl Daemon {
         self.release_network(&vm);
         self.forget(&vm.hostname)?;
         self.notify();
-        Ok(api::LifecycleResponse {
-            hostname: vm.hostname,
-            state: VmState::Stopped,
-            stop_mode: None,
-            elapsed_ms: began.elapsed().as_millis() as u64,
-        })
+        Ok(deleted(vm.hostname, vm.disk, began))
     }
 
     /// Applies a tag change.
@@ -643,5 +644,17 @@ impl Daemon {
     async fn wait_not_live_until(&self, hostname: &str, deadline: tokio::time::Instant) -> bool {
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         self.wait_not_live(hostname, left).await
+    }
+}
+
+/// A delete's answer, with Slicer's `message` and `disk_removed`.
+fn deleted(hostname: String, disk: String, began: Instant) -> api::LifecycleResponse {
+    api::LifecycleResponse {
+        message: Some(format!("deleted {hostname} and its disk")),
+        hostname,
+        state: VmState::Stopped,
+        stop_mode: None,
+        elapsed_ms: began.elapsed().as_millis() as u64,
+        disk_removed: Some(disk),
     }
 }

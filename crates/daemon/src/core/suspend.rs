@@ -202,6 +202,8 @@ impl Daemon {
             state: vm.state,
             stop_mode: None,
             elapsed_ms: began.elapsed().as_millis() as u64,
+            message: None,
+            disk_removed: None,
         })
     }
 

@@ -131,7 +131,7 @@ pub enum Request {
     /// Unpack a tar archive from the data channel into a directory.
     UploadTar(UploadTarRequest),
     /// Pack a directory (or file) as a tar archive onto the data channel.
-    DownloadTar(PathRequest),
+    DownloadTar(DownloadTarRequest),
     /// Stat one path.
     Stat(StatRequest),
     /// List a directory.
@@ -496,6 +496,20 @@ pub struct UploadRequest {
     pub size: Option<u64>,
 }
 
+/// Pack a directory (or file) as a tar archive. Without `exclude` it is
+/// the same on the wire as a [`PathRequest`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DownloadTarRequest {
+    /// Absolute path.
+    pub path: String,
+    /// Leave out what matches these patterns (Slicer's cp `exclude`): a
+    /// pattern without `/` matches any entry's name, one with `/` the
+    /// path below the packed directory, segment by segment (`**` is any
+    /// number of segments); an excluded directory takes its contents.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub exclude: Vec<String>,
+}
+
 /// Unpack a tar archive into a directory.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct UploadTarRequest {
@@ -511,6 +525,10 @@ pub struct UploadTarRequest {
     /// Same for the group.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gid: Option<u32>,
+    /// Skip the entries that match these patterns (as in
+    /// [`DownloadTarRequest::exclude`], on the entries' paths).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub exclude: Vec<String>,
 }
 
 /// An operation on one path.

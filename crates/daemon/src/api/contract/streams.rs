@@ -61,12 +61,20 @@ async fn cp_moves_bytes_both_ways_in_binary_and_tar_mode() {
         &std::fs::metadata(&file).expect("meta").permissions(),
     );
     assert_eq!(mode & 0o777, 0o640);
-    // ReadFile / CpFromVM binary.
+    // ReadFile / CpFromVM binary: the bytes, and the file's mode in
+    // X-Slicer-File-Mode (ReadFile returns it; CpFromVM gives the local
+    // copy that mode when no permissions are named).
     let a = sdk
         .get(&format!("/vm/{h}/cp?path={}", url_path(&file)))
         .await;
     assert_eq!(a.status, StatusCode::OK, "{}", a.text());
     assert_eq!(a.body, payload);
+    assert_eq!(
+        a.headers
+            .get("x-slicer-file-mode")
+            .and_then(|v| v.to_str().ok()),
+        Some("0640")
+    );
     // A missing file: Go ReadFile maps 404 to os.ErrNotExist.
     let a = sdk
         .get(&format!(
@@ -126,6 +134,60 @@ async fn cp_moves_bytes_both_ways_in_binary_and_tar_mode() {
         names.push(name);
     }
     assert!(names.iter().any(|n| n.ends_with("sub/b.txt")), "{names:?}");
+
+    // CpToVM and CpFromVM with exclude patterns: `exclude=` repeated on
+    // the tar request; the daemon leaves those entries out both ways.
+    let mut builder = tar::Builder::new(Vec::new());
+    for (name, data) in [
+        ("keep.txt", &b"k"[..]),
+        ("debug.log", &b"l"[..]),
+        ("node_modules/m/index.js", &b"m"[..]),
+    ] {
+        let mut header = tar::Header::new_gnu();
+        header.set_size(data.len() as u64);
+        header.set_mode(0o644);
+        header.set_cksum();
+        builder
+            .append_data(&mut header, name, data)
+            .expect("tar entry");
+    }
+    let archive = builder.into_inner().expect("tar");
+    let dest = dir.path().join("ex");
+    let a = sdk
+        .send(
+            Method::POST,
+            &format!(
+                "/vm/{h}/cp?path={}&mode=tar&exclude=*.log&exclude=node_modules",
+                url_path(&dest)
+            ),
+            Some(("application/x-tar", archive)),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    assert!(dest.join("keep.txt").exists());
+    assert!(!dest.join("debug.log").exists() && !dest.join("node_modules").exists());
+    std::fs::write(dest.join("trace.log"), b"t").expect("write");
+    let a = sdk
+        .get(&format!(
+            "/vm/{h}/cp?path={}&mode=tar&exclude=trace.log",
+            url_path(&dest)
+        ))
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    let mut archive = tar::Archive::new(a.body.as_slice());
+    let names: Vec<String> = archive
+        .entries()
+        .expect("a tar")
+        .map(|e| {
+            e.expect("entry")
+                .path()
+                .expect("path")
+                .display()
+                .to_string()
+        })
+        .collect();
+    assert!(names.iter().any(|n| n.ends_with("keep.txt")), "{names:?}");
+    assert!(!names.iter().any(|n| n.ends_with("trace.log")), "{names:?}");
 }
 
 /// Reads shell frames until `want` shows up in the terminal output or the
@@ -255,4 +317,76 @@ async fn forward_relays_a_tcp_connection_named_by_x_inlets_upstream() {
         }
         other => panic!("a forward without an upstream was not refused: {other:?}"),
     }
+}
+
+#[tokio::test]
+async fn the_shell_takes_the_go_handlers_directory() {
+    let (sdk, _root) = Sdk::with_real_agent(&["shell"]);
+    let h = sdk.create(serde_json::json!({})).await.hostname;
+    let addr = serve(&sdk).await;
+    let dir = tempfile::tempdir().expect("tmp");
+    // shell.NewProxyHandler's URL: `shell`, and `cwd` when set (`uid` and
+    // `gid` only when not 0).
+    let request = format!(
+        "ws://{addr}/vm/{h}/shell?cwd={}&shell=%2Fbin%2Fsh",
+        url_path(dir.path())
+    )
+    .into_client_request()
+    .expect("request");
+    let (mut ws, _) = tokio_tungstenite::connect_async(request)
+        .await
+        .expect("the shell upgrades");
+    ws.send(Message::Binary(
+        shell::encode(shell::DATA, b"echo at-$(pwd)-end\r").into(),
+    ))
+    .await
+    .expect("send");
+    let want = format!("at-{}-end", dir.path().display());
+    let (out, _) = read_shell(&mut ws, &want).await;
+    assert!(out.contains(&want), "{out:?}");
+}
+
+#[tokio::test]
+async fn forward_relays_a_unix_socket_named_by_x_inlets_upstream() {
+    let (sdk, _root) = Sdk::with_real_agent(&["forward"]);
+    let h = sdk.create(serde_json::json!({})).await.hostname;
+    // A Unix socket service "in the guest" (forward.Start's and TS
+    // forward()'s `9000:/var/run/docker.sock` form): echoes reversed.
+    let dir = tempfile::tempdir().expect("tmp");
+    let socket = dir.path().join("svc.sock");
+    let service = tokio::net::UnixListener::bind(&socket).expect("bind");
+    tokio::spawn(async move {
+        let (mut conn, _) = service.accept().await.expect("accept");
+        let mut buf = [0u8; 64];
+        let n = conn.read(&mut buf).await.expect("read");
+        let mut back = buf[..n].to_vec();
+        back.reverse();
+        conn.write_all(&back).await.expect("write");
+    });
+    let addr = serve(&sdk).await;
+    let mut request = format!("ws://{addr}/vm/{h}/forward")
+        .into_client_request()
+        .expect("request");
+    request.headers_mut().insert(
+        "x-inlets-upstream",
+        format!("unix:{}", socket.display())
+            .parse()
+            .expect("header"),
+    );
+    let (mut ws, _) = tokio_tungstenite::connect_async(request)
+        .await
+        .expect("the forward upgrades");
+    ws.send(Message::Binary(b"abc".to_vec().into()))
+        .await
+        .expect("send");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let mut got = Vec::new();
+    while got.len() < 3 {
+        match tokio::time::timeout_at(deadline, ws.next()).await {
+            Ok(Some(Ok(Message::Binary(b)))) => got.extend_from_slice(&b),
+            Ok(Some(Ok(_))) => {}
+            other => panic!("no answer through the forward: {other:?} after {got:?}"),
+        }
+    }
+    assert_eq!(got, b"cba");
 }
