@@ -317,6 +317,27 @@ pub fn describe(v: &VmInfo, now: SystemTime) -> String {
     ));
     pairs.push(("commit", or_dash(&v.commit_id)));
     pairs.push(("forked from", or_dash(&v.parent_commit_id)));
+    if let Some(m) = &v.memory {
+        pairs.push((
+            "memory",
+            format!(
+                "USS {}, PSS {}, RSS {}",
+                size(m.uss_bytes),
+                size(m.pss_bytes),
+                size(m.rss_bytes)
+            ),
+        ));
+        pairs.push((
+            "copied",
+            match m.guest_pages_copied {
+                Some(n) => format!(
+                    "{n} guest pages ({}) since the restore",
+                    size(n.saturating_mul(tine_proto::api::GUEST_PAGE_BYTES))
+                ),
+                None => "- (booted: its RAM is its own)".into(),
+            },
+        ));
+    }
     pairs.extend(network_pairs(&v.network));
     fields(&pairs)
 }
@@ -438,6 +459,7 @@ mod tests {
                 size_bytes: 4 << 30,
                 allocated_bytes: 0,
             },
+            memory: None,
         }
     }
 
@@ -502,6 +524,36 @@ dev-10     dev     stopped   2      512M   -          2h    -
             "{text}"
         );
         assert!(text.contains("network:     none"), "{text}");
+        assert!(!text.contains("memory:"), "{text}");
+    }
+
+    #[test]
+    fn describe_shows_memory_and_copied_pages() {
+        let mut v = vm("dev-4", VmState::Running, &[], None);
+        v.memory = Some(tine_proto::api::VmMemoryInfo {
+            rss_bytes: 3 << 20,
+            pss_bytes: 2 << 20,
+            uss_bytes: 1536 << 10,
+            guest_pages_copied: Some(256),
+        });
+        let now = humantime::parse_rfc3339("2026-01-01T00:01:00Z").expect("now");
+        let text = describe(&v, now);
+        assert!(
+            text.contains("memory:      USS 1.5M, PSS 2M, RSS 3M\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("copied:      256 guest pages (1M) since the restore\n"),
+            "{text}"
+        );
+        if let Some(m) = v.memory.as_mut() {
+            m.guest_pages_copied = None;
+        }
+        let text = describe(&v, now);
+        assert!(
+            text.contains("copied:      - (booted: its RAM is its own)"),
+            "{text}"
+        );
     }
 
     #[test]

@@ -295,6 +295,31 @@ async fn human_output_confirms_briefly() {
 }
 
 #[tokio::test]
+async fn describe_shows_the_memory_of_a_running_vm() {
+    let fake = FakeDaemon::start(None).await;
+    let r = run(&fake, &["vm", "describe", "dev-1"]).await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(
+        r.stdout.contains("memory:      USS 1.5M, PSS 2M, RSS 3M\n"),
+        "{}",
+        r.stdout
+    );
+    assert!(
+        r.stdout
+            .contains("copied:      300 guest pages (1.1M) since the restore\n"),
+        "{}",
+        r.stdout
+    );
+    let r = run(&fake, &["vm", "describe", "dev-1", "--json"]).await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let v: serde_json::Value = serde_json::from_str(&r.stdout).expect("json");
+    assert_eq!(v["memory"]["guest_pages_copied"], 300, "{v}");
+    assert_eq!(v["memory"]["uss_bytes"], 1536 << 10, "{v}");
+    let r = run(&fake, &["vm", "describe", "dev-2"]).await;
+    assert!(!r.stdout.contains("memory:"), "{}", r.stdout);
+}
+
+#[tokio::test]
 async fn exit_codes_tell_failures_apart() {
     let fake = FakeDaemon::start(None).await;
     let r = run(&fake, &["vm", "describe", "dev-9"]).await;

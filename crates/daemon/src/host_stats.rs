@@ -21,18 +21,7 @@ pub struct CpuTime {
     pub system_ms: u64,
 }
 
-/// A process's memory from `smaps_rollup`, in bytes.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Memory {
-    /// Resident.
-    pub rss: u64,
-    /// Proportional share.
-    pub pss: u64,
-    /// Private pages, clean and dirty: mapped by no other process.
-    pub uss: u64,
-    /// Swapped out.
-    pub swap: u64,
-}
+pub use tine_proto::smaps::Memory;
 
 /// The figures of the process `pid` if it is still the one that started
 /// at `pid_start`: its CPU time and its memory (`None` for what could not
@@ -52,6 +41,39 @@ pub fn process(pid: u32, pid_start: u64) -> (Option<CpuTime>, Option<Memory>) {
         return (None, None);
     }
     (cpu, memory)
+}
+
+/// A VM's memory as its VMM process holds it: the process's figures
+/// (`smaps_rollup`) and the guest RAM it copied on write (`smaps`, see
+/// [`tine_proto::smaps::copied_guest_bytes`]; `None` for a booted VM).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VmMemory {
+    /// The process's RSS, PSS and USS.
+    pub process: Memory,
+    /// Bytes of guest RAM copied since the restore.
+    pub copied_bytes: Option<u64>,
+}
+
+/// The memory of the VMM process `pid` of a VM with `ram_bytes` of RAM, if
+/// it is still the one that started at `pid_start` and its figures can be
+/// read.
+pub fn vm_memory(pid: u32, pid_start: u64, ram_bytes: u64) -> Option<VmMemory> {
+    if start_time(pid) != Some(pid_start) {
+        return None;
+    }
+    let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).ok()?;
+    // Read before the pid could be reused: check again.
+    if start_time(pid) != Some(pid_start) {
+        return None;
+    }
+    Some(VmMemory {
+        process: tine_proto::smaps::parse_rollup(&rollup),
+        copied_bytes: tine_proto::smaps::copied_guest_bytes(
+            &tine_proto::smaps::parse_smaps(&smaps),
+            ram_bytes,
+        ),
+    })
 }
 
 fn clock_ticks() -> u64 {
@@ -78,31 +100,10 @@ pub fn parse_stat_times(text: &str, ticks_per_second: u64) -> Option<CpuTime> {
     })
 }
 
-/// `Rss`, `Pss`, `Private_Clean + Private_Dirty` and `Swap` (kB) of
+/// `Rss`, `Pss`, `Private_Clean + Private_Dirty` and `Swap` of
 /// `/proc/PID/smaps_rollup`.
 pub fn parse_smaps_rollup(text: &str) -> Memory {
-    let mut m = Memory::default();
-    for line in text.lines() {
-        let Some((key, rest)) = line.split_once(':') else {
-            continue;
-        };
-        let Some(kb) = rest
-            .split_ascii_whitespace()
-            .next()
-            .and_then(|v| v.parse::<u64>().ok())
-        else {
-            continue;
-        };
-        let bytes = kb.saturating_mul(1024);
-        match key {
-            "Rss" => m.rss = bytes,
-            "Pss" => m.pss = bytes,
-            "Private_Clean" | "Private_Dirty" => m.uss = m.uss.saturating_add(bytes),
-            "Swap" => m.swap = bytes,
-            _ => {}
-        }
-    }
-    m
+    tine_proto::smaps::parse_rollup(text)
 }
 
 /// The counters of the network device `name` under `sys_class_net`
@@ -150,28 +151,6 @@ mod tests {
     }
 
     #[test]
-    fn smaps_rollup_gives_rss_pss_and_uss() {
-        let text = "\
-55d0c0000000-7ffd4a3f2000 ---p 00000000 00:00 0                          [rollup]
-Rss:              262144 kB
-Pss:              131072 kB
-Shared_Clean:     131072 kB
-Private_Clean:      1024 kB
-Private_Dirty:    130048 kB
-Swap:                  8 kB
-";
-        assert_eq!(
-            parse_smaps_rollup(text),
-            Memory {
-                rss: 256 << 20,
-                pss: 128 << 20,
-                uss: 128 << 20,
-                swap: 8 << 10,
-            }
-        );
-    }
-
-    #[test]
     fn this_process_reads_as_a_vmm_would() {
         let pid = std::process::id();
         let start = start_time(pid).expect("own start time");
@@ -195,6 +174,11 @@ Swap:                  8 kB
         );
         // Another start time: another process, nothing reported.
         assert_eq!(process(pid, start + 1), (None, None));
+        // No file of this process is mapped privately at 1 TiB.
+        let vm = vm_memory(pid, start, 1 << 40).expect("smaps");
+        assert!(vm.process.uss > 0, "{vm:?}");
+        assert_eq!(vm.copied_bytes, None);
+        assert_eq!(vm_memory(pid, start + 1, 1 << 40), None);
     }
 
     #[test]

@@ -434,7 +434,35 @@ pub struct VmInfo {
     pub storage: StorageKind,
     /// The disk file and its format.
     pub disk: StorageInfo,
+    /// What its VMM process holds in memory, and the guest pages it has
+    /// copied (tine's, not Slicer's): only in `GET /vm/{hostname}` of a
+    /// live VM whose process could be read; absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<VmMemoryInfo>,
 }
+
+/// A live VM's memory as the host sees it (`/proc/PID/smaps_rollup` and
+/// `/proc/PID/smaps` of its tine-vmm process).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VmMemoryInfo {
+    /// Resident bytes of the process.
+    pub rss_bytes: u64,
+    /// Proportional share: each resident page divided by the number of
+    /// processes that map it (pages of a memory commit shared by its hot
+    /// forks count a fraction each).
+    pub pss_bytes: u64,
+    /// Unique set: the process's private pages, what stopping it frees.
+    pub uss_bytes: u64,
+    /// Guest pages (4 KiB) copied on write since the VM was restored from
+    /// a snapshot (a hot fork, a restore after suspend): its own copies of
+    /// the memory file's pages. `null` for a VM booted from scratch, whose
+    /// RAM is its own from the start (all of it in `uss_bytes`).
+    #[serde(default)]
+    pub guest_pages_copied: Option<u64>,
+}
+
+/// Size of a guest page as `guest_pages_copied` counts them.
+pub const GUEST_PAGE_BYTES: u64 = 4096;
 
 /// A VM's disk.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -6,10 +6,13 @@
 //! the stream multiplexer shared by the agent and its client
 //! (docs/agent-protocol.md). [`api`] holds the daemon's REST bodies
 //! (docs/api.md). [`vmm`] holds the VMM's control requests and responses
-//! and the events it prints (docs/vmm-control.md).
+//! and the events it prints (docs/vmm-control.md). [`smaps`] parses what
+//! the kernel reports of a process's memory (a VMM's USS, PSS and the guest
+//! pages it copied), for the daemon and the VMM's benches alike.
 
 pub mod agent;
 pub mod api;
+pub mod smaps;
 pub mod vmm;
 
 /// `e` and its sources, joined with `: `, for messages that leave the

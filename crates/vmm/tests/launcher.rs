@@ -38,6 +38,21 @@ async fn the_vmm_launcher_restores_pauses_snapshots_adopts_and_stops() {
         tap: None,
     };
     let running = launcher.restore(&spec).await.expect("restore");
+    // What describe reports of it: the process's memory, and its guest's
+    // copy of the counter page (the rest of its RAM is the memory file's).
+    let instance = running.instance;
+    let mut figures = None;
+    for _ in 0..200 {
+        figures = tine_daemon::host_stats::vm_memory(instance.pid, instance.pid_start, 32 << 20);
+        if figures.is_some_and(|m| m.copied_bytes.unwrap_or(0) > 0) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let figures = figures.expect("the VMM's smaps");
+    let copied = figures.copied_bytes.expect("a restored VM copies pages") / 4096;
+    assert!((1..64).contains(&copied), "{figures:?}");
+    assert!(figures.process.uss > 0 && figures.process.pss >= figures.process.uss);
     launcher.pause("t-1").await.expect("pause");
     let snap = launcher
         .snapshot("t-1", dir.path().join("s2"), dir.path().join("m2"))

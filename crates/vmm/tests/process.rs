@@ -136,6 +136,30 @@ fn test_process_prestart_then_restore() {
     assert_eq!(restored["state"], "running", "{restored}");
     assert_eq!(request(&mut stream, r#"{"op":"kill"}"#)["status"], "ok");
     assert!(child.wait().expect("wait").success());
+
+    // Its RAM was reserved at the size asked for: another size is refused.
+    let socket = dir.path().join("warm64.sock");
+    let mut child = Command::new(binary())
+        .args(["--prestart", "--mem-mib", "64", "--control-socket"])
+        .arg(&socket)
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    assert!(first_line(&mut child).contains("\"ready\""));
+    let mut stream = BufReader::new(UnixStream::connect(&socket).expect("connect"));
+    let refused = request(
+        &mut stream,
+        &serde_json::json!({"op":"restore","state_path":state,"mem_path":mem}).to_string(),
+    );
+    assert_eq!(refused["status"], "error", "{refused}");
+    assert!(
+        refused["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("reserved 64 MiB, the snapshot needs 32 MiB")),
+        "{refused}"
+    );
+    let _ = child.kill();
+    let _ = child.wait();
 }
 
 #[test]
@@ -212,4 +236,100 @@ fn test_process_bad_input_fails_before_creating_a_vm() {
         assert!(!output.status.success(), "{args:?} succeeded");
         assert!(stderr.contains(expected), "{args:?}: stderr was {stderr}");
     }
+}
+
+/// Writes `PAGES` distinct pages from 0x300000 on (one word each), bumps
+/// the counter at 0x200000, and starts over, forever:
+/// `start: mov edi, 0x300000; mov ecx, PAGES; fill: mov [rdi], rcx;
+/// add rdi, 0x1000; dec ecx; jnz fill; inc qword [0x200000]; jmp start`.
+const PAGES: u32 = 1000;
+const PAGE_WRITER: &[u8] = &[
+    0xbf, 0x00, 0x00, 0x30, 0x00, // mov edi, 0x300000
+    0xb9, 0xe8, 0x03, 0x00, 0x00, // mov ecx, 1000
+    0x48, 0x89, 0x0f, // mov [rdi], rcx
+    0x48, 0x81, 0xc7, 0x00, 0x10, 0x00, 0x00, // add rdi, 0x1000
+    0xff, 0xc9, // dec ecx
+    0x75, 0xf2, // jnz fill
+    0x48, 0xff, 0x04, 0x25, 0x00, 0x00, 0x20, 0x00, // inc qword [0x200000]
+    0xeb, 0xde, // jmp start
+];
+
+/// The daemon's figure of copied guest pages, read from a real restored
+/// `tine-vmm` process: the guest's pages are in the memory file (written
+/// before the snapshot), each of its writes after the restore copies one
+/// into the process, and nothing else of its 64 MiB is copied.
+#[test]
+fn test_process_restored_guest_copies_only_the_pages_it_writes() {
+    const MIB: u64 = 64;
+    let dir = tempfile::tempdir().expect("tmp");
+    let state = dir.path().join("vm.state");
+    let mem = dir.path().join("vm.mem");
+    assert_eq!(u32::from_le_bytes([0xe8, 0x03, 0, 0]), PAGES);
+    let config = BootConfig::raw_image(PAGE_WRITER, 0x10_0000, MIB);
+    let mut vmm = Vmm::boot(&config, &ConsoleConfig::default()).expect("boot");
+    std::thread::sleep(Duration::from_millis(20));
+    vmm.pause().expect("pause");
+    vmm.snapshot(&state, &mem).expect("snapshot");
+    vmm.kill();
+
+    // A cold restore (its own mapping) and a warm one (the memory file
+    // mapped over RAM registered at pre-start), as the daemon's forks are.
+    for warm in [false, true] {
+        let mut command = Command::new(binary());
+        let socket = dir.path().join("copies.sock");
+        if warm {
+            command
+                .args(["--prestart", "--mem-mib", &MIB.to_string()])
+                .arg("--control-socket")
+                .arg(&socket);
+        } else {
+            command
+                .arg("--restore")
+                .arg(&state)
+                .arg("--mem-file")
+                .arg(&mem);
+        }
+        let mut child = command.stdout(Stdio::piped()).spawn().expect("spawn");
+        let line = first_line(&mut child);
+        assert!(line.contains("ready"), "{line}");
+        if warm {
+            let mut stream = BufReader::new(UnixStream::connect(&socket).expect("connect"));
+            let restored = request(
+                &mut stream,
+                &serde_json::json!({"op":"restore","state_path":state,"mem_path":mem}).to_string(),
+            );
+            assert_eq!(restored["state"], "running", "{restored}");
+        }
+        let memory = copies_after_a_while(&mut child, MIB << 20);
+        let copied = memory.copied_bytes.expect("a restored VM has copied pages") / 4096;
+        let all = (MIB << 20) / 4096;
+        assert!(
+            copied >= u64::from(PAGES),
+            "warm {warm}: {copied} pages copied, the guest wrote {PAGES}"
+        );
+        // Its counter page and a few the CPU writes (page-table bits): far
+        // fewer than all of RAM.
+        assert!(
+            copied < u64::from(PAGES) + 64 && copied < all / 8,
+            "warm {warm}: {copied} of {all} pages copied, the guest wrote {PAGES}"
+        );
+        assert!(
+            memory.process.uss >= copied * 4096,
+            "warm {warm}: the copies are the process's own: {memory:?}"
+        );
+    }
+}
+
+/// The daemon's reading of a restored `tine-vmm` of a guest of
+/// `ram_bytes`, once its guest has had time to go through its pages; the
+/// process is killed.
+fn copies_after_a_while(child: &mut Child, ram_bytes: u64) -> tine_daemon::host_stats::VmMemory {
+    let pid = child.id();
+    let start = tine_daemon::process::start_time(pid).expect("start time");
+    // The guest goes through its pages in microseconds; give it time.
+    std::thread::sleep(Duration::from_millis(200));
+    let memory = tine_daemon::host_stats::vm_memory(pid, start, ram_bytes);
+    let _ = child.kill();
+    let _ = child.wait();
+    memory.expect("the process's smaps")
 }

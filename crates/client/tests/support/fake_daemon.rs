@@ -416,6 +416,13 @@ fn vm(hostname: &str) -> Option<VmInfo> {
             size_bytes: 4 << 30,
             allocated_bytes: 1 << 20,
         },
+        // A hot fork that copied 300 of its guest pages.
+        memory: (hostname == "dev-1").then_some(tine_proto::api::VmMemoryInfo {
+            rss_bytes: 3 << 20,
+            pss_bytes: 2 << 20,
+            uss_bytes: 1536 << 10,
+            guest_pages_copied: Some(300),
+        }),
     })
 }
 

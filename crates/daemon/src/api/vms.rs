@@ -14,7 +14,9 @@ use super::params::{
     query_pairs, AppState, DEFAULT_WAIT,
 };
 use crate::core::DEFAULT_SHUTDOWN_TIMEOUT;
+use crate::db::VmRecord;
 use crate::error::{ApiError, ApiResult};
+use crate::host_stats;
 
 pub(super) async fn info(State(d): State<AppState>) -> ApiResult<Json<DaemonInfo>> {
     Ok(Json(DaemonInfo {
@@ -151,7 +153,27 @@ pub(super) async fn describe(
     Path(hostname): Path<String>,
 ) -> ApiResult<Json<api::VmInfo>> {
     let vm = d.vm(&hostname)?;
-    Ok(Json(d.describe(&vm)))
+    let mut info = d.describe(&vm);
+    info.memory = memory(&vm).await;
+    Ok(Json(info))
+}
+
+/// A live VM's memory, read from its VMM process (`None` when it does not
+/// run or cannot be read: the describe still answers).
+async fn memory(vm: &VmRecord) -> Option<api::VmMemoryInfo> {
+    if !vm.state.is_live() {
+        return None;
+    }
+    let (pid, start) = vm.pid.zip(vm.pid_start)?;
+    let ram = vm.ram_bytes;
+    let read = tokio::task::spawn_blocking(move || host_stats::vm_memory(pid, start, ram));
+    let m = read.await.ok()??;
+    Some(api::VmMemoryInfo {
+        rss_bytes: m.process.rss,
+        pss_bytes: m.process.pss,
+        uss_bytes: m.process.uss,
+        guest_pages_copied: m.copied_bytes.map(|b| b / api::GUEST_PAGE_BYTES),
+    })
 }
 
 pub(super) async fn delete(

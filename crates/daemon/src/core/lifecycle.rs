@@ -82,6 +82,7 @@ impl Daemon {
                 size_bytes: size,
                 allocated_bytes: allocated,
             },
+            memory: None,
         }
     }
 
