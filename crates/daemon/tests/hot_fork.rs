@@ -345,7 +345,7 @@ fn checks(d: &mut Daemon) -> R {
             forks[1],
             stopped.stop_mode,
             stopped.elapsed_ms,
-            tine_testbed::tail_lines(&serial_of(d, &forks[1]), 8)
+            tine_testbed::tail_lines(&serial_of(d, &forks[1]), 20)
         );
         if stopped.stop_mode != Some(StopMode::Graceful) {
             return Err(fail(format!("{}: shutdown answered {stopped:?}", forks[1])));
