@@ -6,6 +6,10 @@
 //!
 //!   cargo bench -p tine-vmm --bench boot [-- --runs N]
 
+mod common;
+
+use common::percentile;
+
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -17,10 +21,6 @@ const INIT: &str = r#"#!/bin/sh
 echo "tine-bench: init boottime $(/bin/busybox cut -d' ' -f1 /proc/uptime)"
 /bin/busybox reboot -f
 "#;
-
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
-}
 
 /// Returns the p50 wall time (process start to init) of the vmlinux boots.
 fn boot_benchmark() -> Result<f64, Failed> {

@@ -27,19 +27,21 @@
 //! killed at the end, on an error or panic as well (and by the kernel
 //! should the bench itself be killed: parent-death signal).
 
+mod common;
+
+use common::{percentile, vmm_binary, COUNTER_LOOP};
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use tine_proto::smaps;
 use tine_vmm::vmm::{BootConfig, ConsoleConfig, Vmm};
 
-/// `loop: inc qword [0x200000]; jmp loop`
-const COUNTER_LOOP: &[u8] = &[0x48, 0xff, 0x04, 0x25, 0x00, 0x00, 0x20, 0x00, 0xeb, 0xf6];
 const TARGET_TOTAL_MS: f64 = 500.0;
 const TARGET_USS_KIB: f64 = 1024.0;
 /// Host memory left to everything else: pre-starting stops below it.
@@ -57,14 +59,6 @@ fn env_number(name: &str, default: u64) -> u64 {
     }
 }
 
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let idx = ((sorted.len() - 1) as f64 * p).round() as usize;
-    sorted[idx]
-}
-
 fn p50_p99(mut v: Vec<f64>) -> (f64, f64) {
     v.sort_by(|a, b| a.total_cmp(b));
     (percentile(&v, 0.5), percentile(&v, 0.99))
@@ -79,29 +73,6 @@ fn mem_available_kib() -> u64 {
                 .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
         })
         .unwrap_or(0)
-}
-
-fn vmm_binary() -> PathBuf {
-    let exe = std::env::current_exe().expect("bench path");
-    // target/<profile>/deps/density-xxxx -> target/<profile>/tine-vmm
-    let profile_dir = exe.parent().and_then(Path::parent).expect("target dir");
-    let candidate = profile_dir.join("tine-vmm");
-    if !candidate.exists() {
-        let status = Command::new(env!("CARGO"))
-            .args([
-                "build",
-                "--release",
-                "-q",
-                "-p",
-                "tine-vmm",
-                "--bin",
-                "tine-vmm",
-            ])
-            .status()
-            .expect("cargo build");
-        assert!(status.success(), "cannot build tine-vmm");
-    }
-    candidate
 }
 
 /// Lets this process hold a descriptor or three per fork.

@@ -13,25 +13,18 @@
 //! all of its pages holding data, written by the host before the first
 //! snapshot. The files go to the system's temporary directory.
 
+mod common;
+
+use common::{percentile, COUNTER_LOOP};
+
 use std::time::{Duration, Instant};
 
 use tine_vmm::vmm::{BootConfig, ConsoleConfig, Vmm};
 use vm_memory::{Bytes, GuestAddress};
 
-/// `inc qword [0x200000]; jmp -10`: the guest keeps running while it is
-/// not paused.
-const COUNTER_LOOP: &[u8] = &[0x48, 0xff, 0x04, 0x25, 0x00, 0x00, 0x20, 0x00, 0xeb, 0xf6];
 const PAGE: u64 = 4096;
 /// Guest pages from here on are free for the host to fill.
 const FILL_FROM: u64 = 0x40_0000;
-
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let idx = ((sorted.len() - 1) as f64 * p).round() as usize;
-    sorted[idx]
-}
 
 /// Gives every `stride`-th page of guest RAM above [`FILL_FROM`] non-zero
 /// contents; returns how many pages it wrote.

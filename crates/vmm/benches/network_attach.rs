@@ -24,6 +24,10 @@
 //! host). Uses its own table (`tine_bench`) and prefixes; removes them at
 //! the end.
 
+mod common;
+
+use common::percentile;
+
 use std::net::Ipv4Addr;
 use std::time::Instant;
 
@@ -34,13 +38,6 @@ use tine_vmm::devices::virtio::net::Tap;
 
 /// The budget for an attach (prepare + bind), p50.
 const BUDGET_ATTACH_P50_MS: f64 = 10.0;
-
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
-}
 
 /// Prints one line and returns (p50, p99).
 fn report(name: &str, mut samples_ms: Vec<f64>) -> (f64, f64) {

@@ -43,9 +43,12 @@
 //!   the same measurement on a quiet machine (its note gives 0.79/8.1 ms
 //!   p50/p99 under load).
 
+mod common;
+
+use common::{percentile, vmm_binary, COUNTER_LOOP};
+
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -107,19 +110,10 @@ fn vcpu_runqueue_wait_ns() -> u64 {
         .sum()
 }
 
-const COUNTER_LOOP: &[u8] = &[0x48, 0xff, 0x04, 0x25, 0x00, 0x00, 0x20, 0x00, 0xeb, 0xf6];
 /// Floor measured on this host with a C loop over raw ioctls (issue #3).
 const C_FLOOR_P50_MS: f64 = 0.9;
 const TARGET_WARM_P50_MS: f64 = 0.3;
 const TARGET_WARM_P99_MS: f64 = 0.6;
-
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let idx = ((sorted.len() - 1) as f64 * p).round() as usize;
-    sorted[idx]
-}
 
 fn report(name: &str, mut samples_ms: Vec<f64>) -> (f64, f64) {
     samples_ms.sort_by(|a, b| a.total_cmp(b));
@@ -131,29 +125,6 @@ fn report(name: &str, mut samples_ms: Vec<f64>) -> (f64, f64) {
         p50 / TARGET_WARM_P50_MS
     );
     (p50, p99)
-}
-
-fn vmm_binary() -> PathBuf {
-    let exe = std::env::current_exe().expect("bench path");
-    // target/<profile>/deps/restore-xxxx -> target/<profile>/tine-vmm
-    let profile_dir = exe.parent().and_then(Path::parent).expect("target dir");
-    let candidate = profile_dir.join("tine-vmm");
-    if !candidate.exists() {
-        let status = Command::new(env!("CARGO"))
-            .args([
-                "build",
-                "--release",
-                "-q",
-                "-p",
-                "tine-vmm",
-                "--bin",
-                "tine-vmm",
-            ])
-            .status()
-            .expect("cargo build");
-        assert!(status.success(), "cannot build tine-vmm");
-    }
-    candidate
 }
 
 fn read_line(child: &mut Child) -> String {

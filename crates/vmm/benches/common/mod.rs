@@ -1,0 +1,46 @@
+//! What the VMM's benches share: the synthetic guest's code, percentiles
+//! and the `tine-vmm` binary they spawn.
+
+// Each bench uses a part of this module.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// `inc qword [0x200000]; jmp -10`: a ring-3 guest that counts for as long
+/// as it runs.
+pub const COUNTER_LOOP: &[u8] = &[0x48, 0xff, 0x04, 0x25, 0x00, 0x00, 0x20, 0x00, 0xeb, 0xf6];
+
+/// The `p` quantile (0..=1) of `sorted`; NaN when it is empty.
+pub fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let idx = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[idx]
+}
+
+/// The `tine-vmm` beside the bench (`target/<profile>/tine-vmm`), built in
+/// release first when it is not there.
+pub fn vmm_binary() -> PathBuf {
+    let exe = std::env::current_exe().expect("bench path");
+    // target/<profile>/deps/<bench>-xxxx -> target/<profile>/tine-vmm
+    let profile_dir = exe.parent().and_then(Path::parent).expect("target dir");
+    let candidate = profile_dir.join("tine-vmm");
+    if !candidate.exists() {
+        let status = Command::new(env!("CARGO"))
+            .args([
+                "build",
+                "--release",
+                "-q",
+                "-p",
+                "tine-vmm",
+                "--bin",
+                "tine-vmm",
+            ])
+            .status()
+            .expect("cargo build");
+        assert!(status.success(), "cannot build tine-vmm");
+    }
+    candidate
+}
