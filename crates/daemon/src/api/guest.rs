@@ -633,7 +633,9 @@ pub(super) async fn download(
                 "{path} is not a regular file; use mode=tar for a directory"
             )));
         }
-        file_mode = Some(stat.mode & 0o7777);
+        // Permission bits only: an SDK gives its local copy this mode, and
+        // a guest's setuid, setgid or sticky bit must not reach the host.
+        file_mode = Some(stat.mode & 0o777);
     }
     let content_type = if tar {
         "application/x-tar"

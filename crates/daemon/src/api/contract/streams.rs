@@ -75,6 +75,20 @@ async fn cp_moves_bytes_both_ways_in_binary_and_tar_mode() {
             .and_then(|v| v.to_str().ok()),
         Some("0640")
     );
+    // A guest's setuid, setgid and sticky bits stay in the guest: the
+    // header carries the permission bits alone.
+    std::fs::set_permissions(&file, std::os::unix::fs::PermissionsExt::from_mode(0o7755))
+        .expect("chmod");
+    let a = sdk
+        .get(&format!("/vm/{h}/cp?path={}", url_path(&file)))
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    assert_eq!(
+        a.headers
+            .get("x-slicer-file-mode")
+            .and_then(|v| v.to_str().ok()),
+        Some("0755")
+    );
     // A missing file: Go ReadFile maps 404 to os.ErrNotExist.
     let a = sdk
         .get(&format!(
