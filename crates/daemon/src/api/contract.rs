@@ -53,6 +53,11 @@ impl Answer {
         })
     }
 
+    /// A header's value, when it is there and readable as text.
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
     fn text(&self) -> String {
         String::from_utf8_lossy(&self.body).into_owned()
     }

@@ -69,12 +69,7 @@ async fn cp_moves_bytes_both_ways_in_binary_and_tar_mode() {
         .await;
     assert_eq!(a.status, StatusCode::OK, "{}", a.text());
     assert_eq!(a.body, payload);
-    assert_eq!(
-        a.headers
-            .get("x-slicer-file-mode")
-            .and_then(|v| v.to_str().ok()),
-        Some("0640")
-    );
+    assert_eq!(a.header("x-slicer-file-mode"), Some("0640"));
     // A guest's setuid, setgid and sticky bits stay in the guest: the
     // header carries the permission bits alone.
     std::fs::set_permissions(&file, std::os::unix::fs::PermissionsExt::from_mode(0o7755))
@@ -83,12 +78,7 @@ async fn cp_moves_bytes_both_ways_in_binary_and_tar_mode() {
         .get(&format!("/vm/{h}/cp?path={}", url_path(&file)))
         .await;
     assert_eq!(a.status, StatusCode::OK, "{}", a.text());
-    assert_eq!(
-        a.headers
-            .get("x-slicer-file-mode")
-            .and_then(|v| v.to_str().ok()),
-        Some("0755")
-    );
+    assert_eq!(a.header("x-slicer-file-mode"), Some("0755"));
     // A missing file: Go ReadFile maps 404 to os.ErrNotExist.
     let a = sdk
         .get(&format!(
