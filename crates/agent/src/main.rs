@@ -111,6 +111,14 @@ fn main() -> anyhow::Result<()> {
                 Ok(())
             }
             (None, Some(port)) => {
+                // In a VM: a disk larger than the image gets used.
+                match system::rootfs::grow_root() {
+                    Ok(system::rootfs::Growth::Grown { from, to }) => {
+                        tracing::info!(from, to, "grew the root file system to its disk")
+                    }
+                    Ok(_) => {}
+                    Err(e) => tracing::warn!("cannot grow the root file system: {e}"),
+                }
                 let listener = system::vsock::listen(port)?;
                 tracing::info!(pid1 = started.pid1, "serving on vsock port {port}");
                 agent.serve(listener).await;

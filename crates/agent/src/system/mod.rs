@@ -14,6 +14,8 @@
 //!   [`reaper::Reaper::spawn`] (or `register_with`) and read exit statuses
 //!   from the returned [`reaper::ExitWatch`], never through `Child::wait`**:
 //!   as PID 1 the reaper collects every child with `waitpid(-1)`.
+//! - [`rootfs`]: grows `/` to a disk larger than its image (a VM's
+//!   `storage_size`), online, at each start in a VM.
 //! - [`net`]: IPv4 address, default route and DNS for eth0 via ioctls.
 //! - [`stats`]: the guest's figures (memory, load, CPU, disk, network,
 //!   open files, entropy, root file system space) from `/proc` and `/sys`.
@@ -38,6 +40,7 @@ mod hostname;
 pub mod init;
 pub mod net;
 pub mod reaper;
+pub mod rootfs;
 pub mod secrets;
 mod ssh;
 pub mod stats;
