@@ -234,6 +234,7 @@ pub fn image_base(
 /// that become holes.
 const COPY_CHUNK: usize = 1 << 20;
 const HOLE_BLOCK: usize = 64 << 10;
+static ZERO_BLOCK: [u8; HOLE_BLOCK] = [0; HOLE_BLOCK];
 
 /// Copies `source` to a new file `dest`, leaving holes where `source` has
 /// holes or runs of zeros: an image file is mostly empty (a 2 GiB debian
@@ -262,7 +263,9 @@ fn copy_sparse(source: &Path, dest: &Path) -> std::io::Result<()> {
             let want = usize::try_from((hole - at).min(COPY_CHUNK as u64)).unwrap_or(COPY_CHUNK);
             input.read_exact(&mut buf[..want])?;
             for (i, block) in buf[..want].chunks(HOLE_BLOCK).enumerate() {
-                if block.iter().any(|b| *b != 0) {
+                // A slice comparison is one memcmp: fast even in a debug
+                // build, where a byte loop made a 2 GiB copy CPU-bound.
+                if block != &ZERO_BLOCK[..block.len()] {
                     output.write_all_at(block, at + (i * HOLE_BLOCK) as u64)?;
                 }
             }
