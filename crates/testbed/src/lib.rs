@@ -106,6 +106,17 @@ pub fn min_image() -> Result<PathBuf, TestbedError> {
     Ok(image)
 }
 
+/// The debian image's root filesystem (`guest/rootfs/debian/build`:
+/// Debian 12 with systemd and the agent as a service), building it if the
+/// cache lacks it (about two minutes; needs root and Debian's apt source).
+pub fn debian_image() -> Result<PathBuf, TestbedError> {
+    let image = run_script("guest/rootfs/debian/build")?.join("rootfs.ext4");
+    if !image.is_file() {
+        return Err(TestbedError::MissingArtifact(image));
+    }
+    Ok(image)
+}
+
 /// Builds the `tine-vmm` binary (debug) and returns its path, for tests
 /// whose crate does not own it.
 pub fn vmm_binary() -> Result<PathBuf, TestbedError> {
