@@ -178,8 +178,14 @@ mod tests {
             code: ErrorCode::BadRequest,
         });
         let line = serde_json::to_string(&err).expect("json");
-        assert_eq!(line, r#"{"event":"error","error":"bad tar","code":"bad_request"}"#);
-        assert_eq!(serde_json::from_str::<ImportEvent>(&line).expect("back"), err);
+        assert_eq!(
+            line,
+            r#"{"event":"error","error":"bad tar","code":"bad_request"}"#
+        );
+        assert_eq!(
+            serde_json::from_str::<ImportEvent>(&line).expect("back"),
+            err
+        );
     }
 
     #[test]
