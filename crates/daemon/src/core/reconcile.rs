@@ -304,6 +304,11 @@ impl Daemon {
 
     /// Removes VM folders, disk files and commit files no record names.
     fn remove_orphan_files(&self, report: &mut ReconcileReport) -> Result<()> {
+        // Temporary files of imports cut short (an image's record is
+        // written last, so none names them).
+        for path in crate::image::remove_stray_files(&self.data_dir.join("images")) {
+            report.removed.push(path.display().to_string());
+        }
         let vms = self.store.list_vms(None)?;
         let known: HashSet<&str> = vms.iter().map(|v| v.hostname.as_str()).collect();
         if let Ok(entries) = std::fs::read_dir(self.data_dir.join("vms")) {

@@ -484,4 +484,4 @@ pub fn is_static_elf(path: &Path) -> io::Result<bool> {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
