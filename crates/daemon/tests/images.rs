@@ -118,7 +118,6 @@ fn oci_archive(
             add(&format!("blobs/sha256/{}", &sha(blob)?[7..]), blob)?;
         }
     }
-    drop(add);
     Ok(b.into_inner()?)
 }
 
