@@ -4,6 +4,7 @@
 use std::io::IsTerminal as _;
 use std::path::Path;
 use std::pin::Pin;
+use std::sync::Mutex;
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -114,53 +115,54 @@ fn shell_words(words: &[String]) -> String {
     serde_json::to_string(words).unwrap_or_default()
 }
 
-/// What the upload bar shows: bytes sent, then the daemon's steps.
-struct ImportBar(Option<ProgressBar>);
+/// What the upload bar shows: bytes sent, then (a spinner) the daemon's
+/// steps. Nothing when stderr is not a terminal or with `--json`/`--quiet`.
+struct ImportBar(Option<Mutex<ProgressBar>>);
 
 impl ImportBar {
     fn new(g: &GlobalArgs, total: Option<u64>) -> Self {
         if g.json || g.quiet || !std::io::stderr().is_terminal() {
             return Self(None);
         }
-        let bar = match total {
-            Some(len) => {
-                let bar = ProgressBar::new(len);
-                if let Ok(style) = ProgressStyle::with_template(
-                    "uploading {bar:30} {bytes}/{total_bytes} ({bytes_per_sec}, {eta})",
-                ) {
-                    bar.set_style(style);
-                }
-                bar
-            }
-            None => {
-                let bar = ProgressBar::new_spinner();
-                if let Ok(style) = ProgressStyle::with_template("{spinner} uploading {bytes}") {
-                    bar.set_style(style);
-                }
-                bar
-            }
+        let (bar, template) = match total {
+            Some(len) => (
+                ProgressBar::new(len),
+                "uploading {bar:30} {bytes}/{total_bytes} ({bytes_per_sec}, {eta})",
+            ),
+            None => (ProgressBar::new_spinner(), "{spinner} uploading {bytes}"),
         };
+        if let Ok(style) = ProgressStyle::with_template(template) {
+            bar.set_style(style);
+        }
         bar.enable_steady_tick(Duration::from_millis(100));
-        Self(Some(bar))
+        Self(Some(Mutex::new(bar)))
+    }
+
+    fn bar(&self) -> Option<std::sync::MutexGuard<'_, ProgressBar>> {
+        self.0
+            .as_ref()
+            .map(|m| m.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
     fn sent(&self, n: u64) {
-        if let Some(bar) = &self.0 {
+        if let Some(bar) = self.bar() {
             bar.inc(n);
         }
     }
 
     fn event(&self, e: &ImportEvent) {
-        let (Some(bar), ImportEvent::Progress { stage, message, .. }) = (&self.0, e) else {
+        let (Some(mut bar), ImportEvent::Progress { stage, message, .. }) = (self.bar(), e) else {
             return;
         };
         if *stage == ImportStage::Received {
+            // The upload is done: a spinner for the daemon's steps.
             bar.finish_and_clear();
-            bar.reset();
+            let spinner = ProgressBar::new_spinner();
             if let Ok(style) = ProgressStyle::with_template("{spinner} {msg} ({elapsed})") {
-                bar.set_style(style);
+                spinner.set_style(style);
             }
-            bar.enable_steady_tick(Duration::from_millis(100));
+            spinner.enable_steady_tick(Duration::from_millis(100));
+            *bar = spinner;
         }
         bar.set_message(message.clone());
     }
@@ -168,7 +170,7 @@ impl ImportBar {
 
 impl Drop for ImportBar {
     fn drop(&mut self) {
-        if let Some(bar) = &self.0 {
+        if let Some(bar) = self.bar() {
             bar.finish_and_clear();
         }
     }
@@ -265,8 +267,8 @@ mod tests {
         let text = list_table(&[sample()]);
         assert_eq!(
             text,
-            "NAME  FORMAT  ORIGIN    SIZE  DIGEST               CREATED\n\
-             app   oci     imported  320M  sha256:abababababab  2026-01-02T03:04:05.000Z\n"
+            "NAME   FORMAT   ORIGIN     SIZE   DIGEST                CREATED\n\
+             app    oci      imported   320M   sha256:abababababab   2026-01-02T03:04:05.000Z\n"
         );
     }
 
