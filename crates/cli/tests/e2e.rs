@@ -801,6 +801,38 @@ async fn image_commands_list_import_inspect_and_remove() {
         r.stderr
     );
 
+    // An OCI layout directory goes as a tar made while it is sent.
+    let layout = dir.path().join("layout");
+    std::fs::create_dir_all(layout.join("blobs/sha256")).expect("layout");
+    std::fs::write(
+        layout.join("oci-layout"),
+        br#"{"imageLayoutVersion":"1.0.0"}"#,
+    )
+    .expect("w");
+    std::fs::write(
+        layout.join("index.json"),
+        br#"{"schemaVersion":2,"manifests":[]}"#,
+    )
+    .expect("w");
+    let r = run(
+        &fake,
+        &[
+            "image",
+            "import",
+            "fromdir",
+            layout.to_str().expect("utf8"),
+            "--json",
+        ],
+    )
+    .await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let info: serde_json::Value = serde_json::from_str(&r.stdout).expect("one JSON document");
+    let sent = info["size"].as_u64().expect("size");
+    assert!(
+        sent >= 3 * 512 && sent % 512 == 0,
+        "a tar of the directory: {sent} bytes"
+    );
+
     let r = run(&fake, &["image", "rm", "min"]).await;
     assert_eq!(r.code, 1);
     assert!(
