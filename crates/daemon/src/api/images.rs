@@ -162,8 +162,16 @@ mod tests {
             let dir = tempfile::tempdir().expect("tmp");
             let agent = dir.path().join("tine-agent");
             fake_static_agent(&agent);
+            Self::with_agent(dir, Some(agent), storage_size)
+        }
+
+        fn with_agent(
+            dir: tempfile::TempDir,
+            agent: Option<std::path::PathBuf>,
+            storage_size: Option<&str>,
+        ) -> Self {
             let mut config = Config::embedded_default();
-            config.agent = Some(agent);
+            config.agent = agent;
             config.host_groups = vec![HostGroup {
                 name: "dev".into(),
                 image: "imported".into(),
@@ -346,7 +354,7 @@ mod tests {
         let events = api.import("name=junk&format=qcow2", raw_image(8192)).await;
         assert!(error_of(&events)
             .error
-            .contains("said to be qcow2 but looks like raw"));
+            .contains("said to be qcow2 but looks like a raw ext4 image"));
 
         // A docker archive whose second layer is missing.
         let layers = vec![crate::image::tests::tar_files(&[("bin/sh", b"sh")])];
@@ -419,5 +427,50 @@ mod tests {
             text.contains("image `imported` (2 MiB) is too large for the disk size of host group `dev` (1 MiB)"),
             "{text}"
         );
+    }
+
+    #[tokio::test]
+    async fn without_a_configured_agent_the_min_images_is_installed() {
+        if std::env::var_os("TINE_AGENT_BIN").is_some()
+            || std::env::var_os("TINE_IMAGE_MIN").is_some()
+        {
+            panic!("unset TINE_AGENT_BIN and TINE_IMAGE_MIN: this test makes its own min image");
+        }
+        // A "min image" at <data_dir>/images/min.img carrying an agent.
+        let dir = tempfile::tempdir().expect("tmp");
+        let min_root = dir.path().join("min-root");
+        std::fs::create_dir_all(min_root.join("usr/bin")).expect("root");
+        fake_static_agent(&min_root.join("usr/bin/tine-agent"));
+        let images = dir.path().join("data/images");
+        std::fs::create_dir_all(&images).expect("images");
+        crate::image::rootfs::make_ext4(&min_root, &images.join("min.img"), 64 << 20)
+            .expect("min image");
+        let api = Api::with_agent(dir, None, None);
+        let layers = vec![crate::image::tests::tar_files(&[("bin/sh", b"#!sh")])];
+        let archive = crate::image::tests::docker_archive(&layers);
+        let events = api.import("name=imported", archive).await;
+        let image = match events.last() {
+            Some(ImportEvent::Done { image }) => image.clone(),
+            other => panic!("not done: {other:?}"),
+        };
+        assert_eq!(image.format, ImageFormat::DockerArchive);
+        let (_, body) = api.send(Method::GET, "/images/imported", vec![]).await;
+        let info: ImageInfo = serde_json::from_slice(&body).expect("info");
+        assert_eq!(info, image);
+        // The installed agent is the min image's.
+        let base = std::fs::read_dir(api.dir.path().join("data/images"))
+            .expect("dir")
+            .flatten()
+            .map(|e| e.path())
+            .find(|p| p.extension().is_some_and(|x| x == "base"))
+            .expect("a base");
+        let debugfs = crate::image::rootfs::find_tool("debugfs").expect("debugfs");
+        let out = std::process::Command::new(debugfs)
+            .args(["-R", "cat /usr/bin/tine-agent"])
+            .arg(&base)
+            .output()
+            .expect("debugfs");
+        assert_eq!(&out.stdout[..5], b"\x7fELF\x02");
+        assert_eq!(out.stdout.len(), 64);
     }
 }

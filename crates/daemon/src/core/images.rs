@@ -221,11 +221,23 @@ impl Daemon {
     }
 
     fn agent_from_min_image(&self, work: &Path) -> Result<PathBuf, ImageError> {
-        let min = artifacts::image_source("min", &self.data_dir).map_err(|e| {
-            ImageError::NoAgent(format!(
-                "set `agent:` in tine.yaml or $TINE_AGENT_BIN, or build the min image ({e})"
-            ))
-        })?;
+        // The build cache's min image, else the base a VM already uses.
+        let recorded = || {
+            self.store
+                .get_image("min")
+                .ok()
+                .flatten()
+                .map(|r| PathBuf::from(r.path))
+                .filter(|p| p.is_file())
+        };
+        let min = match artifacts::image_source("min", &self.data_dir) {
+            Ok(p) => p,
+            Err(e) => recorded().ok_or_else(|| {
+                ImageError::NoAgent(format!(
+                    "set `agent:` in tine.yaml or $TINE_AGENT_BIN, or build the min image ({e})"
+                ))
+            })?,
+        };
         let debugfs = image::rootfs::find_tool("debugfs")?;
         let out = work.join("tine-agent");
         let status = std::process::Command::new(debugfs)

@@ -134,8 +134,29 @@ pub fn check_name(name: &str) -> Result<(), ImageError> {
     Ok(())
 }
 
+/// What an upload's first bytes say it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Detected {
+    /// The qcow2 magic.
+    Qcow2,
+    /// An ext2/3/4 superblock.
+    Ext4,
+    /// A tar (an OCI layout or a docker archive: told apart once unpacked).
+    Tar,
+}
+
+impl Detected {
+    fn describe(self) -> &'static str {
+        match self {
+            Detected::Qcow2 => "a qcow2 image",
+            Detected::Ext4 => "a raw ext4 image",
+            Detected::Tar => "a tar",
+        }
+    }
+}
+
 /// What an upload is, by its first bytes.
-pub fn detect(path: &Path) -> Result<ImportFormat, ImageError> {
+pub fn detect(path: &Path) -> Result<Detected, ImageError> {
     let mut file = std::fs::File::open(path).map_err(io_err("open the upload"))?;
     let mut head = vec![0u8; 2048];
     let mut got = 0;
@@ -150,14 +171,13 @@ pub fn detect(path: &Path) -> Result<ImportFormat, ImageError> {
     }
     head.truncate(got);
     if head.starts_with(b"QFI\xfb") {
-        return Ok(ImportFormat::Qcow2);
+        return Ok(Detected::Qcow2);
     }
     if is_ext4(&head) {
-        return Ok(ImportFormat::Raw);
+        return Ok(Detected::Ext4);
     }
     if head.len() > 262 && &head[257..262] == b"ustar" {
-        // Which kind of image archive is found once it is unpacked.
-        return Ok(ImportFormat::Oci);
+        return Ok(Detected::Tar);
     }
     if head.starts_with(&[0x1f, 0x8b]) {
         return Err(ImageError::Unrecognized(
@@ -217,26 +237,28 @@ pub fn convert(
     agent: &dyn Fn() -> Result<PathBuf, ImageError>,
     progress: Progress<'_>,
 ) -> Result<Converted, ImageError> {
-    let found = detect(upload);
+    let found = detect(upload)?;
+    let fits = matches!(
+        (format, found),
+        (ImportFormat::Auto, _)
+            | (ImportFormat::Raw, Detected::Ext4)
+            | (ImportFormat::Qcow2, Detected::Qcow2)
+            | (
+                ImportFormat::Oci | ImportFormat::DockerArchive,
+                Detected::Tar
+            )
+    );
+    if !fits {
+        return Err(ImageError::Unrecognized(format!(
+            "the upload was said to be {format} but looks like {}",
+            found.describe()
+        )));
+    }
     let format = match (format, found) {
-        (ImportFormat::Auto, found) => found?,
-        // An archive's kind is told apart once unpacked.
-        (
-            ImportFormat::Oci | ImportFormat::DockerArchive,
-            Ok(ImportFormat::Oci | ImportFormat::DockerArchive),
-        ) => format,
-        (asked, Ok(found)) if asked == found => asked,
-        (asked, Ok(found)) => {
-            return Err(ImageError::Unrecognized(format!(
-                "the upload was said to be {asked} but looks like {}",
-                if found == ImportFormat::Oci {
-                    "a tar"
-                } else {
-                    found.as_str()
-                }
-            )))
-        }
-        (_, Err(e)) => return Err(e),
+        (ImportFormat::Auto, Detected::Ext4) => ImportFormat::Raw,
+        (ImportFormat::Auto, Detected::Qcow2) => ImportFormat::Qcow2,
+        // Auto stays auto for a tar: its kind is found once unpacked.
+        (asked, _) => asked,
     };
     match format {
         ImportFormat::Raw => {

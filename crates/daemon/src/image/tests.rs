@@ -363,3 +363,23 @@ fn an_image_without_a_shell_is_refused() {
     assert!(err.to_string().contains("no /bin/sh"), "{err}");
     assert!(err.is_bad_input());
 }
+
+#[test]
+fn a_format_that_does_not_match_the_upload_is_named() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let upload = dir.path().join("upload.tar");
+    std::fs::write(&upload, docker_archive(&base_layers())).expect("write");
+    let work = dir.path().join("work");
+    std::fs::create_dir(&work).expect("work");
+    let agent = || Ok(PathBuf::from("/bin/true"));
+    let err = convert(&upload, ImportFormat::Oci, &work, &agent, &mut |_| {}).expect_err("kind");
+    assert_eq!(
+        err.to_string(),
+        "the upload was said to be oci but is docker-archive"
+    );
+    let err = convert(&upload, ImportFormat::Qcow2, &work, &agent, &mut |_| {}).expect_err("qcow2");
+    assert_eq!(
+        err.to_string(),
+        "the upload was said to be qcow2 but looks like a tar"
+    );
+}
