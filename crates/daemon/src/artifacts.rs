@@ -172,7 +172,8 @@ pub fn image_source(name: &str, data_dir: &Path) -> Result<PathBuf, ArtifactErro
     Err(ArtifactError::NotFound {
         what: format!("image `{name}`"),
         looked: looked.join(", "),
-        hint: "Build the min image with guest/rootfs/min/build (scripts/setup does).",
+        hint: "Import it with `tine image import NAME FILE`, or build a built-in image with \
+               guest/rootfs/<name>/build (scripts/setup builds min).",
     })
 }
 

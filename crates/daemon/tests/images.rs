@@ -2,8 +2,9 @@
 //! OCI image the test builds itself (Debian's static busybox in two
 //! layers, the second with a whiteout, and a config with `Env` and
 //! `WorkingDir`) is imported, a VM boots from it, and exec runs with the
-//! image's defaults; the image cannot be removed while the VM exists;
-//! malformed archives are refused naming the problem.
+//! image's defaults; the image cannot be removed while the VM exists; the
+//! same layers as a `docker save` archive convert too; malformed archives
+//! are refused naming the problem.
 
 mod support;
 
@@ -121,6 +122,37 @@ fn oci_archive(
     Ok(b.into_inner()?)
 }
 
+/// A `docker save` archive of `layers` (uncompressed tars, as docker
+/// writes them) under a config with `env` and `workdir`.
+fn docker_archive(layers: &[Vec<u8>], env: &[&str], workdir: &str) -> R<Vec<u8>> {
+    let diff_ids: Vec<String> = layers.iter().map(|l| sha(l)).collect::<R<_>>()?;
+    let config = serde_json::to_vec(&serde_json::json!({
+        "architecture": tine_proto::api::go_arch(),
+        "os": "linux",
+        "config": {"Env": env, "WorkingDir": workdir},
+        "rootfs": {"type": "layers", "diff_ids": diff_ids}
+    }))?;
+    let config_name = format!("{}.json", &sha(&config)?[7..]);
+    let layer_names: Vec<String> = (0..layers.len())
+        .map(|i| format!("{i}/layer.tar"))
+        .collect();
+    let manifest = serde_json::to_vec(&serde_json::json!([{
+        "Config": config_name, "RepoTags": ["app:latest"], "Layers": layer_names
+    }]))?;
+    let mut b = tar::Builder::new(Vec::new());
+    let mut add = |name: &str, data: &[u8]| -> R {
+        let mut h = header(tar::EntryType::Regular, data.len() as u64, 0o644);
+        b.append_data(&mut h, name, data)?;
+        Ok(())
+    };
+    add("manifest.json", &manifest)?;
+    add(&config_name, &config)?;
+    for (name, data) in layer_names.iter().zip(layers) {
+        add(name, data)?;
+    }
+    Ok(b.into_inner()?)
+}
+
 /// The test's image: busybox and a file to whiteout, then the app's
 /// folder and the whiteout.
 fn app_layers() -> R<Vec<Vec<u8>>> {
@@ -191,6 +223,8 @@ fn oci_import_boots_with_its_defaults() -> R {
         None,
     )?;
     let no_shell = write_upload(&d.dir, "noshell.tar", &no_shell)?;
+    let docker = docker_archive(&layers, &["PATH=/bin"], "/srv/app")?;
+    let docker = write_upload(&d.dir, "docker.tar", &docker)?;
     let mut not_tar = std::fs::read(&good)?;
     not_tar.truncate(700);
     let not_tar = write_upload(&d.dir, "cut.tar", &not_tar)?;
@@ -217,6 +251,15 @@ fn oci_import_boots_with_its_defaults() -> R {
         if !listed.is_empty() {
             return Err(fail(format!("refused imports were recorded: {listed:?}")));
         }
+
+        // A `docker save` archive converts the same way.
+        let from_docker = import(c, "app-docker", &docker).await.or_fail()?;
+        assert_eq!(from_docker.format, ImageFormat::DockerArchive);
+        assert_eq!(
+            from_docker.exec_defaults.and_then(|d| d.workdir).as_deref(),
+            Some("/srv/app")
+        );
+        c.delete_image("app-docker").await.or_fail()?;
 
         let image = import(c, "app", &good).await.or_fail()?;
         assert_eq!(image.format, ImageFormat::Oci);

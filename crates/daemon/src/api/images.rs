@@ -430,7 +430,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn without_a_configured_agent_the_min_images_is_installed() {
+    async fn without_a_configured_agent_the_min_images_agent_is_installed() {
         if std::env::var_os("TINE_AGENT_BIN").is_some()
             || std::env::var_os("TINE_IMAGE_MIN").is_some()
         {
