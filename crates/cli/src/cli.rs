@@ -89,6 +89,47 @@ pub enum Command {
         #[command(subcommand)]
         command: SecretCommand,
     },
+    /// Images VMs boot from: list, import (ext4, qcow2, OCI, docker save),
+    /// inspect, remove
+    Image {
+        /// The image command.
+        #[command(subcommand)]
+        command: ImageCommand,
+    },
+}
+
+/// `tine image ...`
+#[derive(Debug, Subcommand)]
+pub enum ImageCommand {
+    /// List images (imported ones, and built-in ones once a VM used them)
+    #[command(visible_alias = "ls")]
+    List,
+    /// Import an image file under a new name
+    Import(ImageImportArgs),
+    /// Show one image: digest, format, origin, size, exec defaults
+    Inspect {
+        /// The image.
+        name: String,
+    },
+    /// Remove an image (refused while a VM or commit uses it)
+    #[command(visible_alias = "rm")]
+    Remove {
+        /// The image.
+        name: String,
+    },
+}
+
+/// `tine image import NAME FILE`
+#[derive(Debug, Args)]
+pub struct ImageImportArgs {
+    /// The new image's name (what a host group's `image:` names)
+    pub name: String,
+    /// A raw ext4 or qcow2 disk image, a `docker save` tar, or an OCI image
+    /// layout (a tar of one, or its directory)
+    pub file: PathBuf,
+    /// What FILE is: auto, raw, qcow2, oci, docker-archive
+    #[arg(long, default_value = "auto")]
+    pub format: tine_proto::api::ImportFormat,
 }
 
 /// `tine secret ...`

@@ -100,6 +100,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Ls(args) => list(g, &args).await,
         Command::Vm { command } => vm(g, command).await,
         Command::Secret { command } => crate::secret::run(g, &client(g)?, command).await,
+        Command::Image { command } => crate::image::run(g, &client(g)?, command).await,
     }
 }
 

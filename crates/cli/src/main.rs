@@ -7,6 +7,7 @@ mod cli;
 mod commands;
 mod config;
 mod exit;
+mod image;
 mod output;
 mod pause;
 mod secret;

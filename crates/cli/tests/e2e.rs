@@ -718,3 +718,133 @@ async fn pause_and_resume_name_the_vm() {
     assert_eq!(r.code, 1);
     assert!(r.stderr.contains("dev-2 is stopped"), "{}", r.stderr);
 }
+
+#[tokio::test]
+async fn image_commands_list_import_inspect_and_remove() {
+    let fake = FakeDaemon::start(None).await;
+    let r = run(&fake, &["image", "list"]).await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let lines: Vec<&str> = r.stdout.lines().collect();
+    assert!(
+        lines[0].starts_with("NAME   FORMAT   ORIGIN"),
+        "{}",
+        r.stdout
+    );
+    assert!(
+        lines[1].starts_with("app    oci      imported   256M   sha256:0a0a0a"),
+        "{}",
+        r.stdout
+    );
+    assert_eq!(lines.len(), 3);
+
+    let r = run(&fake, &["image", "inspect", "app"]).await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(r.stdout.contains("workdir:    /srv\n"), "{}", r.stdout);
+
+    // A file is streamed as the body; a directory must be an OCI layout.
+    let dir = tempfile::tempdir().expect("tmp");
+    let file = dir.path().join("image.tar");
+    std::fs::write(&file, vec![7u8; 100_000]).expect("write");
+    let file_arg = file.to_str().expect("utf8");
+    let r = run(&fake, &["image", "import", "new", file_arg]).await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(
+        r.stdout,
+        format!(
+            "imported image new (oci, 97.6K, sha256:{})\n",
+            "0a".repeat(32)
+        )
+    );
+    assert_eq!(fake.last("/images").uri, "/images?name=new&format=auto");
+    let r = run(
+        &fake,
+        &[
+            "image", "import", "new2", file_arg, "--json", "--format", "oci",
+        ],
+    )
+    .await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let info: serde_json::Value = serde_json::from_str(&r.stdout).expect("one JSON document");
+    assert_eq!(
+        (info["name"].as_str(), info["size"].as_u64()),
+        (Some("new2"), Some(100_000))
+    );
+    let r = run(
+        &fake,
+        &["image", "import", "new3", file_arg, "--format", "zip"],
+    )
+    .await;
+    assert_eq!(r.code, 2, "a bad --format is a usage error: {}", r.stderr);
+
+    let bad = dir.path().join("bad.tar");
+    std::fs::write(&bad, b"bad bytes").expect("write");
+    let r = run(
+        &fake,
+        &["image", "import", "broken", bad.to_str().expect("utf8")],
+    )
+    .await;
+    assert_eq!(r.code, 1);
+    assert!(
+        r.stderr.contains("the upload is not a valid tar archive"),
+        "{}",
+        r.stderr
+    );
+    let r = run(
+        &fake,
+        &["image", "import", "d", dir.path().to_str().expect("utf8")],
+    )
+    .await;
+    assert_eq!(r.code, 1);
+    assert!(
+        r.stderr.contains("without an oci-layout file"),
+        "{}",
+        r.stderr
+    );
+
+    // An OCI layout directory goes as a tar made while it is sent.
+    let layout = dir.path().join("layout");
+    std::fs::create_dir_all(layout.join("blobs/sha256")).expect("layout");
+    std::fs::write(
+        layout.join("oci-layout"),
+        br#"{"imageLayoutVersion":"1.0.0"}"#,
+    )
+    .expect("w");
+    std::fs::write(
+        layout.join("index.json"),
+        br#"{"schemaVersion":2,"manifests":[]}"#,
+    )
+    .expect("w");
+    let r = run(
+        &fake,
+        &[
+            "image",
+            "import",
+            "fromdir",
+            layout.to_str().expect("utf8"),
+            "--json",
+        ],
+    )
+    .await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let info: serde_json::Value = serde_json::from_str(&r.stdout).expect("one JSON document");
+    let sent = info["size"].as_u64().expect("size");
+    assert!(
+        sent >= 3 * 512 && sent.is_multiple_of(512),
+        "a tar of the directory: {sent} bytes"
+    );
+
+    let r = run(&fake, &["image", "rm", "min"]).await;
+    assert_eq!(r.code, 1);
+    assert!(
+        r.stderr.contains("image `min` is used by VM dev-1"),
+        "{}",
+        r.stderr
+    );
+    let r = run(&fake, &["image", "rm", "app"]).await;
+    assert_eq!(
+        (r.code, r.stdout.as_str()),
+        (0, "removed image app\n"),
+        "{}",
+        r.stderr
+    );
+}

@@ -82,6 +82,8 @@ enum Expect {
     Documented,
     /// 200 and an NDJSON stream of exec frames.
     Ndjson,
+    /// 200 and an NDJSON stream of image import events.
+    ImportEvents,
     /// 200 and bytes of the documented content type.
     Bytes,
     /// A WebSocket upgrade (101).
@@ -472,6 +474,49 @@ fn cases() -> Vec<Case> {
             ),
             "{}",
         ),
+        case(
+            M::GET,
+            "/images",
+            "/images",
+            list::<tine_proto::api::ImageInfo>(),
+        ),
+        case(
+            M::GET,
+            "/images/{name}",
+            "/images/app",
+            json::<tine_proto::api::ImageInfo>(200),
+        ),
+        case(
+            M::GET,
+            "/images/{name}",
+            "/images/nope",
+            Error(ErrorCode::NotFound),
+        ),
+        case(
+            M::DELETE,
+            "/images/{name}",
+            "/images/app",
+            json::<tine_proto::api::DeleteImageResponse>(200),
+        ),
+        case(
+            M::DELETE,
+            "/images/{name}",
+            "/images/min",
+            Error(ErrorCode::Conflict),
+        ),
+        with_bytes(
+            case(M::POST, "/images", "/images?name=new", ImportEvents),
+            "image bytes",
+        ),
+        with_bytes(
+            case(
+                M::POST,
+                "/images",
+                "/images?name=app",
+                Error(ErrorCode::Conflict),
+            ),
+            "image bytes",
+        ),
         Case {
             method: M::GET,
             route: None,
@@ -757,6 +802,17 @@ fn check(doc: &Yaml, case: &Case, answer: &Answer) -> Result<(), String> {
             }
             for line in text.lines() {
                 exact::<ExecFrame>(line.as_bytes())?;
+            }
+            Ok(())
+        }
+        Expect::ImportEvents => {
+            content_type(success(200)?)?;
+            let text = String::from_utf8(answer.body.clone()).map_err(|e| e.to_string())?;
+            if !text.ends_with('\n') || text.trim().is_empty() {
+                return Err(format!("not NDJSON lines: {text:?}"));
+            }
+            for line in text.lines() {
+                exact::<tine_proto::api::ImportEvent>(line.as_bytes())?;
             }
             Ok(())
         }

@@ -199,6 +199,8 @@ fn api_error(status: u16, body: &[u8]) -> ApiError {
 
 pub use tine_proto::api::{ShutdownAction, Wait};
 
+mod images;
+
 /// How `cp` moves files.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum CpMode {

@@ -10,6 +10,8 @@
 
 use std::path::{Path, PathBuf};
 
+use tine_proto::api::{ImageFormat, ImageOrigin};
+
 use crate::db::{ImageRecord, Store};
 
 /// Errors finding or importing artifacts.
@@ -136,7 +138,8 @@ pub fn find_vmm(configured: Option<&Path>) -> Result<PathBuf, ArtifactError> {
     })
 }
 
-fn image_source(name: &str, data_dir: &Path) -> Result<PathBuf, ArtifactError> {
+/// Where the file for image `name` (a built-in name or a path) is.
+pub fn image_source(name: &str, data_dir: &Path) -> Result<PathBuf, ArtifactError> {
     if name.contains('/') {
         let p = PathBuf::from(name);
         if p.is_file() {
@@ -169,7 +172,8 @@ fn image_source(name: &str, data_dir: &Path) -> Result<PathBuf, ArtifactError> {
     Err(ArtifactError::NotFound {
         what: format!("image `{name}`"),
         looked: looked.join(", "),
-        hint: "Build the min image with guest/rootfs/min/build (scripts/setup does).",
+        hint: "Import it with `tine image import NAME FILE`, or build a built-in image with \
+               guest/rootfs/<name>/build (scripts/setup builds min).",
     })
 }
 
@@ -220,11 +224,25 @@ pub fn image_base(
         std::fs::set_permissions(&tmp, perms).map_err(import)?;
         std::fs::rename(&tmp, &dest).map_err(import)?;
     }
+    let digest = crate::image::oci::sha256_file(&dest).map_err(import)?;
+    let format = match tine_disk::detect_format(&dest) {
+        Ok(tine_disk::Format::Qcow2) => ImageFormat::Qcow2,
+        _ => ImageFormat::Raw,
+    };
     let img = ImageRecord {
         name: name.to_owned(),
         source: source.display().to_string(),
         path: dest.display().to_string(),
         size_bytes: meta.len(),
+        digest: Some(digest),
+        format,
+        origin: if name.contains('/') {
+            ImageOrigin::File
+        } else {
+            ImageOrigin::BuiltIn
+        },
+        exec_defaults: None,
+        created_ms: crate::db::now_ms(),
     };
     store.put_image(&img)?;
     Ok(img)

@@ -86,6 +86,10 @@ pub struct Config {
     /// The `tine-vmm` binary; default: next to the running binary, then PATH.
     #[serde(default)]
     pub vmm: Option<PathBuf>,
+    /// The static `tine-agent` installed into imported OCI images; default:
+    /// `$TINE_AGENT_BIN`, else the one in the built-in `min` image.
+    #[serde(default)]
+    pub agent: Option<PathBuf>,
     /// Extra kernel command line appended for every VM.
     #[serde(default)]
     pub cmdline: Option<String>,
@@ -254,6 +258,7 @@ impl Config {
             data_dir: None,
             kernel: None,
             vmm: None,
+            agent: None,
             cmdline: None,
             api: ApiConfig::default(),
             reconcile: Reconcile::Relaunch,

@@ -12,7 +12,9 @@ use std::path::Path;
 use std::sync::{Mutex, MutexGuard};
 
 use rusqlite::{params, Connection, OptionalExtension, Row, Transaction};
-use tine_proto::api::{CommitMode, Fixup, ForkNetwork, StopMode, VmState};
+use tine_proto::api::{
+    CommitMode, Fixup, ForkNetwork, ImageExecDefaults, ImageFormat, ImageOrigin, StopMode, VmState,
+};
 
 use crate::network::VmNetwork;
 
@@ -119,6 +121,12 @@ const MIGRATIONS: &[&str] = &[
     ALTER TABLE commits ADD COLUMN snapshot TEXT;
     ALTER TABLE commits ADD COLUMN memory_bytes INTEGER;
     ALTER TABLE commits ADD COLUMN has_nic INTEGER;",
+    // 6: the image store: a base's content hash, what it was made from,
+    // where it came from and an OCI image's process defaults (JSON).
+    "ALTER TABLE images ADD COLUMN digest TEXT;
+    ALTER TABLE images ADD COLUMN format TEXT NOT NULL DEFAULT 'raw';
+    ALTER TABLE images ADD COLUMN origin TEXT NOT NULL DEFAULT 'built-in';
+    ALTER TABLE images ADD COLUMN exec_defaults TEXT;",
 ];
 
 /// One VM as recorded.
@@ -289,6 +297,17 @@ pub struct ImageRecord {
     pub path: String,
     /// Size in bytes.
     pub size_bytes: u64,
+    /// `sha256:<hex>` of the base file (absent for bases recorded before
+    /// images were hashed).
+    pub digest: Option<String>,
+    /// What it was made from.
+    pub format: ImageFormat,
+    /// Where it came from.
+    pub origin: ImageOrigin,
+    /// An OCI image's process defaults.
+    pub exec_defaults: Option<ImageExecDefaults>,
+    /// Recorded, Unix ms.
+    pub created_ms: u64,
 }
 
 /// The database.
@@ -822,34 +841,56 @@ impl Store {
     /// An imported image.
     pub fn get_image(&self, name: &str) -> Result<Option<ImageRecord>> {
         self.lock()
-            .prepare_cached("SELECT name, source, path, size_bytes FROM images WHERE name = ?1")?
-            .query_row([name], |r| {
-                Ok(ImageRecord {
-                    name: r.get(0)?,
-                    source: r.get(1)?,
-                    path: r.get(2)?,
-                    size_bytes: r.get::<_, i64>(3)? as u64,
-                })
-            })
+            .prepare_cached(&format!(
+                "SELECT {IMAGE_COLUMNS} FROM images WHERE name = ?1"
+            ))?
+            .query_row([name], image_from_row)
             .optional()
             .map_err(Into::into)
     }
 
-    /// Records (or replaces) an imported image.
+    /// Every recorded image, by name.
+    pub fn list_images(&self) -> Result<Vec<ImageRecord>> {
+        let conn = self.lock();
+        let mut stmt =
+            conn.prepare_cached(&format!("SELECT {IMAGE_COLUMNS} FROM images ORDER BY name"))?;
+        let out = stmt
+            .query_map([], image_from_row)?
+            .collect::<rusqlite::Result<_>>()?;
+        Ok(out)
+    }
+
+    /// Records (or replaces) a built-in image's base.
     pub fn put_image(&self, img: &ImageRecord) -> Result<()> {
-        self.lock()
-            .prepare_cached(
-                "INSERT OR REPLACE INTO images (name, source, path, size_bytes, imported_ms) \
-             VALUES (?1, ?2, ?3, ?4, ?5)",
-            )?
-            .execute(params![
-                img.name,
-                img.source,
-                img.path,
-                img.size_bytes as i64,
-                now_ms() as i64
-            ])?;
-        Ok(())
+        write_image(&self.lock(), "INSERT OR REPLACE", img)
+    }
+
+    /// Records a new image; a name already recorded is a conflict (images
+    /// are immutable).
+    pub fn insert_image(&self, img: &ImageRecord) -> Result<()> {
+        self.transaction(|tx| {
+            let taken: Option<String> = tx
+                .prepare_cached("SELECT name FROM images WHERE name = ?1")?
+                .query_row([&img.name], |r| r.get(0))
+                .optional()?;
+            if taken.is_some() {
+                return Err(DbError::Conflict(format!(
+                    "an image called `{}` already exists; images are immutable: \
+                     delete it first or pick another name",
+                    img.name
+                )));
+            }
+            write_image(tx, "INSERT", img)
+        })
+    }
+
+    /// Forgets an image; returns whether it was recorded.
+    pub fn delete_image(&self, name: &str) -> Result<bool> {
+        let n = self
+            .lock()
+            .prepare_cached("DELETE FROM images WHERE name = ?1")?
+            .execute([name])?;
+        Ok(n > 0)
     }
 
     /// Every file and folder a commit holds: each one's disk and, for a
@@ -876,6 +917,60 @@ impl Store {
             .collect::<rusqlite::Result<_>>()?;
         Ok(out)
     }
+}
+
+/// The columns [`image_from_row`] reads, in its order.
+const IMAGE_COLUMNS: &str =
+    "name, source, path, size_bytes, digest, format, origin, exec_defaults, imported_ms";
+
+fn image_from_row(r: &Row<'_>) -> rusqlite::Result<ImageRecord> {
+    let text_column = |i: usize, e: String| {
+        rusqlite::Error::FromSqlConversionFailure(i, rusqlite::types::Type::Text, e.into())
+    };
+    let format: String = r.get(5)?;
+    let origin: String = r.get(6)?;
+    let exec_defaults: Option<String> = r.get(7)?;
+    Ok(ImageRecord {
+        name: r.get(0)?,
+        source: r.get(1)?,
+        path: r.get(2)?,
+        size_bytes: r.get::<_, i64>(3)? as u64,
+        digest: r.get(4)?,
+        format: format.parse().map_err(|e| text_column(5, format!("{e}")))?,
+        origin: origin.parse().map_err(|e| text_column(6, format!("{e}")))?,
+        exec_defaults: exec_defaults
+            .map(|j| serde_json::from_str(&j).map_err(|e| text_column(7, e.to_string())))
+            .transpose()?,
+        created_ms: r.get::<_, i64>(8)? as u64,
+    })
+}
+
+fn write_image(conn: &Connection, verb: &str, img: &ImageRecord) -> Result<()> {
+    let exec_defaults = img
+        .exec_defaults
+        .as_ref()
+        .map(serde_json::to_string)
+        .transpose()
+        .map_err(|e| DbError::Corrupt {
+            what: "images.exec_defaults",
+            detail: e.to_string(),
+        })?;
+    conn.prepare_cached(&format!(
+        "{verb} INTO images (name, source, path, size_bytes, digest, format, origin, \
+         exec_defaults, imported_ms) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)"
+    ))?
+    .execute(params![
+        img.name,
+        img.source,
+        img.path,
+        img.size_bytes as i64,
+        img.digest,
+        img.format.as_str(),
+        img.origin.as_str(),
+        exec_defaults,
+        img.created_ms as i64
+    ])?;
+    Ok(())
 }
 
 /// Inserts a new VM's row (see [`Store::insert_vm`]).

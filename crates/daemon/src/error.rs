@@ -81,6 +81,8 @@ impl From<CoreError> for ApiError {
                 | SecretError::BadGrants(_)
                 | SecretError::GrantsTooLarge { .. } => ErrorCode::BadRequest,
             },
+            CoreError::Image(e) if e.is_bad_input() => ErrorCode::BadRequest,
+            CoreError::Image(_) => ErrorCode::Internal,
             // A key that cannot be fetched is the request's `import_user`.
             CoreError::Keys(_) => ErrorCode::BadRequest,
             CoreError::Failed(_)

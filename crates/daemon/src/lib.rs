@@ -24,6 +24,7 @@ pub mod db;
 pub mod error;
 pub mod failpoint;
 pub mod host_stats;
+pub mod image;
 pub mod launcher;
 pub mod network;
 pub mod process;

@@ -1692,3 +1692,7 @@ wire_enum! {
 // After `wire_enum!`, which it uses.
 mod observe;
 pub use observe::*;
+
+// After `wire_enum!`, which it uses.
+mod image;
+pub use image::*;

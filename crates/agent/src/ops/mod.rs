@@ -7,6 +7,7 @@ pub(crate) mod background;
 pub(crate) mod exec;
 pub(crate) mod files;
 pub(crate) mod forward;
+pub(crate) mod image_defaults;
 pub(crate) mod process;
 pub(crate) mod shell;
 pub(crate) mod system;

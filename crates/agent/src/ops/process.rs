@@ -84,12 +84,15 @@ fn lookup_user(uid: u32) -> Option<PasswdEntry> {
     })
 }
 
-/// Builds a command with the request's environment, directory and identity.
+/// Builds a command with the request's environment, directory and identity
+/// (an imported image's defaults where the request gives none).
 pub(crate) fn build(
     argv: &[String],
     options: &ProcessOptions,
     extra_env: &BTreeMap<String, String>,
 ) -> Result<std::process::Command, OpError> {
+    let defaults = super::image_defaults::read(Path::new(super::image_defaults::DEFAULTS_FILE));
+    let options = &super::image_defaults::apply(options, &defaults, Path::new("/etc"))?;
     let (program, args) = argv
         .split_first()
         .ok_or_else(|| OpError::bad_request("argv is empty"))?;

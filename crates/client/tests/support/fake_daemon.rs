@@ -25,6 +25,9 @@
 //!   world-writable sticky directory, a device carrying bytes);
 //!   `/cut-short` sends 8 bytes and aborts the body, as the daemon does
 //!   when the agent fails mid-download; upload: counts and keeps the bytes.
+//! - images: `app` (OCI, imported) and `min` (built-in, used by `dev-1`:
+//!   removing it is a 409); an import of a body starting with `bad` ends
+//!   with an `error` event, any other with `done`.
 //! - shell: greets, echoes terminal data, answers a resize with
 //!   `resized R C`, ends with exit 3 on input `exit\r`, and goes away
 //!   without an exit message on `drop\r`.
@@ -228,6 +231,10 @@ fn fake_routes() -> FakeRoutes {
     .add(M::GET, "/vm/{hostname}/shell", shell)
     .add(M::GET, "/vm/{hostname}/forward", forward)
     .add(M::POST, "/vm/{hostname}/commit", commit)
+    .add(M::GET, "/images", images)
+    .add(M::POST, "/images", import_image)
+    .add(M::GET, "/images/{name}", image)
+    .add(M::DELETE, "/images/{name}", delete_image)
 }
 
 /// Every route the fake serves, as `(method, path)` with `{param}`
@@ -1222,6 +1229,127 @@ async fn fork(
             persistent: req.persistent.unwrap_or(true),
             elapsed_ms: 300,
         }),
+    )
+        .into_response()
+}
+
+/// The fake's images: `app` (an imported OCI image) and `min` (built-in,
+/// used by `dev-1`, so it cannot be removed).
+fn fake_image(name: &str) -> Option<tine_proto::api::ImageInfo> {
+    use tine_proto::api::{ImageExecDefaults, ImageFormat, ImageInfo, ImageOrigin};
+    let (format, origin, defaults) = match name {
+        "app" => (
+            ImageFormat::Oci,
+            ImageOrigin::Imported,
+            Some(ImageExecDefaults {
+                env: vec!["PATH=/bin".into()],
+                user: None,
+                workdir: Some("/srv".into()),
+                entrypoint: vec![],
+                cmd: vec!["/bin/sh".into()],
+            }),
+        ),
+        "min" => (ImageFormat::Raw, ImageOrigin::BuiltIn, None),
+        _ => return None,
+    };
+    Some(ImageInfo {
+        name: name.into(),
+        digest: Some(format!("sha256:{}", "0a".repeat(32))),
+        format,
+        origin,
+        size: 256 << 20,
+        created_at: "2026-01-02T03:04:05.000Z".into(),
+        source: "upload (auto, 10 bytes)".into(),
+        exec_defaults: defaults,
+    })
+}
+
+fn not_found_image(name: &str) -> Response {
+    err(
+        StatusCode::NOT_FOUND,
+        ErrorCode::NotFound,
+        &format!("no image called `{name}`"),
+    )
+}
+
+async fn images() -> Json<Vec<tine_proto::api::ImageInfo>> {
+    Json(
+        ["app", "min"]
+            .iter()
+            .filter_map(|n| fake_image(n))
+            .collect(),
+    )
+}
+
+async fn image(Path(name): Path<String>) -> Response {
+    match fake_image(&name) {
+        Some(i) => Json(i).into_response(),
+        None => not_found_image(&name),
+    }
+}
+
+async fn delete_image(Path(name): Path<String>) -> Response {
+    match name.as_str() {
+        "min" => conflict("image `min` is used by VM dev-1; delete them first"),
+        "app" => Json(tine_proto::api::DeleteImageResponse {
+            name,
+            status: DeleteStatus::Deleted,
+        })
+        .into_response(),
+        _ => not_found_image(&name),
+    }
+}
+
+/// `POST /images`: takes the whole body, then answers NDJSON events; a
+/// body starting with `bad` fails as a broken tar does.
+async fn import_image(RawQuery(q): RawQuery, body: Body) -> Response {
+    use tine_proto::api::{ImportEvent, ImportStage};
+    let q = query_pairs(&q);
+    let Some(name) = param(&q, "name") else {
+        return bad_request("name= is required: the new image's name");
+    };
+    if fake_image(&name).is_some() {
+        return conflict(&format!("an image called `{name}` already exists"));
+    }
+    let mut data = Vec::new();
+    let mut stream = body.into_data_stream();
+    while let Some(chunk) = stream.next().await {
+        let Ok(chunk) = chunk else {
+            return bad_request("body failed");
+        };
+        data.extend_from_slice(&chunk);
+    }
+    let mut events = vec![ImportEvent::Progress {
+        stage: ImportStage::Received,
+        done: Some(data.len() as u64),
+        total: Some(data.len() as u64),
+        message: format!("received {} bytes", data.len()),
+    }];
+    if data.starts_with(b"bad") {
+        events.push(ImportEvent::Error(ErrorBody {
+            error: "the upload is not a valid tar archive".into(),
+            code: ErrorCode::BadRequest,
+        }));
+    } else {
+        events.push(ImportEvent::Progress {
+            stage: ImportStage::Layer,
+            done: Some(1),
+            total: Some(1),
+            message: "applying layer 1".into(),
+        });
+        let mut image = fake_image("app").expect("app");
+        image.name = name;
+        image.size = data.len() as u64;
+        events.push(ImportEvent::Done { image });
+    }
+    let mut text = Vec::new();
+    for e in &events {
+        text.extend(serde_json::to_vec(e).expect("json"));
+        text.push(b'\n');
+    }
+    (
+        [(axum::http::header::CONTENT_TYPE, "application/x-ndjson")],
+        text,
     )
         .into_response()
 }

@@ -8,6 +8,7 @@ mod commits;
 mod contract;
 mod fs;
 mod guest;
+mod images;
 mod params;
 mod secrets;
 mod stats;
@@ -119,6 +120,10 @@ pub fn routes() -> Routes {
         .add(M::POST, "/secrets", secrets::create)
         .add(M::PATCH, "/secrets/{name}", secrets::update)
         .add(M::DELETE, "/secrets/{name}", secrets::delete)
+        .add(M::GET, "/images", images::list)
+        .add(M::POST, "/images", images::import)
+        .add(M::GET, "/images/{name}", images::get)
+        .add(M::DELETE, "/images/{name}", images::delete)
 }
 
 /// The application: routes, fallbacks, state.

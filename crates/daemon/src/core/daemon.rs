@@ -115,6 +115,8 @@ pub struct Daemon {
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Serialises image imports (concurrent creates share one copy).
     pub(super) imports: Mutex<()>,
+    /// Names of the images being imported (`POST /images`).
+    pub(super) importing: Mutex<std::collections::HashSet<String>>,
     /// Boot slots: at most this many VMs between launch and agent-ready.
     pub(super) boot_slots: Arc<tokio::sync::Semaphore>,
     /// Why removed VMs failed (forks that never came up), for waiters.
@@ -178,6 +180,7 @@ impl Daemon {
             changes,
             locks: Mutex::new(HashMap::new()),
             imports: Mutex::new(()),
+            importing: Mutex::default(),
             failures: Mutex::new(HashMap::new()),
             forced: Mutex::new(HashMap::new()),
             verified: Mutex::new(HashMap::new()),

@@ -93,6 +93,9 @@ pub enum Error {
         #[source]
         source: tokio::task::JoinError,
     },
+    /// Importing an image.
+    #[error(transparent)]
+    Image(#[from] crate::image::ImageError),
     /// A host secret or a VM's grants.
     #[error(transparent)]
     Secret(#[from] SecretError),

@@ -128,6 +128,7 @@ impl Daemon {
         let size = group.storage_bytes().map_err(|e| {
             Error::BadRequest(format!("storage of host group `{}`: {e}", group.name))
         })?;
+        let group_name = group.name.clone();
         let job = tokio::spawn(async move {
             let this2 = this.clone();
             let base = tokio::task::spawn_blocking(move || {
@@ -139,6 +140,16 @@ impl Daemon {
                 what: "import image",
                 source,
             })??;
+            if let Some(disk) = size.filter(|s| *s < base.size_bytes) {
+                return Err(Error::BadRequest(format!(
+                    "image `{}` ({} MiB) is too large for the disk size of host group `{}` \
+                     ({} MiB); raise its storage_size",
+                    base.name,
+                    base.size_bytes.div_ceil(1 << 20),
+                    group_name,
+                    disk >> 20
+                )));
+            }
             let base = PathBuf::from(&base.path);
             this.provision(&new, move |disk: &Path| {
                 storage::create_disk(&base, disk, size).map_err(|e| Error::disk("create disk", e))

@@ -304,6 +304,23 @@ impl Daemon {
 
     /// Removes VM folders, disk files and commit files no record names.
     fn remove_orphan_files(&self, report: &mut ReconcileReport) -> Result<()> {
+        // Temporary files of imports cut short (an image's record is
+        // written last, so none names them).
+        let images_dir = self.data_dir.join("images");
+        for path in crate::image::remove_stray_files(&images_dir) {
+            report.removed.push(path.display().to_string());
+        }
+        // A base renamed in place whose record was never written.
+        let bases: HashSet<String> = self.store.image_paths()?.into_iter().collect();
+        if let Ok(entries) = std::fs::read_dir(&images_dir) {
+            for e in entries.flatten() {
+                let path = e.path();
+                let is_base = path.extension().is_some_and(|x| x == "base");
+                if is_base && !bases.contains(&path.display().to_string()) {
+                    remove_logged(&path, false, report);
+                }
+            }
+        }
         let vms = self.store.list_vms(None)?;
         let known: HashSet<&str> = vms.iter().map(|v| v.hostname.as_str()).collect();
         if let Ok(entries) = std::fs::read_dir(self.data_dir.join("vms")) {

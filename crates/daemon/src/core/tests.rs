@@ -542,3 +542,30 @@ async fn reconcile_remakes_the_disk_a_power_loss_took_from_an_unborn_fork() {
         c.disk
     );
 }
+
+#[tokio::test]
+async fn reconcile_removes_what_an_interrupted_image_import_left() {
+    let b = bed(true);
+    // A VM makes the group's image a recorded base, which stays.
+    b.create(Wait::Agent).await;
+    let images = b.daemon.images_dir();
+    let recorded: Vec<String> = b.daemon.store.image_paths().expect("paths");
+    assert_eq!(recorded.len(), 1);
+    // An upload, a conversion folder, and a base renamed in place whose
+    // record was never written.
+    let upload = images.join(".import-0123456789abcdef.upload");
+    let work = images.join(".import-0123456789abcdef.work");
+    let orphan = images.join("app-0123456789abcdef.base");
+    std::fs::write(&upload, b"half an upload").expect("upload");
+    std::fs::create_dir_all(work.join("root/etc")).expect("work");
+    std::fs::write(&orphan, b"unrecorded").expect("orphan");
+    let report = b.daemon.reconcile().await.expect("reconcile");
+    for p in [&upload, &work, &orphan] {
+        assert!(!p.exists(), "{} is left", p.display());
+        assert!(
+            report.removed.contains(&p.display().to_string()),
+            "{report:?}"
+        );
+    }
+    assert!(Path::new(&recorded[0]).is_file(), "the recorded base stays");
+}
