@@ -224,7 +224,10 @@ pub fn image_base(
         std::fs::set_permissions(&tmp, perms).map_err(import)?;
         std::fs::rename(&tmp, &dest).map_err(import)?;
     }
-    let digest = crate::image::oci::sha256_file(&dest).map_err(import)?;
+    let digest = match built_digest(&source, &meta) {
+        Some(d) => d,
+        None => crate::image::oci::sha256_file(&dest).map_err(import)?,
+    };
     let format = match tine_disk::detect_format(&dest) {
         Ok(tine_disk::Format::Qcow2) => ImageFormat::Qcow2,
         _ => ImageFormat::Raw,
@@ -246,6 +249,24 @@ pub fn image_base(
     };
     store.put_image(&img)?;
     Ok(img)
+}
+
+/// The digest the project's image builders write beside an image
+/// (`rootfs.ext4.sha256`, hex), when it is there and no older than the
+/// image: hashing a 2 GiB image again at every first use costs a minute on
+/// a slow machine. `sha256:<hex>`, or `None` to hash the copy instead.
+fn built_digest(source: &Path, meta: &std::fs::Metadata) -> Option<String> {
+    let mut sidecar = source.as_os_str().to_owned();
+    sidecar.push(".sha256");
+    let sidecar = PathBuf::from(sidecar);
+    let written = std::fs::metadata(&sidecar).ok()?.modified().ok()?;
+    if written < meta.modified().ok()? {
+        return None;
+    }
+    let text = std::fs::read_to_string(&sidecar).ok()?;
+    let hex = text.split_whitespace().next()?;
+    (hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_hexdigit()))
+        .then(|| format!("sha256:{}", hex.to_ascii_lowercase()))
 }
 
 /// Bytes per read while copying an image, and the size of the zero runs
@@ -344,6 +365,34 @@ mod tests {
             .readonly());
         let b = image_base(&store, src.to_str().expect("utf8"), &data).expect("again");
         assert_eq!(a, b);
+    }
+
+    #[test]
+    fn a_builders_digest_is_used_only_when_well_formed_and_fresh() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let src = dir.path().join("rootfs.ext4");
+        std::fs::write(&src, b"image").expect("write");
+        let meta = std::fs::metadata(&src).expect("meta");
+        assert_eq!(built_digest(&src, &meta), None, "no sidecar: hash the copy");
+        let sidecar = dir.path().join("rootfs.ext4.sha256");
+        std::fs::write(&sidecar, "not-hex  rootfs.ext4\n").expect("write");
+        assert_eq!(built_digest(&src, &meta), None, "malformed");
+        let hex = "AB".repeat(32);
+        std::fs::write(&sidecar, format!("{hex}  rootfs.ext4\n")).expect("write");
+        assert_eq!(
+            built_digest(&src, &meta),
+            Some(format!("sha256:{}", hex.to_ascii_lowercase()))
+        );
+        // An image rewritten after its digest: the digest is stale.
+        let later = std::time::SystemTime::now() + std::time::Duration::from_secs(60);
+        std::fs::File::options()
+            .write(true)
+            .open(&src)
+            .expect("open")
+            .set_modified(later)
+            .expect("mtime");
+        let meta = std::fs::metadata(&src).expect("meta");
+        assert_eq!(built_digest(&src, &meta), None);
     }
 
     #[test]
