@@ -101,7 +101,7 @@ pub enum Command {
 /// `tine image ...`
 #[derive(Debug, Subcommand)]
 pub enum ImageCommand {
-    /// List images (imported ones, and built-in ones once a VM used them)
+    /// List images (imported ones, and the built-in ones that are built)
     #[command(visible_alias = "ls")]
     List,
     /// Import an image file under a new name

@@ -251,6 +251,35 @@ pub fn image_base(
     Ok(img)
 }
 
+/// A built-in image (`min`, `debian`) that is built but not yet copied into
+/// the data directory, as `GET /images` shows it: its source stands in for
+/// the base. `None` when it is not built.
+pub fn built_in_preview(name: &str, data_dir: &Path) -> Option<ImageRecord> {
+    let source = image_source(name, data_dir).ok()?;
+    let meta = std::fs::metadata(&source).ok()?;
+    let created_ms = meta
+        .modified()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0);
+    let format = match tine_disk::detect_format(&source) {
+        Ok(tine_disk::Format::Qcow2) => ImageFormat::Qcow2,
+        _ => ImageFormat::Raw,
+    };
+    Some(ImageRecord {
+        name: name.to_owned(),
+        source: source.display().to_string(),
+        path: source.display().to_string(),
+        size_bytes: meta.len(),
+        digest: built_digest(&source, &meta),
+        format,
+        origin: ImageOrigin::BuiltIn,
+        exec_defaults: None,
+        created_ms,
+    })
+}
+
 /// The digest the project's image builders write beside an image
 /// (`rootfs.ext4.sha256`, hex), when it is there and no older than the
 /// image: hashing a 2 GiB image again at every first use costs a minute on

@@ -24,7 +24,7 @@ pub(super) async fn get(
     State(d): State<AppState>,
     Path(name): Path<String>,
 ) -> ApiResult<Json<ImageInfo>> {
-    Ok(Json(image_info(&d.image_named(&name)?)))
+    Ok(Json(image_info(&d.image_shown(&name)?)))
 }
 
 pub(super) async fn delete(
@@ -241,6 +241,38 @@ mod tests {
         }
     }
 
+    #[tokio::test]
+    async fn a_built_but_unused_built_in_image_is_listed_and_shown() {
+        let api = Api::new(None);
+        // The daemon's own folder is the second place it looks for `debian`
+        // (after $TINE_IMAGE_DEBIAN, which tests never set).
+        let images = api.dir.path().join("data/images");
+        std::fs::create_dir_all(&images).expect("dir");
+        std::fs::write(images.join("debian.img"), raw_image(1 << 20)).expect("image");
+        let (status, body) = api.send(Method::GET, "/images", vec![]).await;
+        assert_eq!(status, StatusCode::OK);
+        let list: Vec<ImageInfo> = serde_json::from_slice(&body).expect("list");
+        let debian = list
+            .iter()
+            .find(|i| i.name == "debian")
+            .unwrap_or_else(|| panic!("debian is not listed: {list:?}"));
+        assert_eq!(debian.origin, ImageOrigin::BuiltIn);
+        assert_eq!(debian.size, 1 << 20);
+        let (status, body) = api.send(Method::GET, "/images/debian", vec![]).await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(
+            &serde_json::from_slice::<ImageInfo>(&body).expect("one"),
+            debian
+        );
+        // Shown, not recorded: there is nothing of the daemon's to delete.
+        let (status, _) = api.send(Method::DELETE, "/images/debian", vec![]).await;
+        assert_eq!(status, StatusCode::NOT_FOUND);
+        assert!(
+            images.join("debian.img").is_file(),
+            "the build output stays"
+        );
+    }
+
     fn error_of(events: &[ImportEvent]) -> &ErrorBody {
         match events.last() {
             Some(ImportEvent::Error(e)) => e,
@@ -278,7 +310,12 @@ mod tests {
         let (status, body) = api.send(Method::GET, "/images", vec![]).await;
         assert_eq!(status, StatusCode::OK);
         let list: Vec<ImageInfo> = serde_json::from_slice(&body).expect("list");
-        assert_eq!(list, vec![image.clone()]);
+        // Built-in images this machine has built are listed too.
+        let imported: Vec<_> = list
+            .into_iter()
+            .filter(|i| i.origin != ImageOrigin::BuiltIn)
+            .collect();
+        assert_eq!(imported, vec![image.clone()]);
         let (status, body) = api.send(Method::GET, "/images/imported", vec![]).await;
         assert_eq!(status, StatusCode::OK);
         assert_eq!(
@@ -382,7 +419,11 @@ mod tests {
             "missing layer 1 (l0/layer.tar): l0/layer.tar is not in the archive"
         );
         let (_, body) = api.send(Method::GET, "/images", vec![]).await;
-        assert_eq!(body, b"[]");
+        let list: Vec<ImageInfo> = serde_json::from_slice(&body).expect("list");
+        assert!(
+            list.iter().all(|i| i.origin == ImageOrigin::BuiltIn),
+            "nothing was imported: {list:?}"
+        );
         assert_eq!(api.stray_files(), Vec::<String>::new());
     }
 

@@ -70,16 +70,38 @@ impl Daemon {
         self.data_dir.join("images")
     }
 
-    /// Every recorded image (built-in ones once a VM used them).
+    /// Every recorded image, and the built-in ones that are built but no
+    /// VM has used yet (their build output standing in for the base).
     pub fn images(&self) -> Result<Vec<ImageRecord>> {
-        Ok(self.store.list_images()?)
+        let mut list = self.store.list_images()?;
+        for name in image::BUILT_IN {
+            if !list.iter().any(|r| r.name == *name) {
+                list.extend(artifacts::built_in_preview(name, &self.data_dir));
+            }
+        }
+        Ok(list)
+    }
+
+    /// The image called `name` as `GET /images/{name}` shows it: recorded,
+    /// or a built-in one that is built but not used yet.
+    pub fn image_shown(&self, name: &str) -> Result<ImageRecord> {
+        match self.image_named(name) {
+            Err(Error::NotFound(_)) if image::BUILT_IN.contains(&name) => {
+                artifacts::built_in_preview(name, &self.data_dir).ok_or_else(|| {
+                    Error::NotFound(format!(
+                        "the built-in image `{name}` is not built; scripts/setup builds it"
+                    ))
+                })
+            }
+            other => other,
+        }
     }
 
     /// The image called `name`, or not found.
     pub fn image_named(&self, name: &str) -> Result<ImageRecord> {
         self.store.get_image(name)?.ok_or_else(|| {
             Error::NotFound(format!(
-                "no image called `{name}` (built-in images are listed once a VM used them)"
+                "no image called `{name}`; `tine image list` shows the images there are"
             ))
         })
     }
