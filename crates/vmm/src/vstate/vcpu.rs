@@ -234,8 +234,9 @@ impl Vcpu {
         self.fd
             .set_regs(&state.regs)
             .map_err(self.err("KVM_SET_REGS"))?;
+        let sregs = sregs_for_host(&state.sregs, host_is_amd());
         self.fd
-            .set_sregs(&state.sregs)
+            .set_sregs(&sregs)
             .map_err(self.err("KVM_SET_SREGS"))?;
         // SAFETY: the xsave area comes from KVM_GET_XSAVE of a vCPU with the
         // same CPUID (checked through the template fingerprint), so its size
@@ -266,6 +267,37 @@ impl Vcpu {
         self.msr_indices = state.msrs.iter().map(|m| m.index).collect();
         Ok(())
     }
+}
+
+/// Whether this host's CPU is AMD's (or Hygon's, its licensee): SVM.
+fn host_is_amd() -> bool {
+    let leaf = std::arch::x86_64::__cpuid(0);
+    let vendor: Vec<u8> = [leaf.ebx, leaf.edx, leaf.ecx]
+        .iter()
+        .flat_map(|r| r.to_le_bytes())
+        .collect();
+    vendor == b"AuthenticAMD" || vendor == b"HygonGenuine"
+}
+
+/// TSS descriptor types: available and busy 64-bit TSS.
+const TSS_AVAILABLE: u8 = 9;
+const TSS_BUSY: u8 = 11;
+
+/// The special registers to give a restored vCPU on this host. On SVM,
+/// KVM_GET_SREGS reports TR as busy although the VMCB holds it as the guest
+/// loaded it, available (KVM sets the bit "to work around a bug where the
+/// busy flag isn't exposed"). Written back as busy, a CPU that checks the
+/// type before an I/O bitmap lookup (QEMU's SVM emulation does) faults
+/// every `out` of a process that `ioperm` allowed: the agent's power-off
+/// in a restored guest died of a general protection fault. Real AMD CPUs do
+/// not look at the type there, so storing what the VMCB held changes nothing
+/// for them. Intel's VM entry requires the busy type: left as it is.
+fn sregs_for_host(saved: &kvm_sregs, amd: bool) -> kvm_sregs {
+    let mut sregs = *saved;
+    if amd && sregs.tr.type_ == TSS_BUSY {
+        sregs.tr.type_ = TSS_AVAILABLE;
+    }
+    sregs
 }
 
 enum Command {
@@ -537,5 +569,29 @@ fn run_loop(
             // Park until the VMM decides; never run a stopped guest again.
             pause.store(true, Ordering::SeqCst);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_busy_tss_is_restored_as_the_vmcb_held_it_on_amd_only() {
+        let mut saved = kvm_sregs::default();
+        saved.tr.type_ = TSS_BUSY;
+        saved.tr.limit = 0x206f;
+        saved.cs.type_ = TSS_BUSY; // only TR is touched
+        let amd = sregs_for_host(&saved, true);
+        assert_eq!(amd.tr.type_, TSS_AVAILABLE);
+        assert_eq!(amd.tr.limit, 0x206f);
+        assert_eq!(amd.cs.type_, TSS_BUSY);
+        assert_eq!(
+            sregs_for_host(&saved, false).tr.type_,
+            TSS_BUSY,
+            "Intel: as saved"
+        );
+        saved.tr.type_ = 3; // a 16-bit busy TSS: no 64-bit guest's, left alone
+        assert_eq!(sregs_for_host(&saved, true).tr.type_, 3);
     }
 }
