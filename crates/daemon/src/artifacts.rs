@@ -228,10 +228,7 @@ pub fn image_base(
         Some(d) => d,
         None => crate::image::oci::sha256_file(&dest).map_err(import)?,
     };
-    let format = match tine_disk::detect_format(&dest) {
-        Ok(tine_disk::Format::Qcow2) => ImageFormat::Qcow2,
-        _ => ImageFormat::Raw,
-    };
+    let format = disk_format(&dest);
     let img = ImageRecord {
         name: name.to_owned(),
         source: source.display().to_string(),
@@ -251,6 +248,15 @@ pub fn image_base(
     Ok(img)
 }
 
+/// How a base file is stored: qcow2, or raw (anything qcow2's header does
+/// not name, an unreadable file included).
+fn disk_format(path: &Path) -> ImageFormat {
+    match tine_disk::detect_format(path) {
+        Ok(tine_disk::Format::Qcow2) => ImageFormat::Qcow2,
+        _ => ImageFormat::Raw,
+    }
+}
+
 /// A built-in image (`min`, `debian`) that is built but not yet copied into
 /// the data directory, as `GET /images` shows it: its source stands in for
 /// the base. `None` when it is not built.
@@ -263,10 +269,7 @@ pub fn built_in_preview(name: &str, data_dir: &Path) -> Option<ImageRecord> {
         .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
         .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
         .unwrap_or(0);
-    let format = match tine_disk::detect_format(&source) {
-        Ok(tine_disk::Format::Qcow2) => ImageFormat::Qcow2,
-        _ => ImageFormat::Raw,
-    };
+    let format = disk_format(&source);
     Some(ImageRecord {
         name: name.to_owned(),
         source: source.display().to_string(),
