@@ -223,7 +223,7 @@ pub const DEFAULT_TIMEOUT_SECS: u64 = 900;
 pub fn run_tests(tests: Vec<Trial>) -> ! {
     if let Some(place) = placement() {
         let mut args = libtest_mimic::Arguments::from_args();
-        // Nested, every guest runs on two emulated L1 CPUs: several Linux
+        // Nested, every guest shares L1's emulated CPU: several Linux
         // guests booting at once starve each other (boots stalled past
         // their deadlines, and L1 itself once died), so run one at a time.
         if place == Placement::Nested && args.test_threads.is_none() {
