@@ -15,12 +15,11 @@ mod streams;
 
 use std::sync::Arc;
 
-use axum::body::Body;
-use axum::http::{Method, Request, StatusCode};
+use axum::http::{Method, StatusCode};
 use axum::Router;
-use http_body_util::BodyExt;
-use serde::de::DeserializeOwned;
 use serde::Deserialize;
+
+use super::testing::Answer;
 
 use crate::config::{Config, HostGroup};
 use crate::core::{Daemon, Deadlines, Parts};
@@ -31,36 +30,6 @@ struct Sdk {
     _dir: tempfile::TempDir,
     app: Router,
     fake: FakeLauncher,
-}
-
-/// One answer: status, content type, body.
-struct Answer {
-    status: StatusCode,
-    content_type: String,
-    headers: axum::http::HeaderMap,
-    body: Vec<u8>,
-}
-
-impl Answer {
-    /// Decodes the body as the SDK does, failing with the body shown.
-    fn decode<T: DeserializeOwned>(&self) -> T {
-        serde_json::from_slice(&self.body).unwrap_or_else(|e| {
-            panic!(
-                "the SDK cannot decode {} ({e}): {}",
-                std::any::type_name::<T>(),
-                String::from_utf8_lossy(&self.body)
-            )
-        })
-    }
-
-    /// A header's value, when it is there and readable as text.
-    fn header(&self, name: &str) -> Option<&str> {
-        self.headers.get(name).and_then(|v| v.to_str().ok())
-    }
-
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.body).into_owned()
-    }
 }
 
 impl Sdk {
@@ -104,36 +73,11 @@ impl Sdk {
 
     /// Sends one request as an SDK would.
     async fn send(&self, method: Method, uri: &str, body: Option<(&str, Vec<u8>)>) -> Answer {
-        use tower::ServiceExt;
-        let mut req = Request::builder().method(method).uri(uri);
-        if let Some((content_type, _)) = &body {
-            req = req.header("content-type", *content_type);
-        }
-        let req = req
-            .body(body.map(|(_, b)| Body::from(b)).unwrap_or_else(Body::empty))
-            .expect("request");
-        let response = self.app.clone().oneshot(req).await.expect("infallible");
-        let status = response.status();
-        let headers = response.headers().clone();
-        let content_type = response
-            .headers()
-            .get("content-type")
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or_default()
-            .to_owned();
-        let body = response
-            .into_body()
-            .collect()
-            .await
-            .expect("body")
-            .to_bytes()
-            .to_vec();
-        Answer {
-            status,
-            content_type,
-            headers,
-            body,
-        }
+        let (content_type, body) = match body {
+            Some((content_type, body)) => (Some(content_type), body),
+            None => (None, Vec::new()),
+        };
+        super::testing::send(&self.app, method, uri, content_type, body).await
     }
 
     async fn get(&self, uri: &str) -> Answer {

@@ -112,7 +112,9 @@ pub(super) async fn import(State(d): State<AppState>, uri: Uri, body: Body) -> A
                 ImportEvent::Error(e.body())
             }
         };
-        let _ = tx.send(last);
+        if tx.send(last).is_err() {
+            tracing::debug!(image = %name, "the client left before the import's last event");
+        }
     });
     let stream = futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx))
         .map(|e| Ok::<_, std::convert::Infallible>(event_line(&e)));
@@ -127,10 +129,8 @@ pub(super) async fn import(State(d): State<AppState>, uri: Uri, body: Body) -> A
 mod tests {
     use std::sync::Arc;
 
-    use axum::http::{Method, Request, StatusCode};
-    use http_body_util::BodyExt;
+    use axum::http::{Method, StatusCode};
     use tine_proto::api::{ErrorBody, ErrorCode, ImageFormat, ImageOrigin};
-    use tower::ServiceExt;
 
     use super::*;
     use crate::config::{Config, HostGroup};
@@ -194,21 +194,8 @@ mod tests {
         }
 
         async fn send(&self, method: Method, uri: &str, body: Vec<u8>) -> (StatusCode, Vec<u8>) {
-            let req = Request::builder()
-                .method(method)
-                .uri(uri)
-                .body(Body::from(body))
-                .expect("request");
-            let response = self.app.clone().oneshot(req).await.expect("infallible");
-            let status = response.status();
-            let body = response
-                .into_body()
-                .collect()
-                .await
-                .expect("body")
-                .to_bytes()
-                .to_vec();
-            (status, body)
+            let a = crate::api::testing::send(&self.app, method, uri, None, body).await;
+            (a.status, a.body)
         }
 
         /// An import's events (the answer must be a 200 stream).

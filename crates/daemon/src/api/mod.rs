@@ -12,6 +12,8 @@ mod images;
 mod params;
 mod secrets;
 mod stats;
+#[cfg(test)]
+mod testing;
 mod vms;
 mod watch;
 
