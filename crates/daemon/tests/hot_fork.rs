@@ -76,6 +76,11 @@ async fn assigned(c: &TineClient, vm: &str) -> R<(String, String, String)> {
     }
 }
 
+/// Prints what is left of the counter in a VM: its file, its process
+/// (`coun[t]`: this command's own cmdline must not match).
+const COUNTER_TRACES: &str = "[ -e /mnt/mem/coun[t] ] && echo 'the counter file'; \
+     grep -qs 'mnt/mem/coun[t]' /proc/[0-9]*/cmdline && echo 'a counter process'; true";
+
 /// Starts a counter in a tmpfs, in a session of its own; returns its pid.
 async fn start_counter(c: &TineClient, vm: &str) -> R<String> {
     let pid = sh_ok(
@@ -311,6 +316,14 @@ fn checks(d: &mut Daemon) -> R {
                 return Err(fail(format!("{other} sees {}'s write", forks[0])));
             }
         }
+        // The cold fork below must show none of this; a hot fork shows both.
+        let traces = sh_ok(&c, &forks[0], COUNTER_TRACES).await?;
+        if traces.trim() != "the counter file\na counter process" {
+            return Err(fail(format!(
+                "{}: the counter's traces: {traces:?}",
+                forks[0]
+            )));
+        }
         let (a, b) = (urandom(&c, &forks[0]).await?, urandom(&c, &forks[1]).await?);
         if a == b || a.len() != 64 {
             return Err(fail(format!("the forks' urandom: {a} and {b}")));
@@ -375,11 +388,18 @@ fn checks(d: &mut Daemon) -> R {
         if cold.mode != CommitMode::Disk {
             return Err(fail(format!("the cold fork answered {cold:?}")));
         }
-        // Booted, not resumed: a new boot without the counter.
-        let (code, _, _) = sh(&c, &cold.hostname, &format!("kill -0 {pid}")).await?;
+        // Booted, not resumed: a new boot, where no process runs the
+        // counter and its tmpfs is gone. (Its pid alone says nothing: in a
+        // fresh boot the same pid can be a kernel thread's.)
+        let leftovers = sh_ok(&c, &cold.hostname, COUNTER_TRACES).await?;
         let boot = sh_ok(&c, &cold.hostname, "cat /proc/sys/kernel/random/boot_id").await?;
-        if code == 0 || boot.trim() == boot_id.trim() {
-            return Err(fail("the cold fork runs the source's boot"));
+        if !leftovers.trim().is_empty() || boot.trim() == boot_id.trim() {
+            return Err(fail(format!(
+                "the cold fork runs the source's boot: boot id {} (the source's {}), found: {}",
+                boot.trim(),
+                boot_id.trim(),
+                leftovers.trim()
+            )));
         }
         Ok::<_, Failed>(cold.elapsed_ms)
     })?;
