@@ -28,7 +28,9 @@ pub struct Deadlines {
     /// tens of seconds).
     pub agent_ready: Duration,
     /// Each set-up call to the agent (fix-ups, network, userdata): a guest
-    /// that misses it is marked failed and frees its boot slot.
+    /// that misses it is marked failed and frees its boot slot. Three
+    /// minutes: a debian guest's first fix-ups in the nested test bed, on
+    /// a one-CPU L1, took over the minute this used to be.
     pub setup_call: Duration,
     /// The vsock handshake with the agent.
     pub handshake: Duration,
@@ -41,7 +43,7 @@ impl Default for Deadlines {
     fn default() -> Self {
         Deadlines {
             agent_ready: Duration::from_secs(600),
-            setup_call: Duration::from_secs(60),
+            setup_call: Duration::from_secs(180),
             handshake: Duration::from_secs(10),
             shutdown_ask: Duration::from_secs(5),
         }
