@@ -6,6 +6,7 @@
 //! needs the other's code: a supervisor parses a line of the VMM's log with
 //! [`Event::from_line`].
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::path::PathBuf;
 
@@ -49,6 +50,14 @@ pub enum Request {
         /// Listen for vsock on this socket instead of the snapshot's.
         #[serde(default)]
         vsock_uds: Option<PathBuf>,
+        /// Serve these drives (device id -> image) from other images than
+        /// the snapshot's, as `--drive-override` does.
+        #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+        drives: BTreeMap<String, PathBuf>,
+        /// Give these NICs (device id -> TAP) other TAPs than the
+        /// snapshot's, as `--tap-override` does.
+        #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+        taps: BTreeMap<String, String>,
     },
     /// Ask the guest to shut down (Ctrl-Alt-Del); the process exits when
     /// the guest stops.
@@ -231,9 +240,20 @@ mod tests {
             Request::Restore {
                 paused: false,
                 vsock_uds: None,
+                ref drives,
+                ref taps,
                 ..
-            }
+            } if drives.is_empty() && taps.is_empty()
         ));
+        let req: Request = serde_json::from_str(
+            r#"{"op":"restore","state_path":"/s","mem_path":"/m","drives":{"drive0":"/d"},"taps":{"net0":"t7"}}"#,
+        )
+        .expect("restore with overrides");
+        let Request::Restore { drives, taps, .. } = req else {
+            panic!("not a restore: {req:?}");
+        };
+        assert_eq!(drives.get("drive0"), Some(&PathBuf::from("/d")));
+        assert_eq!(taps.get("net0").map(String::as_str), Some("t7"));
     }
 
     #[test]

@@ -225,16 +225,21 @@ fn handle(
                 mem_path,
                 paused,
                 vsock_uds,
+                drives,
+                taps,
             },
             machine @ Machine::Prepared(_),
         ) => {
             let Machine::Prepared(prepared) = machine else {
                 return (error("internal: not prepared"), false);
             };
+            // The request's overrides win over the command line's.
             let mut overrides = overrides.clone();
             if vsock_uds.is_some() {
                 overrides.vsock_uds = vsock_uds;
             }
+            overrides.drives.extend(drives);
+            overrides.taps.extend(taps);
             match Vmm::restore(
                 &state_path,
                 &mem_path,
