@@ -48,8 +48,8 @@ pub const DEFAULT_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 pci=off nomod
      i8042.noaux i8042.nomux i8042.dumbkbd i8042.nopnp swiotlb=noforce cryptomgr.notests";
 
 /// A raw guest image instead of a Linux kernel: bytes loaded at
-/// `load_addr`, entered at `entry` in 64-bit ring 3 with IOPL 3. Used by
-/// synthetic test guests and benchmarks.
+/// `load_addr`, entered at `entry` in 64-bit long mode at `privilege`.
+/// Used by synthetic test guests and benchmarks.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RawImage {
     /// The code and data.
@@ -58,6 +58,22 @@ pub struct RawImage {
     pub load_addr: u64,
     /// Entry point.
     pub entry: u64,
+    /// The ring its code runs in.
+    #[serde(default)]
+    pub privilege: Privilege,
+}
+
+/// The ring a raw image's code runs in.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Privilege {
+    /// Ring 3 with IOPL 3 (port I/O allowed): native speed on hosts whose
+    /// KVM emulates guest ring 0.
+    #[default]
+    User,
+    /// Ring 0: the code may `hlt`, so an idle guest holds no host CPU (on
+    /// such hosts each of its instructions is emulated).
+    Kernel,
 }
 
 /// Everything needed to boot a VM.
@@ -95,6 +111,7 @@ impl BootConfig {
                 bytes: bytes.to_vec(),
                 load_addr: addr,
                 entry: addr,
+                privilege: Privilege::User,
             }),
             devices: DeviceConfigs::default(),
         }
@@ -473,7 +490,11 @@ impl Vmm {
                 let mut sregs = vcpu.fd.get_sregs().map_err(kvm_err("KVM_GET_SREGS"))?;
                 regs::setup_long_mode(&ram.mem, &mut sregs)?;
                 let mut boot_regs = regs::boot_regs(entry_addr);
-                if config.raw.is_some() {
+                if config
+                    .raw
+                    .as_ref()
+                    .is_some_and(|r| r.privilege == Privilege::User)
+                {
                     regs::write_user_page_tables(&ram.mem)?;
                     regs::enter_user_mode(&mut sregs);
                     boot_regs.rflags = regs::USER_IOPL3_RFLAGS;
