@@ -154,9 +154,18 @@ pub struct HostGroup {
     /// Network.
     #[serde(default)]
     pub network: NetworkConfig,
+    /// tine-vmm processes started ahead of time for hot forks of this
+    /// group's memory commits, per shape (vCPUs, RAM) of those commits: a
+    /// fork takes one and only restores into it (default 1; 0: every hot
+    /// fork starts its own process).
+    #[serde(default = "default_hot_fork_pool")]
+    pub hot_fork_pool: u32,
 }
 
 fn default_cpus() -> u32 {
+    1
+}
+fn default_hot_fork_pool() -> u32 {
     1
 }
 fn default_ram_mb() -> u64 {
@@ -278,6 +287,7 @@ impl Config {
                 userdata_file: None,
                 kernel: None,
                 network: NetworkConfig::default(),
+                hot_fork_pool: default_hot_fork_pool(),
             }],
         }
     }
@@ -342,6 +352,16 @@ impl Config {
                 return Err(invalid(
                     at("count"),
                     format!("{} is above {MAX_COUNT}", g.count),
+                ));
+            }
+            if g.hot_fork_pool > crate::launcher::pool::MAX_POOL_SIZE {
+                return Err(invalid(
+                    at("hot_fork_pool"),
+                    format!(
+                        "{} is above {}",
+                        g.hot_fork_pool,
+                        crate::launcher::pool::MAX_POOL_SIZE
+                    ),
                 ));
             }
             if g.cpus == 0 || g.max_cpus() > MAX_VCPUS {

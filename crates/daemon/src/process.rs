@@ -6,6 +6,12 @@
 //! `kill -9` of the daemon leaves every VM running, and the next daemon
 //! adopts it by pid plus start time (a reused pid does not match) plus its
 //! command line naming the VM's folder.
+//!
+//! A process of the warm pool (see [`crate::launcher::pool`]) was started
+//! in `<data_dir>/pool/<slot>/` before anyone knew which VM it would run.
+//! When a VM takes it, its socket and logs move into the VM's folder and
+//! the slot's folder is replaced by a link to the VM's: its command line
+//! still names the slot, and the link says whose it is.
 
 use std::io::{BufRead, Read, Seek, SeekFrom};
 use std::os::unix::process::CommandExt;
@@ -16,7 +22,7 @@ use std::time::Duration;
 use tine_proto::vmm::Event;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 
-use crate::launcher::{BootSpec, RestoreSpec, Stop};
+use crate::launcher::{BootSpec, Stop};
 
 /// The files of one VM, all inside `<data_dir>/vms/<hostname>/`.
 #[derive(Debug, Clone)]
@@ -36,7 +42,11 @@ pub struct VmPaths {
 impl VmPaths {
     /// Paths for `hostname` under `data_dir`.
     pub fn new(data_dir: &Path, hostname: &str) -> Self {
-        let dir = data_dir.join("vms").join(hostname);
+        Self::in_dir(data_dir.join("vms").join(hostname))
+    }
+
+    /// The same files in `dir` (a warm pool slot's folder).
+    pub fn in_dir(dir: PathBuf) -> Self {
         VmPaths {
             vsock: dir.join("vsock.sock"),
             control: dir.join("control.sock"),
@@ -72,24 +82,17 @@ pub fn launch(vmm: &Path, spec: &BootSpec, paths: &VmPaths) -> std::io::Result<C
     cmd.spawn()
 }
 
-/// Starts tine-vmm without a VM (`--prestart`), ready to restore a
-/// snapshot sent on its control socket, with the spec's disk and TAP in
-/// place of the snapshot's.
-pub fn prestart(vmm: &Path, spec: &RestoreSpec, paths: &VmPaths) -> std::io::Result<Child> {
+/// Starts tine-vmm without a VM (`--prestart`) for a snapshot of `cpus`
+/// vCPUs and `ram_mib` of RAM (registered with KVM now), ready to restore
+/// it when asked on its control socket; the restore request names the
+/// VM's disk and TAP.
+pub fn prestart(vmm: &Path, cpus: u32, ram_mib: u64, paths: &VmPaths) -> std::io::Result<Child> {
     let mut cmd = command(vmm, paths)?;
     cmd.arg("--prestart")
         .arg("--vcpus")
-        .arg(spec.cpus.to_string())
+        .arg(cpus.to_string())
         .arg("--mem-mib")
-        .arg(spec.ram_mib.to_string());
-    if let Some(disk) = &spec.disk {
-        let mut arg = std::ffi::OsString::from(format!("{}=", crate::launcher::ROOT_DRIVE));
-        arg.push(disk);
-        cmd.arg("--drive-override").arg(arg);
-    }
-    if let Some(tap) = &spec.tap {
-        cmd.arg("--tap-override").arg(format!("net0={tap}"));
-    }
+        .arg(ram_mib.to_string());
     cmd.spawn()
 }
 
@@ -134,26 +137,60 @@ pub fn start_time(pid: u32) -> Option<u64> {
     rest.split_whitespace().nth(19)?.parse().ok()
 }
 
+/// The `--control-socket` argument of process `pid`, if it has one (a
+/// zombie's command line is empty).
+fn control_socket_of(pid: u32) -> Option<PathBuf> {
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+    let pos = args.iter().position(|a| *a == b"--control-socket")?;
+    let sock = std::str::from_utf8(args.get(pos + 1)?).ok()?;
+    Some(PathBuf::from(sock))
+}
+
+/// The VM folder a process with control socket `sock` runs for: the folder
+/// named on its command line, or, for a pool slot a VM took, the folder the
+/// slot's link points to. `None` for a slot nobody took.
+fn vm_dir_of(sock: &Path) -> Option<PathBuf> {
+    let dir = sock.parent()?;
+    match std::fs::read_link(dir) {
+        Ok(target) => Some(target),
+        Err(_) if is_pool_slot(dir) => None,
+        Err(_) => Some(dir.to_owned()),
+    }
+}
+
+/// Whether `dir` is `<data_dir>/pool/<slot>`.
+fn is_pool_slot(dir: &Path) -> bool {
+    dir.parent()
+        .and_then(Path::file_name)
+        .is_some_and(|n| n == crate::launcher::pool::POOL_DIR)
+}
+
 /// Whether `pid` is still the tine-vmm process launched for `paths`.
 pub fn is_ours(pid: u32, pid_start: u64, paths: &VmPaths) -> bool {
     if start_time(pid) != Some(pid_start) {
         return false;
     }
-    // A zombie has an empty command line; it is not a running VM.
-    let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
-        return false;
-    };
-    let needle = paths.control.display().to_string();
-    cmdline
-        .split(|b| *b == 0)
-        .any(|arg| arg == needle.as_bytes())
+    control_socket_of(pid)
+        .and_then(|sock| vm_dir_of(&sock))
+        .is_some_and(|dir| dir == paths.dir)
 }
 
-/// tine-vmm processes whose control socket lies under `vms_dir`, with the
-/// hostname folder each belongs to.
-pub fn find_vmm_processes(vms_dir: &Path) -> Vec<(u32, String)> {
+/// Who a tine-vmm process under a data directory runs for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Owner {
+    /// The VM of this hostname.
+    Vm(String),
+    /// Nobody yet: the warm pool's slot of this name.
+    Pool(String),
+}
+
+/// Every tine-vmm process whose control socket lies under `data_dir`
+/// (`vms/<hostname>/` or `pool/<slot>/`), with whom it runs for.
+pub fn find_processes(data_dir: &Path) -> Vec<(u32, Owner)> {
+    let vms = data_dir.join("vms");
+    let pool = data_dir.join(crate::launcher::pool::POOL_DIR);
     let mut out = Vec::new();
-    let prefix = format!("{}/", vms_dir.display());
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return out;
     };
@@ -165,23 +202,58 @@ pub fn find_vmm_processes(vms_dir: &Path) -> Vec<(u32, String)> {
         else {
             continue;
         };
-        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+        let Some(sock) = control_socket_of(pid) else {
             continue;
         };
-        let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
-        let Some(pos) = args.iter().position(|a| *a == b"--control-socket") else {
+        let Some(folder) = sock.parent() else {
             continue;
         };
-        let Some(sock) = args.get(pos + 1).and_then(|a| std::str::from_utf8(a).ok()) else {
-            continue;
-        };
-        if let Some(rest) = sock.strip_prefix(&prefix) {
-            if let Some((host, _)) = rest.split_once('/') {
-                out.push((pid, host.to_owned()));
+        let name = |dir: &Path| dir.file_name().map(|n| n.to_string_lossy().into_owned());
+        if folder.parent() == Some(vms.as_path()) {
+            out.extend(name(folder).map(|h| (pid, Owner::Vm(h))));
+        } else if folder.parent() == Some(pool.as_path()) {
+            match vm_dir_of(&sock) {
+                Some(dir) if dir.parent() == Some(vms.as_path()) => {
+                    out.extend(name(&dir).map(|h| (pid, Owner::Vm(h))))
+                }
+                Some(_) => {}
+                None => out.extend(name(folder).map(|slot| (pid, Owner::Pool(slot)))),
             }
         }
     }
     out
+}
+
+/// The pool slots (folder names under `pool/`) that a running process's
+/// command line names, taken or not.
+pub fn pool_slots_in_use(data_dir: &Path) -> std::collections::HashSet<String> {
+    let pool = data_dir.join(crate::launcher::pool::POOL_DIR);
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Default::default();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(control_socket_of)
+        .filter_map(|sock| {
+            let folder = sock.parent()?;
+            (folder.parent() == Some(pool.as_path()))
+                .then(|| folder.file_name().map(|n| n.to_string_lossy().into_owned()))
+                .flatten()
+        })
+        .collect()
+}
+
+/// The tine-vmm processes that run VMs under `data_dir`, with their
+/// hostnames (the warm pool's untaken processes are not among them).
+pub fn find_vmm_processes(data_dir: &Path) -> Vec<(u32, String)> {
+    find_processes(data_dir)
+        .into_iter()
+        .filter_map(|(pid, owner)| match owner {
+            Owner::Vm(h) => Some((pid, h)),
+            Owner::Pool(_) => None,
+        })
+        .collect()
 }
 
 /// Waits until a process that is not our child exits (polling, as the
@@ -469,6 +541,6 @@ mod tests {
         let start = start_time(pid).expect("self");
         assert!(!is_ours(pid, start, &paths));
         assert!(!is_ours(pid, start + 1, &paths));
-        assert!(find_vmm_processes(&dir.path().join("vms")).is_empty());
+        assert!(find_processes(dir.path()).is_empty());
     }
 }

@@ -265,6 +265,8 @@ pub async fn serve(config: Config, data_dir: PathBuf) -> anyhow::Result<()> {
         created = ?report.created,
         "reconciled"
     );
+    // After the strays (an earlier daemon's pool among them) are gone.
+    daemon.refresh_pools();
     // We hold the lock, so an existing socket file is stale.
     match std::fs::remove_file(&socket) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
@@ -312,7 +314,10 @@ pub async fn serve(config: Config, data_dir: PathBuf) -> anyhow::Result<()> {
             r.context("listener task")?;
         }
     }
-    let _ = std::fs::remove_file(&socket);
+    if let Err(e) = std::fs::remove_file(&socket) {
+        tracing::warn!("cannot remove {}: {e}", socket.display());
+    }
+    daemon.drain_pools().await;
     drop(daemon);
     Ok(())
 }

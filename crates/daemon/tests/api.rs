@@ -330,7 +330,7 @@ fn concurrent_creates() -> R {
         assert!(list.is_empty(), "{list:?}");
         let left: Vec<_> = std::fs::read_dir(d.data().join("vms"))?.collect();
         assert!(left.is_empty(), "VM folders left: {left:?}");
-        assert!(tine_daemon::process::find_vmm_processes(&d.data().join("vms")).is_empty());
+        assert!(tine_daemon::process::find_vmm_processes(&d.data()).is_empty());
         Ok(())
     })
 }

@@ -173,7 +173,7 @@ async fn check(d: &Daemon, promised: &Promised, tally: &mut Tally, when: &str) -
         .filter(|v| v.state.is_live())
         .filter_map(|v| v.pid)
         .collect();
-    for (pid, host) in tine_daemon::process::find_vmm_processes(&data.join("vms")) {
+    for (pid, host) in tine_daemon::process::find_vmm_processes(&data) {
         if !live.contains(&pid) {
             half.push(format!("tine-vmm {pid} of {host} has no live record"));
         }

@@ -189,7 +189,7 @@ async fn check_suspended(d: &Daemon, vm: &str, old_pid: u32, when: &str) -> R<u6
     if alive(old_pid) {
         return Err(fail(format!("{when}: its VMM {old_pid} still runs")));
     }
-    let vmms = tine_daemon::process::find_vmm_processes(&d.data().join("vms"));
+    let vmms = tine_daemon::process::find_vmm_processes(&d.data());
     if vmms.iter().any(|(_, h)| h == vm) {
         return Err(fail(format!("{when}: a VMM runs for it: {vmms:?}")));
     }

@@ -104,6 +104,10 @@ pub struct HostGroupInfo {
     pub arch: String,
     /// GPUs per VM: always 0 (tine has no device passthrough).
     pub gpu_count: u32,
+    /// tine-vmm processes kept started ahead for hot forks of this group's
+    /// memory commits, per shape of those commits.
+    #[serde(default)]
+    pub hot_fork_pool: u32,
 }
 
 /// How a VM's last run ended.

@@ -1,30 +1,62 @@
 //! The daemon's real launcher driving this crate's `tine-vmm` binary with a
 //! synthetic guest: restore into a pre-started process, pause, snapshot,
 //! resume, adoption by a second launcher (a restarted daemon), and the
-//! typed stop at the end. Runs on this host's KVM (ring-3 guest code).
+//! typed stop at the end; then the same through the warm pool. Runs on
+//! this host's KVM (ring-3 guest code).
 
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use tine_daemon::launcher::pool::{Shape, POOL_DIR};
 use tine_daemon::launcher::vmm::VmmLauncher;
 use tine_daemon::launcher::{Launcher, LauncherExt, RestoreSpec, Stop};
+use tine_daemon::process::{find_processes, Owner};
 use tine_proto::vmm::StopReason;
 use tine_vmm::vmm::{BootConfig, ConsoleConfig, Vmm};
 
 const COUNTER_LOOP: &[u8] = &[0x48, 0xff, 0x04, 0x25, 0x00, 0x00, 0x20, 0x00, 0xeb, 0xf6];
 
+/// A snapshot of a synthetic 32 MiB guest in `dir`: its state and memory.
+fn synthetic_snapshot(dir: &Path) -> (PathBuf, PathBuf) {
+    let state = dir.join("vm.state");
+    let memory = dir.join("vm.mem");
+    let config = BootConfig::raw_image(COUNTER_LOOP, 0x10_0000, 32);
+    let mut vmm = Vmm::boot(&config, &ConsoleConfig::default()).expect("boot");
+    std::thread::sleep(Duration::from_millis(10));
+    vmm.pause().expect("pause");
+    vmm.snapshot(&state, &memory).expect("snapshot");
+    vmm.kill();
+    (state, memory)
+}
+
+/// The pids of the pool's untaken processes under `data_dir`.
+fn pool_pids(data_dir: &Path) -> Vec<u32> {
+    find_processes(data_dir)
+        .into_iter()
+        .filter(|(_, owner)| matches!(owner, Owner::Pool(_)))
+        .map(|(pid, _)| pid)
+        .collect()
+}
+
+/// Waits (bounded) until `data_dir` has `n` untaken pool processes.
+async fn wait_pool(data_dir: &Path, n: usize) -> Vec<u32> {
+    for _ in 0..1000 {
+        let pids = pool_pids(data_dir);
+        if pids.len() == n {
+            return pids;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!(
+        "the pool never had {n} processes: {:?}",
+        pool_pids(data_dir)
+    );
+}
+
 #[tokio::test]
 async fn the_vmm_launcher_restores_pauses_snapshots_adopts_and_stops() {
     let dir = tempfile::tempdir().expect("tmp");
-    let state = dir.path().join("vm.state");
-    let memory = dir.path().join("vm.mem");
-    {
-        let config = BootConfig::raw_image(COUNTER_LOOP, 0x10_0000, 32);
-        let mut vmm = Vmm::boot(&config, &ConsoleConfig::default()).expect("boot");
-        std::thread::sleep(Duration::from_millis(10));
-        vmm.pause().expect("pause");
-        vmm.snapshot(&state, &memory).expect("snapshot");
-        vmm.kill();
-    }
+    let (state, memory) = synthetic_snapshot(dir.path());
     let data_dir = dir.path().join("data");
     let launcher = VmmLauncher::new(env!("CARGO_BIN_EXE_tine-vmm").into(), data_dir.clone());
     let spec = RestoreSpec {
@@ -84,4 +116,94 @@ async fn the_vmm_launcher_restores_pauses_snapshots_adopts_and_stops() {
         launcher.pause("t-1").await.is_err(),
         "nothing answers any more"
     );
+}
+
+#[tokio::test]
+async fn a_restore_takes_a_pooled_process_which_a_restarted_daemon_knows_as_the_vms() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let (state, memory) = synthetic_snapshot(dir.path());
+    let data_dir = dir.path().join("data");
+    let vmm: PathBuf = env!("CARGO_BIN_EXE_tine-vmm").into();
+    let launcher = VmmLauncher::new(vmm.clone(), data_dir.clone());
+    let shape = Shape {
+        cpus: 1,
+        ram_mib: 32,
+    };
+    launcher.keep_warm(&[(shape, 2)]).await;
+    let before = pool_pids(&data_dir);
+    assert_eq!(before.len(), 2, "two pre-started processes");
+
+    let disk = dir.path().join("disk.raw");
+    std::fs::write(&disk, vec![0u8; 1 << 20]).expect("disk");
+    let spec = RestoreSpec {
+        hostname: "t-1".into(),
+        cpus: 1,
+        ram_mib: 32,
+        state,
+        memory,
+        paused: false,
+        disk: Some(disk),
+        tap: None,
+    };
+    let running = launcher.restore(&spec).await.expect("restore");
+    assert!(
+        before.contains(&running.instance.pid),
+        "the fork runs in a pooled process: {} not in {before:?}",
+        running.instance.pid
+    );
+    let vm_dir = data_dir.join("vms").join("t-1");
+    for file in ["control.sock", "vmm.log", "serial.log"] {
+        assert!(vm_dir.join(file).exists(), "{file} is in the VM's folder");
+    }
+    launcher
+        .pause("t-1")
+        .await
+        .expect("pause through the moved socket");
+    launcher.resume("t-1").await.expect("resume");
+    // The pool fills up again in the background.
+    let refilled = wait_pool(&data_dir, 2).await;
+    assert!(!refilled.contains(&running.instance.pid));
+
+    // A restarted daemon: the taken process is t-1's, the untaken ones are
+    // strays (no launcher holds them), and it adopts t-1.
+    let again = VmmLauncher::new(vmm.clone(), data_dir.clone());
+    let mut strays = again.strays();
+    strays.sort_by(|a, b| a.hostname.cmp(&b.hostname));
+    assert_eq!(strays.len(), 3, "{strays:?}");
+    assert!(strays[0].hostname.starts_with(&format!("{POOL_DIR}/")));
+    assert!(strays[1].hostname.starts_with(&format!("{POOL_DIR}/")));
+    assert_eq!(strays[2].hostname, "t-1");
+    assert_eq!(strays[2].pid, running.instance.pid);
+    let adopted = again.adopt("t-1", running.instance).expect("adopted");
+    assert!(
+        again.adopt("t-2", running.instance).is_none(),
+        "it is not another VM's"
+    );
+    // The first launcher's own pool is not a stray to it.
+    assert_eq!(launcher.strays().len(), 1, "{:?}", launcher.strays());
+
+    launcher.stop_now("t-1").await.expect("kill");
+    assert_eq!(running.exit.await, Stop::Reported(StopReason::Killed));
+    assert_eq!(adopted.exit.await, Stop::Reported(StopReason::Killed));
+
+    // With the pool emptied, a restore starts its own process.
+    let other = RestoreSpec {
+        hostname: "t-2".into(),
+        ..spec
+    };
+    launcher.keep_warm(&[]).await;
+    wait_pool(&data_dir, 0).await;
+    let pool_dir = data_dir.join(POOL_DIR);
+    let left: Vec<_> = std::fs::read_dir(&pool_dir)
+        .expect("pool folder")
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert!(left.is_empty(), "an emptied pool leaves nothing: {left:?}");
+    let own = launcher
+        .restore(&other)
+        .await
+        .expect("restore without a pool");
+    launcher.stop_now("t-2").await.expect("kill");
+    assert_eq!(own.exit.await, Stop::Reported(StopReason::Killed));
 }

@@ -505,6 +505,7 @@ async fn groups() -> Json<Vec<HostGroupInfo>> {
         nodes: 2,
         arch: "amd64".into(),
         gpu_count: 0,
+        hot_fork_pool: 1,
     }])
 }
 

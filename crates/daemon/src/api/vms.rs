@@ -58,6 +58,7 @@ pub(super) async fn host_groups(State(d): State<AppState>) -> ApiResult<Json<Vec
             nodes: d.vm_count(Some(&g.name))?,
             arch: api::go_arch().into(),
             gpu_count: 0,
+            hot_fork_pool: g.hot_fork_pool,
         });
     }
     Ok(Json(out))

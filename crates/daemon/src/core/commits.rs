@@ -96,7 +96,12 @@ impl Daemon {
         }
         let id = new_commit_id(&vm.host_group)?;
         if mode == CommitMode::Memory {
-            return self.commit_memory(&vm, req, id, began).await;
+            let made = self.commit_memory(&vm, req, id, began).await;
+            if made.is_ok() {
+                // A new shape may want pre-started VMMs for its forks.
+                self.refresh_pools();
+            }
+            return made;
         }
         let commit_path = self.commits_dir().join(format!("{id}.qcow2"));
         let paths = self.paths(&vm.hostname);
@@ -138,7 +143,7 @@ impl Daemon {
     }
 
     /// Deletes a commit nobody depends on.
-    pub fn delete_commit(&self, id: &str) -> Result<()> {
+    pub fn delete_commit(self: &Arc<Self>, id: &str) -> Result<()> {
         let c = self
             .store
             .delete_commit(id)?
@@ -146,6 +151,8 @@ impl Daemon {
         remove_file_logged(Path::new(&c.disk));
         if let Some(dir) = &c.snapshot {
             self.remove_snapshot_logged(&c.source, &SnapshotFiles::in_dir(PathBuf::from(dir)));
+            // Its shape may need no pre-started VMMs any more.
+            self.refresh_pools();
         }
         Ok(())
     }

@@ -10,19 +10,66 @@
 //! and address before it is `running`. Until then its TAP is in network
 //! quarantine (down): the copy of the source never reaches the wire.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use tine_proto::api::CommitMode;
 
 use super::daemon::Daemon;
-use super::error::{Error, Result};
+use super::error::{chain, Error, Result};
 use super::snapshot::SnapshotFiles;
 use super::supervise::SetUp;
-use crate::db::{CommitRecord, VmRecord};
+use crate::db::{CommitFilter, CommitRecord, VmRecord};
+use crate::launcher::pool::Shape;
 use crate::launcher::{Instance, RestoreSpec};
 
 impl Daemon {
+    /// The warm pool each shape of memory commit needs: the largest
+    /// `hot_fork_pool` among the groups of the commits of that shape.
+    fn wanted_pools(&self) -> Result<Vec<(Shape, u32)>> {
+        let filter = CommitFilter {
+            mode: Some(CommitMode::Memory),
+            ..CommitFilter::default()
+        };
+        let mut sizes: BTreeMap<Shape, u32> = BTreeMap::new();
+        for c in self.store.list_commits(&filter)? {
+            // A group no longer configured has no pool.
+            let Ok(group) = self.group(&c.host_group) else {
+                continue;
+            };
+            let shape = Shape {
+                cpus: c.cpus,
+                ram_mib: c.ram_bytes >> 20,
+            };
+            let size = sizes.entry(shape).or_default();
+            *size = group.hot_fork_pool.max(*size);
+        }
+        Ok(sizes.into_iter().filter(|(_, n)| *n > 0).collect())
+    }
+
+    /// Brings the warm pool of pre-started VMMs to what the memory commits
+    /// and their groups' `hot_fork_pool` ask for, and waits until it is.
+    pub async fn fill_pools(&self) {
+        match self.wanted_pools() {
+            Ok(wanted) => self.launcher.keep_warm(&wanted).await,
+            Err(e) => tracing::error!("cannot size the warm pool: {}", chain(&e)),
+        }
+    }
+
+    /// The same in the background (after a memory commit was made or
+    /// deleted, and at start).
+    pub fn refresh_pools(self: &Arc<Self>) {
+        let daemon = self.clone();
+        tokio::spawn(async move { daemon.fill_pools().await });
+    }
+
+    /// Stops every pre-started VMM (the daemon is going away; a restarted
+    /// one would kill them as strays).
+    pub async fn drain_pools(&self) {
+        self.launcher.keep_warm(&[]).await;
+    }
+
     /// The snapshot of a memory commit, checked complete; an error names
     /// the commit and what is missing.
     pub(super) fn memory_snapshot_of(&self, c: &CommitRecord) -> Result<SnapshotFiles> {

@@ -9,6 +9,7 @@
 //! [`Stop`].
 
 pub mod fake;
+pub mod pool;
 pub mod vmm;
 
 use std::path::PathBuf;
@@ -20,6 +21,9 @@ use tokio::io::{AsyncRead, AsyncWrite};
 
 /// The device id tine-vmm gives the first (root) disk.
 pub const ROOT_DRIVE: &str = "drive0";
+
+/// The device id tine-vmm gives the first NIC.
+pub const ROOT_NIC: &str = "net0";
 
 /// What to boot.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -146,12 +150,13 @@ pub trait GuestStream: AsyncRead + AsyncWrite + Send + Unpin {}
 impl<T: AsyncRead + AsyncWrite + Send + Unpin> GuestStream for T {}
 
 /// A process that runs a VM nobody recorded (a crash between launch and
-/// record).
+/// record), or a warm pool's process no launcher holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Stray {
     /// Process id.
     pub pid: u32,
-    /// The VM folder it runs in.
+    /// The VM folder it runs in (`pool/<slot>` for a pool's process, which
+    /// no VM is named).
     pub hostname: String,
 }
 
@@ -247,6 +252,14 @@ pub trait Launcher: Send + Sync + std::fmt::Debug + 'static {
         hostname: &'a str,
         port: u32,
     ) -> BoxFuture<'a, Result<Box<dyn GuestStream>, LaunchError>>;
+
+    /// Keeps `count` processes of each listed shape started ahead of time
+    /// for [`Launcher::restore`] (refilled as restores take them) and none
+    /// of any other shape; returns once they are started. A launcher
+    /// without such processes (the stand-in) has nothing to do.
+    fn keep_warm<'a>(&'a self, _wanted: &'a [(pool::Shape, u32)]) -> BoxFuture<'a, ()> {
+        Box::pin(async {})
+    }
 }
 
 /// What a VMM answered to a request it carried out.

@@ -1,8 +1,13 @@
 //! The real launcher: one `tine-vmm` process per VM (see
 //! [`crate::process`] for how it is started and recognised), driven through
-//! its control socket with the VMM's own request types.
+//! its control socket with the VMM's own request types. Restores take a
+//! process from the warm pool ([`super::pool`]) when it has one of the
+//! snapshot's shape, and start one otherwise.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
@@ -10,6 +15,7 @@ use futures_util::FutureExt;
 use tine_proto::vmm::{Request as VmmRequest, Response as VmmResponse};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use super::pool::{self, Pool, Shape, Slot, POOL_DIR};
 use super::{BootSpec, GuestStream, Instance, LaunchError, Launcher, RestoreSpec, Running, Stray};
 use crate::process::{self, VmPaths};
 
@@ -44,19 +50,40 @@ const STRAY_GONE: Duration = Duration::from_secs(5);
 pub struct VmmLauncher {
     vmm: PathBuf,
     data_dir: PathBuf,
+    pool: Arc<Mutex<Pool>>,
+    /// Restores under way.
+    restoring: Arc<AtomicUsize>,
 }
 
 impl VmmLauncher {
     /// A launcher running `vmm` for VMs under `data_dir`.
     pub fn new(vmm: PathBuf, data_dir: PathBuf) -> Self {
-        VmmLauncher { vmm, data_dir }
+        VmmLauncher {
+            vmm,
+            data_dir,
+            pool: Arc::default(),
+            restoring: Arc::default(),
+        }
     }
 
     fn paths(&self, hostname: &str) -> VmPaths {
         VmPaths::new(&self.data_dir, hostname)
     }
 
-    fn spawned(&self, child: std::process::Child, paths: VmPaths) -> Running {
+    fn pool(&self) -> MutexGuard<'_, Pool> {
+        // The pool's book-keeping stays consistent between its calls: a
+        // panic elsewhere while it was held leaves it usable.
+        self.pool.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The run of `child`; once it has ended, `link` (a taken pool slot's
+    /// link to the VM's folder) is removed.
+    fn spawned(
+        &self,
+        child: std::process::Child,
+        paths: VmPaths,
+        link: Option<PathBuf>,
+    ) -> Running {
         let pid = child.id();
         let instance = Instance {
             pid,
@@ -71,6 +98,11 @@ impl VmmLauncher {
                     r.map_err(|e| tracing::warn!(pid, "cannot reap tine-vmm: {e}"))
                         .ok()
                 });
+            if let Some(link) = link {
+                if let Err(e) = std::fs::remove_file(&link) {
+                    tracing::warn!(pid, "cannot remove the pool link {}: {e}", link.display());
+                }
+            }
             process::read_stop(&paths, status)
         };
         Running {
@@ -78,6 +110,167 @@ impl VmmLauncher {
             exit: exit.boxed(),
         }
     }
+
+    /// A pooled process of `shape` moved into the VM's folder, if the pool
+    /// has one; a slot that cannot be moved is stopped.
+    fn take_from_pool(&self, shape: Shape, paths: &VmPaths) -> Option<Running> {
+        let mut dead = Vec::new();
+        let slot = self.pool().take(shape, &mut dead);
+        for slot in dead {
+            tracing::warn!(slot = %slot.name, "a pooled tine-vmm had ended");
+            stop_slot(slot);
+        }
+        let slot = slot?;
+        match pool::hand_over(&slot.paths, paths) {
+            Ok(()) => {
+                let link = slot.paths.dir.clone();
+                Some(self.spawned(slot.child, paths.clone(), Some(link)))
+            }
+            Err(e) => {
+                tracing::warn!("{}", tine_proto::error_chain(&e));
+                stop_slot(slot);
+                None
+            }
+        }
+    }
+
+    /// Starts what the pool lacks, until it has what it wants.
+    async fn refill(&self) {
+        loop {
+            let todo = self.pool().to_start(pool::new_slot_name);
+            if todo.is_empty() {
+                return;
+            }
+            let started = futures_util::future::join_all(
+                todo.iter()
+                    .map(|(shape, name)| self.start_slot(*shape, name)),
+            )
+            .await;
+            let mut failed = false;
+            for ((shape, name), result) in todo.into_iter().zip(started) {
+                match result {
+                    Ok(slot) => {
+                        let surplus = self.pool().started(shape, slot);
+                        surplus.into_iter().for_each(stop_slot);
+                    }
+                    Err(e) => {
+                        tracing::error!(slot = %name, %shape, "cannot fill the warm pool: {}", tine_proto::error_chain(&e));
+                        self.pool().failed(&name);
+                        failed = true;
+                    }
+                }
+            }
+            if failed {
+                // Forks start their own process; the next fill tries again.
+                return;
+            }
+        }
+    }
+
+    /// Starts one pooled process and waits until it listens.
+    async fn start_slot(&self, shape: Shape, name: &str) -> Result<Slot, LaunchError> {
+        let paths = VmPaths::in_dir(self.data_dir.join(POOL_DIR).join(name));
+        let hostname = format!("{POOL_DIR}/{name}");
+        let mut child =
+            process::prestart(&self.vmm, shape.cpus, shape.ram_mib, &paths).map_err(|source| {
+                LaunchError::Spawn {
+                    program: self.vmm.clone(),
+                    hostname: hostname.clone(),
+                    source,
+                }
+            })?;
+        let deadline = tokio::time::Instant::now() + PRESTART_LISTENS;
+        loop {
+            if tokio::net::UnixStream::connect(&paths.control)
+                .await
+                .is_ok()
+            {
+                return Ok(Slot {
+                    name: name.to_owned(),
+                    paths,
+                    child,
+                });
+            }
+            let ended = matches!(child.try_wait(), Ok(Some(_)) | Err(_));
+            if ended || tokio::time::Instant::now() >= deadline {
+                let error = if ended {
+                    format!("it ended: {}", process::read_tail(&paths.log, 2048))
+                } else {
+                    format!("it did not listen within {PRESTART_LISTENS:?}")
+                };
+                stop_slot(Slot {
+                    name: name.to_owned(),
+                    paths,
+                    child,
+                });
+                return Err(LaunchError::Refused {
+                    hostname,
+                    request: "prestart".into(),
+                    error,
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
+    /// Starts a process for `spec` now (the pool had none).
+    fn prestart_now(&self, spec: &RestoreSpec, paths: &VmPaths) -> Result<Running, LaunchError> {
+        let child =
+            process::prestart(&self.vmm, spec.cpus, spec.ram_mib, paths).map_err(|source| {
+                LaunchError::Spawn {
+                    program: self.vmm.clone(),
+                    hostname: spec.hostname.clone(),
+                    source,
+                }
+            })?;
+        Ok(self.spawned(child, paths.clone(), None))
+    }
+}
+
+/// Counts a restore under way; when the last one under way ends
+/// (whichever way), the pool is refilled in the background.
+struct RefillWhenIdle(VmmLauncher);
+
+impl RefillWhenIdle {
+    fn new(launcher: &VmmLauncher) -> Self {
+        launcher.restoring.fetch_add(1, Ordering::SeqCst);
+        RefillWhenIdle(launcher.clone())
+    }
+}
+
+impl Drop for RefillWhenIdle {
+    fn drop(&mut self) {
+        if self.0.restoring.fetch_sub(1, Ordering::SeqCst) == 1 {
+            let launcher = self.0.clone();
+            tokio::spawn(async move { launcher.refill().await });
+        }
+    }
+}
+
+/// Stops a pooled process nobody will use and removes its folder (or its
+/// link); reaped in the background.
+fn stop_slot(slot: Slot) {
+    let Slot {
+        name,
+        paths,
+        mut child,
+    } = slot;
+    if let Err(e) = child.kill() {
+        tracing::debug!(slot = %name, "kill: {e}");
+    }
+    let removed = match std::fs::symlink_metadata(&paths.dir) {
+        Ok(m) if m.is_dir() => std::fs::remove_dir_all(&paths.dir),
+        Ok(_) => std::fs::remove_file(&paths.dir),
+        Err(e) => Err(e),
+    };
+    if let Err(e) = removed {
+        tracing::warn!(slot = %name, "cannot remove {}: {e}", paths.dir.display());
+    }
+    std::thread::spawn(move || {
+        if let Err(e) = child.wait() {
+            tracing::warn!(slot = %name, "cannot reap a pooled tine-vmm: {e}");
+        }
+    });
 }
 
 impl Launcher for VmmLauncher {
@@ -89,25 +282,39 @@ impl Launcher for VmmLauncher {
                 hostname: spec.hostname.clone(),
                 source,
             })?;
-        Ok(self.spawned(child, paths))
+        Ok(self.spawned(child, paths, None))
     }
 
     fn restore<'a>(&'a self, spec: &'a RestoreSpec) -> BoxFuture<'a, Result<Running, LaunchError>> {
         async move {
             let paths = self.paths(&spec.hostname);
-            let child = process::prestart(&self.vmm, spec, &paths).map_err(|source| {
-                LaunchError::Spawn {
-                    program: self.vmm.clone(),
-                    hostname: spec.hostname.clone(),
-                    source,
-                }
-            })?;
-            let running = self.spawned(child, paths.clone());
+            let shape = Shape {
+                cpus: spec.cpus,
+                ram_mib: spec.ram_mib,
+            };
+            // The pool is refilled once no restore is under way: a process
+            // starting next to one would take the CPU it needs now.
+            let _refill = RefillWhenIdle::new(self);
+            let pooled = self.take_from_pool(shape, &paths);
+            let running = match pooled {
+                Some(running) => running,
+                None => self.prestart_now(spec, &paths)?,
+            };
             let request = VmmRequest::Restore {
                 state_path: spec.state.clone(),
                 mem_path: spec.memory.clone(),
                 paused: spec.paused,
                 vsock_uds: Some(paths.vsock.clone()),
+                drives: spec
+                    .disk
+                    .iter()
+                    .map(|d| (super::ROOT_DRIVE.to_owned(), d.clone()))
+                    .collect(),
+                taps: spec
+                    .tap
+                    .iter()
+                    .map(|t| (super::ROOT_NIC.to_owned(), t.clone()))
+                    .collect(),
             };
             // The pre-started process listens once it is ready: until then
             // its socket is missing, or there but not listening yet (bound,
@@ -178,9 +385,17 @@ impl Launcher for VmmLauncher {
     }
 
     fn strays(&self) -> Vec<Stray> {
-        process::find_vmm_processes(&self.data_dir.join("vms"))
+        let ours = self.pool().names();
+        process::find_processes(&self.data_dir)
             .into_iter()
-            .map(|(pid, hostname)| Stray { pid, hostname })
+            .filter_map(|(pid, owner)| match owner {
+                process::Owner::Vm(hostname) => Some(Stray { pid, hostname }),
+                process::Owner::Pool(slot) if ours.contains(&slot) => None,
+                process::Owner::Pool(slot) => Some(Stray {
+                    pid,
+                    hostname: format!("{POOL_DIR}/{slot}"),
+                }),
+            })
             .collect()
     }
 
@@ -216,6 +431,23 @@ impl Launcher for VmmLauncher {
                     hostname: hostname.to_owned(),
                     source,
                 })
+        }
+        .boxed()
+    }
+
+    fn keep_warm<'a>(&'a self, wanted: &'a [(Shape, u32)]) -> BoxFuture<'a, ()> {
+        async move {
+            let mut sizes = BTreeMap::new();
+            for (shape, count) in wanted {
+                let size = sizes.entry(*shape).or_insert(0);
+                *size = (*count).max(*size);
+            }
+            let surplus = self.pool().set_wanted(sizes);
+            surplus.into_iter().for_each(stop_slot);
+            let keep = self.pool().names();
+            let in_use = process::pool_slots_in_use(&self.data_dir);
+            pool::sweep(&self.data_dir.join(POOL_DIR), &keep, &in_use);
+            self.refill().await;
         }
         .boxed()
     }

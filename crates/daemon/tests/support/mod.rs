@@ -218,7 +218,7 @@ impl Drop for Daemon {
             }
         }
         let _ = self.kill9();
-        for (pid, _) in tine_daemon::process::find_vmm_processes(&self.data().join("vms")) {
+        for (pid, _) in tine_daemon::process::find_processes(&self.data()) {
             let _ = Command::new("kill").arg("-9").arg(pid.to_string()).status();
         }
         // The next test's daemon needs the room: in the bed /tmp is a tmpfs

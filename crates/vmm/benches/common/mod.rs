@@ -11,6 +11,10 @@ use std::process::Command;
 /// as it runs.
 pub const COUNTER_LOOP: &[u8] = &[0x48, 0xff, 0x04, 0x25, 0x00, 0x00, 0x20, 0x00, 0xeb, 0xf6];
 
+/// `hlt; jmp -3`: a ring-0 guest (`Privilege::Kernel`) that idles, its
+/// vCPU halted, holding no host CPU.
+pub const HALT_LOOP: &[u8] = &[0xf4, 0xeb, 0xfd];
+
 /// The `p` quantile (0..=1) of `sorted`; NaN when it is empty.
 pub fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
