@@ -30,6 +30,7 @@ const GROUP: &str = "  - name: hot
     cpus: 1
     ram_mb: 256
     persistent: true
+    hot_fork_pool: 1
     network:
       mode: isolated
       cidr: 169.254.72.0/22
@@ -164,6 +165,24 @@ fn memory_commit(tag: &str) -> CommitRequest {
     }
 }
 
+/// The pid of the warm pool's one untaken tine-vmm under `data`, once
+/// there is one (the pool fills in the background).
+async fn pooled_pid(data: &std::path::Path) -> R<u32> {
+    let deadline = Instant::now() + BOOT;
+    loop {
+        let pooled: Vec<u32> = tine_daemon::process::find_processes(data)
+            .into_iter()
+            .filter(|(_, owner)| matches!(owner, tine_daemon::process::Owner::Pool(_)))
+            .map(|(pid, _)| pid)
+            .collect();
+        match pooled[..] {
+            [pid] => return Ok(pid),
+            [] if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(100)).await,
+            _ => return Err(fail(format!("pooled tine-vmm processes: {pooled:?}"))),
+        }
+    }
+}
+
 fn hot_forks_resume_the_source() -> R {
     let mut d = Daemon::start("hotfork", GROUP, None)?;
     let result = checks(&mut d);
@@ -259,11 +278,14 @@ fn checks(d: &mut Daemon) -> R {
         pause_us as f64 / 1000.0
     );
 
+    let data = d.data();
     let (forks, hot_ms) = r.block_on(async {
         let source = identity(&c, &src).await?;
         let mut forks = Vec::new();
         let mut hot_ms = Vec::new();
         for _ in 0..2 {
+            // The fork runs in the process the pool started ahead for it.
+            let pooled = pooled_pid(&data).await?;
             let t = Instant::now();
             let f = c
                 .fork(&id, &ForkRequest::default(), Wait::Agent, Some(BOOT))
@@ -271,6 +293,13 @@ fn checks(d: &mut Daemon) -> R {
                 .or_fail()?;
             if f.mode != CommitMode::Memory || f.child_status != VmState::Running {
                 return Err(fail(format!("the hot fork answered {f:?}")));
+            }
+            let vmm_pid = c.describe(&f.hostname).await.or_fail()?.pid;
+            if vmm_pid != Some(pooled) {
+                return Err(fail(format!(
+                    "{} runs in tine-vmm {vmm_pid:?}, not the pooled {pooled}",
+                    f.hostname
+                )));
             }
             hot_ms.push(f.elapsed_ms);
             let vm = f.hostname;
