@@ -10,6 +10,9 @@
 //!
 //! cargo bench -p tine-daemon --bench fork_host   (TINE_BENCH_RUNS, default 300)
 
+#[path = "common/hot_forks.rs"]
+mod hot_forks;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -102,27 +105,8 @@ fn main() -> anyhow::Result<()> {
             ("hot fork, 10 at once", 10),
             ("hot fork, 50 at once", 50),
         ] {
-            let mut ms = Vec::new();
-            for _ in 0..(runs / concurrent).max(5) {
-                let mut tasks = Vec::new();
-                for _ in 0..concurrent {
-                    let (d, id) = (d.clone(), hot.commit_id.clone());
-                    tasks.push(tokio::spawn(async move {
-                        let t = Instant::now();
-                        let f = d.fork(&id, ForkRequest::default(), Wait::None, WAIT).await;
-                        (t.elapsed().as_secs_f64() * 1e3, f)
-                    }));
-                }
-                let mut made = Vec::new();
-                for task in tasks {
-                    let (elapsed, f) = task.await?;
-                    ms.push(elapsed);
-                    made.push(f?.hostname);
-                }
-                for h in made {
-                    d.delete(&h).await?;
-                }
-            }
+            let ms =
+                hot_forks::timed_hot_forks(&d, &hot.commit_id, concurrent, runs, 5, WAIT).await?;
             figures.push((what, stats(ms)));
         }
         let mut ms = Vec::new();

@@ -17,21 +17,21 @@
 //! the requests still being served.
 
 mod common;
+#[path = "../../daemon/benches/common/hot_forks.rs"]
+mod hot_forks;
 
 use common::{percentile, vmm_binary, HALT_LOOP};
 
 use std::path::Path;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tine_daemon::config::{Config, HostGroup};
 use tine_daemon::core::{Daemon, Deadlines, Parts};
 use tine_daemon::launcher::fake::FakeLauncher;
 use tine_daemon::launcher::vmm::VmmLauncher;
 use tine_daemon::launcher::Launcher;
-use tine_proto::api::{
-    CommitMode, CommitRequest, CreateVmRequest, ForkRequest, ShutdownAction, Wait,
-};
+use tine_proto::api::{CommitMode, CommitRequest, CreateVmRequest, ShutdownAction, Wait};
 use tine_vmm::vmm::{BootConfig, ConsoleConfig, Privilege, Vmm};
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -96,43 +96,6 @@ async fn synthetic_memory_commit(dir: &Path) -> anyhow::Result<String> {
     Ok(commit)
 }
 
-/// Milliseconds of each fork of `commit`, `concurrent` requests at once,
-/// `runs` in all; every fork is deleted after its batch.
-async fn forks(
-    d: &Arc<Daemon>,
-    commit: &str,
-    concurrent: usize,
-    runs: usize,
-) -> anyhow::Result<Vec<f64>> {
-    let mut ms = Vec::new();
-    for _ in 0..(runs / concurrent).max(3) {
-        let mut tasks = Vec::new();
-        for _ in 0..concurrent {
-            let (d, id) = (d.clone(), commit.to_owned());
-            tasks.push(tokio::spawn(async move {
-                let t = Instant::now();
-                let f = d.fork(&id, ForkRequest::default(), Wait::None, WAIT).await;
-                (t.elapsed().as_secs_f64() * 1e3, f)
-            }));
-        }
-        let mut made = Vec::new();
-        for task in tasks {
-            let (elapsed, f) = task.await?;
-            ms.push(elapsed);
-            made.push(f?.hostname);
-        }
-        for h in made {
-            d.delete(&h).await?;
-        }
-        // The pool refills in the background; each batch starts with a
-        // full one (a fork that finds it empty starts its own process,
-        // which is the figure without a pool).
-        d.fill_pools().await;
-    }
-    ms.sort_by(f64::total_cmp);
-    Ok(ms)
-}
-
 fn main() -> anyhow::Result<()> {
     let runs: usize = std::env::var("TINE_BENCH_RUNS")
         .ok()
@@ -150,7 +113,9 @@ fn main() -> anyhow::Result<()> {
                 let launcher = Arc::new(VmmLauncher::new(vmm.clone(), dir.path().join("data")));
                 let d = daemon(dir.path(), pool, launcher)?;
                 d.fill_pools().await;
-                let ms = forks(&d, &commit, concurrent, runs).await?;
+                let mut ms =
+                    hot_forks::timed_hot_forks(&d, &commit, concurrent, runs, 3, WAIT).await?;
+                ms.sort_by(f64::total_cmp);
                 figures.push((percentile(&ms, 0.5), percentile(&ms, 0.99)));
                 d.drain_pools().await;
             }
