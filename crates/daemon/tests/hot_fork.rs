@@ -440,6 +440,10 @@ fn checks(d: &mut Daemon) -> R {
         pause_us as f64 / 1000.0,
         hot as f64 / cold_ms.max(1) as f64
     );
+    // Where each one's set-up time went, as the daemon logged it.
+    for line in d.log_lines("agent ready") {
+        println!("{line}");
+    }
     Ok(())
 }
 

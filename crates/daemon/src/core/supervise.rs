@@ -214,6 +214,15 @@ impl Daemon {
                 Err(_) => tokio::time::sleep(std::time::Duration::from_millis(10)).await,
             }
         };
+        // Where the set-up's time goes, for the log: until the agent
+        // answered, then each step.
+        let agent_ms = began.elapsed().as_millis() as u64;
+        let mut steps: Vec<(&str, u64)> = Vec::new();
+        let mut lap = Instant::now();
+        let mut step_done = |name: &'static str| {
+            steps.push((name, lap.elapsed().as_millis() as u64));
+            lap = Instant::now();
+        };
         let first = !vm.booted_once && setup == SetUp::Boot;
         let (set_hostname, machine_id, ssh_host_keys) = match &vm.fixups {
             _ if setup == SetUp::Resume => (false, false, false),
@@ -246,8 +255,10 @@ impl Daemon {
         };
         let step = self.deadlines.setup_call;
         setup_call(step, "fix-ups", client.fixups(req)).await?;
+        step_done("fixups");
         if let Some(n) = vm.network.as_ref().filter(|_| setup != SetUp::Resume) {
             setup_call(step, "network set-up", client.network(n.agent_request())).await?;
+            step_done("network");
             if setup == SetUp::HotFork {
                 // Its own identity and address now: out of quarantine.
                 self.network
@@ -275,6 +286,7 @@ impl Daemon {
                     )))
                 }
             }
+            step_done("secrets");
         }
         if first {
             if let Some(script) = &vm.userdata {
@@ -285,10 +297,13 @@ impl Daemon {
         failpoint::hit(Failpoint::BootSetUp);
         self.store.set_running(hostname, boot_ms)?;
         self.notify();
+        let steps: Vec<String> = steps.iter().map(|(n, ms)| format!("{n} {ms} ms")).collect();
         tracing::info!(
             vm = hostname,
             boot_ms,
             setup_ms = began.elapsed().as_millis() as u64,
+            agent_ms,
+            steps = %steps.join(", "),
             "agent ready"
         );
         Ok(())

@@ -184,6 +184,16 @@ impl Daemon {
         Ok(())
     }
 
+    /// The lines of the daemon's log that contain `needle`.
+    pub fn log_lines(&self, needle: &str) -> Vec<String> {
+        std::fs::read_to_string(self.dir.join("daemon.log"))
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.contains(needle))
+            .map(str::to_owned)
+            .collect()
+    }
+
     pub fn log_tail(&self) -> String {
         tine_testbed::tail_lines(&self.dir.join("daemon.log"), 15)
     }
