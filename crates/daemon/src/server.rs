@@ -220,13 +220,17 @@ pub fn run_from_cli(config_path: Option<PathBuf>, data_dir: Option<PathBuf>) -> 
         std::env::current_dir()?.join(data_dir)
     };
     crate::failpoint::arm_from_env()?;
-    let _ = tracing_subscriber::fmt()
+    if let Err(e) = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("TINE_LOG")
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
-        .try_init();
+        .try_init()
+    {
+        // A logger set up already (the daemon run in-process) logs instead.
+        eprintln!("tine up: keeping the logger already set up: {e}");
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -303,7 +307,9 @@ pub async fn serve(config: Config, data_dir: PathBuf) -> anyhow::Result<()> {
         socket.display().to_string(),
         std::process::id()
     );
-    let _ = std::io::stdout().flush();
+    if let Err(e) = std::io::stdout().flush() {
+        tracing::warn!("cannot write the ready line: {e}");
+    }
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
         _ = tokio::signal::ctrl_c() => tracing::info!("interrupted; VMs keep running"),

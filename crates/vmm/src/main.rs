@@ -178,9 +178,25 @@ enum Machine {
 }
 
 fn respond(stream: &mut UnixStream, response: &Response) {
-    if let Ok(mut line) = serde_json::to_string(response) {
-        line.push('\n');
-        let _ = stream.write_all(line.as_bytes());
+    match serde_json::to_string(response) {
+        Ok(mut line) => {
+            line.push('\n');
+            if let Err(e) = stream.write_all(line.as_bytes()) {
+                eprintln!("cannot answer on the control socket: {e}");
+            }
+        }
+        Err(e) => eprintln!("cannot encode {response:?}: {e}"),
+    }
+}
+
+/// Removes a socket file left by an earlier process (or this one's, at
+/// exit); one that is not there is fine.
+fn remove_socket(path: &std::path::Path) {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            eprintln!("cannot remove {}: {e}", path.display())
+        }
+        _ => {}
     }
 }
 
@@ -308,7 +324,9 @@ fn print_event(event: &Event) {
         Ok(line) => println!("{line}"),
         Err(e) => eprintln!("cannot encode {event:?}: {e}"),
     }
-    let _ = std::io::stdout().flush();
+    if let Err(e) = std::io::stdout().flush() {
+        eprintln!("cannot write an event to stdout: {e}");
+    }
 }
 
 fn main() -> anyhow::Result<()> {
@@ -359,7 +377,7 @@ fn main() -> anyhow::Result<()> {
     let restore_overrides = overrides(&args)?;
     let listener = match &args.control_socket {
         Some(path) => {
-            let _ = std::fs::remove_file(path);
+            remove_socket(path);
             let listener = UnixListener::bind(path)
                 .with_context(|| format!("cannot bind control socket {}", path.display()))?;
             listener.set_nonblocking(true)?;
@@ -408,9 +426,15 @@ fn main() -> anyhow::Result<()> {
         }
         if let Some(l) = &listener {
             while let Ok((stream, _)) = l.accept() {
-                let _ = stream.set_nonblocking(false);
-                let _ = stream.set_read_timeout(Some(std::time::Duration::from_millis(1)));
-                clients.push(BufReader::new(stream));
+                // A client whose requests cannot be read without blocking
+                // the VMM's loop is not served.
+                let blocking = stream.set_nonblocking(false).and_then(|()| {
+                    stream.set_read_timeout(Some(std::time::Duration::from_millis(1)))
+                });
+                match blocking {
+                    Ok(()) => clients.push(BufReader::new(stream)),
+                    Err(e) => eprintln!("control socket client dropped: {e}"),
+                }
             }
         }
         let mut exit = false;
@@ -452,7 +476,7 @@ fn main() -> anyhow::Result<()> {
         }
     };
     if let Some(path) = &args.control_socket {
-        let _ = std::fs::remove_file(path);
+        remove_socket(path);
     }
     let clean = reason.is_clean();
     print_event(&Event::Stopped { stop: reason });

@@ -326,10 +326,19 @@ fn test_process_restored_guest_copies_only_the_pages_it_writes() {
 fn copies_after_a_while(child: &mut Child, ram_bytes: u64) -> tine_daemon::host_stats::VmMemory {
     let pid = child.id();
     let start = tine_daemon::process::start_time(pid).expect("start time");
-    // The guest goes through its pages in microseconds; give it time.
+    // The guest goes through its pages in microseconds once its vCPU runs;
+    // on a loaded host that may take a while, so wait (bounded) until it
+    // has copied the pages it writes, then a little more for any others.
+    let read = || tine_daemon::host_stats::vm_memory(pid, start, ram_bytes);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while std::time::Instant::now() < deadline
+        && read().and_then(|m| m.copied_bytes).unwrap_or(0) / 4096 < u64::from(PAGES)
+    {
+        std::thread::sleep(Duration::from_millis(20));
+    }
     std::thread::sleep(Duration::from_millis(200));
-    let memory = tine_daemon::host_stats::vm_memory(pid, start, ram_bytes);
-    let _ = child.kill();
-    let _ = child.wait();
+    let memory = read();
+    child.kill().expect("kill the restored tine-vmm");
+    child.wait().expect("reap it");
     memory.expect("the process's smaps")
 }

@@ -206,8 +206,11 @@ impl Daemon {
     /// Resolves once [`Daemon::request_stop`] was called.
     pub async fn stop_requested(&self) {
         let mut rx = self.stop_requested.subscribe();
-        // The sender lives as long as `self`.
-        let _ = rx.wait_for(|stop| *stop).await;
+        // The sender lives as long as `self`, so this never fails.
+        let stopped = rx.wait_for(|stop| *stop).await.map(drop);
+        if let Err(e) = stopped {
+            tracing::warn!("the stop signal went away: {e}");
+        }
     }
 
     /// Whether the VM's current run is paused.

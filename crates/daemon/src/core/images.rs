@@ -174,7 +174,9 @@ impl Daemon {
         let agent_dir = work.clone();
         let find_agent = move || self.agent_binary(&agent_dir);
         let mut report = |e: ImportEvent| {
-            let _ = progress.send(e);
+            if progress.send(e).is_err() {
+                tracing::debug!(image = %name, "the importing client left; the import goes on");
+            }
         };
         let converted = image::convert(&upload, format, &work, &find_agent, &mut report)?;
         report(ImportEvent::Progress {
@@ -205,7 +207,12 @@ impl Daemon {
             created_ms: crate::db::now_ms(),
         };
         if let Err(e) = self.store.insert_image(&record) {
-            let _ = std::fs::remove_file(&dest);
+            if let Err(rm) = std::fs::remove_file(&dest) {
+                tracing::warn!(
+                    "cannot remove {} after a failed record: {rm}",
+                    dest.display()
+                );
+            }
             return Err(e.into());
         }
         tracing::info!(image = %name, digest = ?record.digest, "image imported");
