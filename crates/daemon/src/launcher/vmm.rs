@@ -241,8 +241,12 @@ impl RefillWhenIdle {
 impl Drop for RefillWhenIdle {
     fn drop(&mut self) {
         if self.0.restoring.fetch_sub(1, Ordering::SeqCst) == 1 {
-            let launcher = self.0.clone();
-            tokio::spawn(async move { launcher.refill().await });
+            // Dropped outside a runtime (one shutting down), there is
+            // nobody to refill for.
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                let launcher = self.0.clone();
+                runtime.spawn(async move { launcher.refill().await });
+            }
         }
     }
 }
