@@ -1,14 +1,21 @@
 //! The daemon's state: an embedded SQLite database with migrations.
 //!
-//! Every change is one transaction (WAL journal, `synchronous=FULL`), so a
-//! `kill -9` of the daemon leaves either the state before a change or the
-//! state after it. A new VM's files are made inside the transaction that
+//! Every change is one transaction (WAL journal, `synchronous=NORMAL`), so
+//! a `kill -9` of the daemon leaves either the state before a change or the
+//! state after it: a committed transaction is in the WAL file, which the
+//! kernel keeps whatever becomes of the process. Against a power loss, the
+//! WAL is synced by [`Store::sync`]: at once for the records whose loss
+//! would cost data or bring a deleted object back (commits, images,
+//! deletions), and within a second for the others (the daemon's flusher).
+//! Each synced transaction under `synchronous=FULL` took about 1 ms of a
+//! fork's 1.3 ms of host work on a loaded development disk. A new VM's files are made inside the transaction that
 //! records it (`Store::insert_vm_with`); other changes record intent first
 //! and change files after. Start-up reconciliation (`core::reconcile`)
 //! removes or finishes what an interrupted change left.
 
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use rusqlite::{params, Connection, OptionalExtension, Row, Transaction};
@@ -314,6 +321,8 @@ pub struct ImageRecord {
 #[derive(Debug)]
 pub struct Store {
     conn: Mutex<Connection>,
+    /// The connection's change count at the last [`Store::sync`].
+    synced_changes: AtomicU64,
 }
 
 fn json_vec(s: &str, what: &'static str) -> Result<Vec<String>> {
@@ -465,7 +474,7 @@ impl Store {
         conn.set_prepared_statement_cache_capacity(64);
         conn.busy_timeout(std::time::Duration::from_secs(5))?;
         conn.pragma_update(None, "journal_mode", "WAL")?;
-        conn.pragma_update(None, "synchronous", "FULL")?;
+        conn.pragma_update(None, "synchronous", "NORMAL")?;
         let version: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
         let known = MIGRATIONS.len() as i64;
         if version > known {
@@ -482,7 +491,30 @@ impl Store {
         }
         Ok(Store {
             conn: Mutex::new(conn),
+            synced_changes: AtomicU64::new(0),
         })
+    }
+
+    /// Makes every committed transaction durable against a power loss:
+    /// checkpoints the WAL, which syncs it first (nothing to do when no
+    /// transaction came since the last call).
+    pub fn sync(&self) -> Result<()> {
+        let conn = self.lock();
+        let changes = conn.total_changes();
+        if self.synced_changes.swap(changes, Ordering::SeqCst) == changes {
+            return Ok(());
+        }
+        conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))?;
+        Ok(())
+    }
+
+    /// [`Store::sync`] after a change that must survive a power loss once
+    /// answered; the change itself is already committed, so a failed sync
+    /// is logged, not returned.
+    fn sync_now(&self, what: &str) {
+        if let Err(e) = self.sync() {
+            tracing::warn!("cannot sync the state after {what}: {e}");
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, Connection> {
@@ -708,6 +740,7 @@ impl Store {
         self.lock()
             .prepare_cached("DELETE FROM vms WHERE hostname = ?1")?
             .execute([hostname])?;
+        self.sync_now("a VM's deletion");
         Ok(())
     }
 
@@ -761,7 +794,9 @@ impl Store {
             tx.prepare_cached("UPDATE vms SET commit_id = ?2, disk = ?3 WHERE hostname = ?1")?.execute(params![c.source, c.id, source_new_disk],
             )?;
             Ok(())
-        })
+        })?;
+        self.sync_now("a commit");
+        Ok(())
     }
 
     /// One commit.
@@ -836,6 +871,7 @@ impl Store {
                 .execute([id])?;
             Ok(Some(c))
         })
+        .inspect(|_| self.sync_now("a commit's deletion"))
     }
 
     /// An imported image.
@@ -862,7 +898,9 @@ impl Store {
 
     /// Records (or replaces) a built-in image's base.
     pub fn put_image(&self, img: &ImageRecord) -> Result<()> {
-        write_image(&self.lock(), "INSERT OR REPLACE", img)
+        write_image(&self.lock(), "INSERT OR REPLACE", img)?;
+        self.sync_now("an image's record");
+        Ok(())
     }
 
     /// Records a new image; a name already recorded is a conflict (images
@@ -881,7 +919,9 @@ impl Store {
                 )));
             }
             write_image(tx, "INSERT", img)
-        })
+        })?;
+        self.sync_now("an image's record");
+        Ok(())
     }
 
     /// Forgets an image; returns whether it was recorded.
@@ -890,6 +930,7 @@ impl Store {
             .lock()
             .prepare_cached("DELETE FROM images WHERE name = ?1")?
             .execute([name])?;
+        self.sync_now("an image's deletion");
         Ok(n > 0)
     }
 
@@ -1258,5 +1299,39 @@ mod tests {
         drop(conn);
         let err = Store::open(&path).expect_err("too new");
         assert!(err.to_string().contains("schema version 99"), "{err}");
+    }
+
+    /// The VMs a copy of the main database file alone records: what is
+    /// left of the state when its WAL is lost (a power loss before the
+    /// WAL reached the disk); none when the copy has no table yet.
+    fn vms_in_main_file(path: &Path, copy: &Path) -> i64 {
+        std::fs::copy(path, copy).expect("copy the main file");
+        let conn = Connection::open(copy).expect("open the copy");
+        conn.query_row("SELECT count(*) FROM vms", [], |r| r.get(0))
+            .unwrap_or(0)
+    }
+
+    #[test]
+    fn a_change_reaches_the_main_file_when_synced_and_deletions_at_once() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let path = dir.path().join("t.db");
+        let s = Store::open(&path).expect("open");
+        let mode: i64 = s
+            .lock()
+            .pragma_query_value(None, "synchronous", |r| r.get(0))
+            .expect("pragma");
+        assert_eq!(mode, 1, "synchronous=NORMAL");
+        let vm = s.insert_vm(&new_vm("dev"), disk).expect("vm");
+        assert_eq!(
+            vms_in_main_file(&path, &dir.path().join("c1")),
+            0,
+            "committed, but only in the WAL"
+        );
+        s.sync().expect("sync");
+        assert_eq!(vms_in_main_file(&path, &dir.path().join("c2")), 1);
+        s.sync().expect("a second sync with nothing new");
+        // A deletion is synced before it returns.
+        s.delete_vm(&vm.hostname).expect("delete");
+        assert_eq!(vms_in_main_file(&path, &dir.path().join("c3")), 0);
     }
 }

@@ -271,6 +271,7 @@ pub async fn serve(config: Config, data_dir: PathBuf) -> anyhow::Result<()> {
     );
     // After the strays (an earlier daemon's pool among them) are gone.
     daemon.refresh_pools();
+    daemon.sync_state_periodically();
     // We hold the lock, so an existing socket file is stale.
     match std::fs::remove_file(&socket) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
@@ -324,6 +325,7 @@ pub async fn serve(config: Config, data_dir: PathBuf) -> anyhow::Result<()> {
         tracing::warn!("cannot remove {}: {e}", socket.display());
     }
     daemon.drain_pools().await;
+    daemon.sync_state().await;
     drop(daemon);
     Ok(())
 }

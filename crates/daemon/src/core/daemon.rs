@@ -39,6 +39,10 @@ pub struct Deadlines {
     pub shutdown_ask: Duration,
 }
 
+/// How long a committed change may wait for its sync against a power
+/// loss (commits, images and deletions are synced at once).
+pub const STATE_SYNC_EVERY: Duration = Duration::from_secs(1);
+
 impl Default for Deadlines {
     fn default() -> Self {
         Deadlines {
@@ -338,6 +342,31 @@ impl Daemon {
                 tracing::warn!(vm = %vm.hostname, "resume before stop: {e}");
             }
             self.forget_paused(&vm.hostname);
+        }
+    }
+
+    /// Syncs the state (see [`crate::db`]) every [`STATE_SYNC_EVERY`] in
+    /// the background, for as long as the daemon exists: a change not
+    /// synced at once survives a power loss after at most that long.
+    pub fn sync_state_periodically(self: &Arc<Self>) {
+        let daemon = Arc::downgrade(self);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(STATE_SYNC_EVERY);
+            loop {
+                tick.tick().await;
+                let Some(d) = daemon.upgrade() else { break };
+                d.sync_state().await;
+            }
+        });
+    }
+
+    /// Syncs the state now (off the async threads: it waits for the disk).
+    pub async fn sync_state(self: &Arc<Self>) {
+        let d = self.clone();
+        match tokio::task::spawn_blocking(move || d.store.sync()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!("cannot sync the state: {}", chain(&e)),
+            Err(e) => tracing::warn!("the state sync did not finish: {e}"),
         }
     }
 
