@@ -83,12 +83,15 @@ const COUNTER_TRACES: &str = "[ -e /mnt/mem/coun[t] ] && echo 'the counter file'
      grep -qs 'mnt/mem/coun[t]' /proc/[0-9]*/cmdline && echo 'a counter process'; true";
 
 /// Starts a counter in a tmpfs, in a session of its own; returns its pid.
+/// Each value is written beside the file and renamed over it: a reader
+/// never sees the file empty, as it did between `>`'s truncation and the
+/// write.
 async fn start_counter(c: &TineClient, vm: &str) -> R<String> {
     let pid = sh_ok(
         c,
         vm,
         "mkdir -p /mnt/mem && mount -t tmpfs -o size=8m tmpfs /mnt/mem && \
-         setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /mnt/mem/count; sleep 0.2; done' \
+         setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /mnt/mem/count.new; mv /mnt/mem/count.new /mnt/mem/count; sleep 0.2; done' \
          </dev/null >/dev/null 2>&1 & \
          while [ ! -s /mnt/mem/count ]; do sleep 0.05; done; echo $!",
     )
