@@ -147,6 +147,18 @@ fn control_socket_of(pid: u32) -> Option<PathBuf> {
     Some(PathBuf::from(sock))
 }
 
+/// Every process with a `--control-socket` argument, with that argument.
+fn control_sockets() -> Vec<(u32, PathBuf)> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|pid| Some((pid, control_socket_of(pid)?)))
+        .collect()
+}
+
 /// The VM folder a process with control socket `sock` runs for: the folder
 /// named on its command line, or, for a pool slot a VM took, the folder the
 /// slot's link points to. `None` for a slot nobody took.
@@ -191,20 +203,7 @@ pub fn find_processes(data_dir: &Path) -> Vec<(u32, Owner)> {
     let vms = data_dir.join("vms");
     let pool = data_dir.join(crate::launcher::pool::POOL_DIR);
     let mut out = Vec::new();
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return out;
-    };
-    for entry in entries.flatten() {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|s| s.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        let Some(sock) = control_socket_of(pid) else {
-            continue;
-        };
+    for (pid, sock) in control_sockets() {
         let Some(folder) = sock.parent() else {
             continue;
         };
@@ -228,14 +227,9 @@ pub fn find_processes(data_dir: &Path) -> Vec<(u32, Owner)> {
 /// command line names, taken or not.
 pub fn pool_slots_in_use(data_dir: &Path) -> std::collections::HashSet<String> {
     let pool = data_dir.join(crate::launcher::pool::POOL_DIR);
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return Default::default();
-    };
-    entries
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter_map(control_socket_of)
-        .filter_map(|sock| {
+    control_sockets()
+        .into_iter()
+        .filter_map(|(_, sock)| {
             let folder = sock.parent()?;
             (folder.parent() == Some(pool.as_path()))
                 .then(|| folder.file_name().map(|n| n.to_string_lossy().into_owned()))
