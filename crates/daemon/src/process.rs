@@ -57,6 +57,10 @@ impl VmPaths {
     }
 }
 
+/// The warm pool's folder in the data directory: `pool/<slot>/` holds a
+/// pre-started process's files until a VM takes it.
+pub const POOL_DIR: &str = "pool";
+
 /// The serial log is capped at this many bytes per boot.
 pub const SERIAL_LOG_LIMIT: u64 = 8 << 20;
 
@@ -175,7 +179,7 @@ fn vm_dir_of(sock: &Path) -> Option<PathBuf> {
 fn is_pool_slot(dir: &Path) -> bool {
     dir.parent()
         .and_then(Path::file_name)
-        .is_some_and(|n| n == crate::launcher::pool::POOL_DIR)
+        .is_some_and(|n| n == POOL_DIR)
 }
 
 /// Whether `pid` is still the tine-vmm process launched for `paths`.
@@ -201,7 +205,7 @@ pub enum Owner {
 /// (`vms/<hostname>/` or `pool/<slot>/`), with whom it runs for.
 pub fn find_processes(data_dir: &Path) -> Vec<(u32, Owner)> {
     let vms = data_dir.join("vms");
-    let pool = data_dir.join(crate::launcher::pool::POOL_DIR);
+    let pool = data_dir.join(POOL_DIR);
     let mut out = Vec::new();
     for (pid, sock) in control_sockets() {
         let Some(folder) = sock.parent() else {
@@ -226,7 +230,7 @@ pub fn find_processes(data_dir: &Path) -> Vec<(u32, Owner)> {
 /// The pool slots (folder names under `pool/`) that a running process's
 /// command line names, taken or not.
 pub fn pool_slots_in_use(data_dir: &Path) -> std::collections::HashSet<String> {
-    let pool = data_dir.join(crate::launcher::pool::POOL_DIR);
+    let pool = data_dir.join(POOL_DIR);
     control_sockets()
         .into_iter()
         .filter_map(|(_, sock)| {

@@ -25,6 +25,22 @@ pub const ROOT_DRIVE: &str = "drive0";
 /// The device id tine-vmm gives the first NIC.
 pub const ROOT_NIC: &str = "net0";
 
+/// What a pooled process can run: a snapshot of this many vCPUs and MiB
+/// of RAM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Shape {
+    /// vCPUs.
+    pub cpus: u32,
+    /// RAM in MiB.
+    pub ram_mib: u64,
+}
+
+impl std::fmt::Display for Shape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} vCPU, {} MiB", self.cpus, self.ram_mib)
+    }
+}
+
 /// What to boot.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BootSpec {
@@ -257,7 +273,7 @@ pub trait Launcher: Send + Sync + std::fmt::Debug + 'static {
     /// for [`Launcher::restore`] (refilled as restores take them) and none
     /// of any other shape; returns once they are started. A launcher
     /// without such processes (the stand-in) has nothing to do.
-    fn keep_warm<'a>(&'a self, _wanted: &'a [(pool::Shape, u32)]) -> BoxFuture<'a, ()> {
+    fn keep_warm<'a>(&'a self, _wanted: &'a [(Shape, u32)]) -> BoxFuture<'a, ()> {
         Box::pin(async {})
     }
 }

@@ -21,27 +21,11 @@ use std::process::Child;
 
 use crate::process::VmPaths;
 
-/// The pool's folder in the data directory.
-pub const POOL_DIR: &str = "pool";
+pub use super::Shape;
+pub use crate::process::POOL_DIR;
 
 /// Most pre-started processes a host group may keep per shape.
 pub const MAX_POOL_SIZE: u32 = 64;
-
-/// What a pooled process can run: a snapshot of this many vCPUs and MiB
-/// of RAM.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Shape {
-    /// vCPUs.
-    pub cpus: u32,
-    /// RAM in MiB.
-    pub ram_mib: u64,
-}
-
-impl std::fmt::Display for Shape {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} vCPU, {} MiB", self.cpus, self.ram_mib)
-    }
-}
 
 /// A process waiting in the pool.
 #[derive(Debug)]
