@@ -3,8 +3,9 @@
 //! pauses it only briefly and it runs on; two hot forks resume the
 //! counter (same boot, same pid, the count going on) with their own
 //! hostname, machine-id, MAC and address, out of quarantine (the host
-//! answers their ARP), with private writes and different urandom bytes; a
-//! file the source wrote after the commit is in no fork; a changed CPU
+//! answers their ARP), with private writes; the urandom bytes of
+//! `ENTROPY_FORKS` forks differ pairwise (46 forks, 1035 pairs); a file
+//! the source wrote after the commit is in no fork; a changed CPU
 //! shape is refused; a `kill -9` in the middle of a memory commit leaves
 //! the source running on its own disk and no commit.
 //!
@@ -136,6 +137,10 @@ async fn counter_goes_on(c: &TineClient, vm: &str, pid: &str, boot: &str, from: 
     Ok(n2)
 }
 
+/// Hot forks whose first urandom bytes are compared, each with each:
+/// 46 forks make 1035 pairs.
+const ENTROPY_FORKS: usize = 46;
+
 async fn urandom(c: &TineClient, vm: &str) -> R<String> {
     sh_ok(
         c,
@@ -143,6 +148,40 @@ async fn urandom(c: &TineClient, vm: &str) -> R<String> {
         "head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'",
     )
     .await
+}
+
+/// Makes `n` more hot forks of `commit`, each read 32 bytes of urandom
+/// once its set-up is done (as a user's first exec would) and is deleted.
+async fn urandom_of_more_forks(
+    c: &TineClient,
+    commit: &str,
+    n: usize,
+) -> R<Vec<(String, String)>> {
+    let mut read = Vec::new();
+    for _ in 0..n {
+        let f = c
+            .fork(commit, &ForkRequest::default(), Wait::Agent, Some(BOOT))
+            .await
+            .or_fail()?;
+        read.push((f.hostname.clone(), urandom(c, &f.hostname).await?));
+        c.delete(&f.hostname).await.or_fail()?;
+    }
+    Ok(read)
+}
+
+/// Fails when two VMs read the same bytes (or one read not 32 of them);
+/// returns how many pairs were compared.
+fn all_differ(read: &[(String, String)]) -> R<usize> {
+    let mut by_bytes = std::collections::HashMap::new();
+    for (vm, bytes) in read {
+        if bytes.len() != 64 {
+            return Err(fail(format!("{vm}: urandom gave {bytes:?}")));
+        }
+        if let Some(other) = by_bytes.insert(bytes.as_str(), vm.as_str()) {
+            return Err(fail(format!("{other} and {vm} read the same urandom bytes {bytes}")));
+        }
+    }
+    Ok(read.len() * (read.len() - 1) / 2)
 }
 
 /// The host answers the guest's ARP for its gateway: its TAP is up.
@@ -356,10 +395,13 @@ fn checks(d: &mut Daemon) -> R {
                 forks[0]
             )));
         }
-        let (a, b) = (urandom(&c, &forks[0]).await?, urandom(&c, &forks[1]).await?);
-        if a == b || a.len() != 64 {
-            return Err(fail(format!("the forks' urandom: {a} and {b}")));
+        let mut read = Vec::new();
+        for vm in &forks {
+            read.push((vm.clone(), urandom(&c, vm).await?));
         }
+        read.extend(urandom_of_more_forks(&c, &id, ENTROPY_FORKS - forks.len()).await?);
+        let pairs = all_differ(&read)?;
+        println!("urandom: {} hot forks, {pairs} pairs, 0 equal", read.len());
         expect_err(
             c.fork(
                 &id,
