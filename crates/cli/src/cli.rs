@@ -726,7 +726,7 @@ pub struct TagReplace {
 #[derive(Debug, Args)]
 #[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
 pub struct CommitArgs {
-    /// `list` or `delete`.
+    /// `list`, `delete` or `pool`.
     #[command(subcommand)]
     pub command: Option<CommitCommand>,
     /// The VM to commit (persistent; stopped, or running with --memory)
@@ -745,9 +745,13 @@ pub struct CommitArgs {
     /// A key unique among commits, to find this one again
     #[arg(long)]
     pub cache_key: Option<String>,
+    /// tine-vmm processes kept started ahead for this memory commit's
+    /// forks (default: the host group's hot_fork_pool; 0: none)
+    #[arg(long, value_name = "N", requires = "memory")]
+    pub pool: Option<u32>,
 }
 
-/// `tine vm commit list|delete`
+/// `tine vm commit list|delete|pool`
 #[derive(Debug, Subcommand)]
 pub enum CommitCommand {
     /// List commits
@@ -759,6 +763,22 @@ pub enum CommitCommand {
         /// The commit id
         id: String,
     },
+    /// Set how many tine-vmm processes are kept started ahead for a memory
+    /// commit's forks
+    Pool(CommitPoolArgs),
+}
+
+/// `tine vm commit pool COMMIT (N | --group)`
+#[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("pool_size").required(true).args(["size", "group"])))]
+pub struct CommitPoolArgs {
+    /// The memory commit's id
+    pub id: String,
+    /// Processes to keep started (0: none)
+    pub size: Option<u32>,
+    /// Use the host group's hot_fork_pool again
+    #[arg(long)]
+    pub group: bool,
 }
 
 /// `tine vm commit list`
@@ -1192,6 +1212,34 @@ mod tests {
         };
         assert!(matches!(c.command, Some(CommitCommand::List(_))));
 
+        let cli = ok(&["vm", "commit", "dev-2", "--memory", "--pool", "4"]);
+        let Command::Vm {
+            command: VmCommand::Commit(c),
+        } = cli.command
+        else {
+            panic!("not commit");
+        };
+        assert_eq!((c.memory, c.pool), (true, Some(4)));
+        for (args, size, group) in [
+            (&["vm", "commit", "pool", "cmt-a", "3"][..], Some(3), false),
+            (
+                &["vm", "commit", "pool", "cmt-a", "--group"][..],
+                None,
+                true,
+            ),
+        ] {
+            let Command::Vm {
+                command: VmCommand::Commit(c),
+            } = ok(args).command
+            else {
+                panic!("not commit");
+            };
+            let Some(CommitCommand::Pool(p)) = c.command else {
+                panic!("not pool: {args:?}");
+            };
+            assert_eq!((p.id.as_str(), p.size, p.group), ("cmt-a", size, group));
+        }
+
         let cli = ok(&["vm", "add", "--no-wait", "--timeout", "1500ms"]);
         let Command::Vm {
             command: VmCommand::Add(a),
@@ -1223,6 +1271,18 @@ mod tests {
             ArgumentConflict
         );
         assert_eq!(refused(&["info", "--json", "--quiet"]), ArgumentConflict);
+        assert_eq!(
+            refused(&["vm", "commit", "dev-1", "--pool", "2"]),
+            MissingRequiredArgument
+        );
+        assert_eq!(
+            refused(&["vm", "commit", "pool", "cmt-a", "2", "--group"]),
+            ArgumentConflict
+        );
+        assert_eq!(
+            refused(&["vm", "commit", "pool", "cmt-a"]),
+            MissingRequiredArgument
+        );
         assert_eq!(
             refused(&["vm", "add", "--wait", "--no-wait"]),
             ArgumentConflict

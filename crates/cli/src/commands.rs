@@ -552,6 +552,22 @@ async fn commit(g: &GlobalArgs, c: &TineClient, args: CommitArgs) -> anyhow::Res
             }
             Ok(exit::OK)
         }
+        Some(CommitCommand::Pool(p)) => {
+            let info = c
+                .set_commit_pool(&p.id, if p.group { None } else { p.size })
+                .await?;
+            if g.json {
+                print_json(&info)?;
+            } else if g.quiet {
+                println!("{}", info.commit_id);
+            } else {
+                match info.hot_fork_pool {
+                    Some(n) => println!("{}: warm pool of {n}", info.commit_id),
+                    None => println!("{}: the host group's warm pool", info.commit_id),
+                }
+            }
+            Ok(exit::OK)
+        }
         None => {
             let vm = args
                 .vm
@@ -561,6 +577,7 @@ async fn commit(g: &GlobalArgs, c: &TineClient, args: CommitArgs) -> anyhow::Res
                 labels: args.label.into_iter().collect(),
                 cache_key: args.cache_key,
                 mode: args.memory.then_some(tine_client::rest::CommitMode::Memory),
+                hot_fork_pool: args.pool,
             };
             let info = {
                 let _p = Progress::start(g, format!("committing {vm}"));

@@ -246,6 +246,59 @@ async fn quiet_prints_only_the_name() {
 }
 
 #[tokio::test]
+async fn a_memory_commits_warm_pool_is_set_at_commit_and_changed_later() {
+    let fake = FakeDaemon::start(None).await;
+    let r = run(
+        &fake,
+        &["vm", "commit", "dev-1", "--memory", "--pool", "4", "-q"],
+    )
+    .await;
+    assert_eq!((r.code, r.stderr.as_str()), (0, ""));
+    let seen = fake.last("/vm/dev-1/commit");
+    assert_eq!(
+        seen.body.as_deref(),
+        Some(r#"{"tags":[],"labels":{},"mode":"memory","hot_fork_pool":4}"#)
+    );
+
+    let r = run(&fake, &["vm", "commit", "pool", COMMIT_ID, "2"]).await;
+    assert_eq!(
+        (r.code, r.stdout.as_str()),
+        (0, "cmt-dev-0123456789abcdef: warm pool of 2\n")
+    );
+    let seen = fake.last("/vm/commits/");
+    assert_eq!(
+        (
+            seen.method.as_str(),
+            seen.uri.as_str(),
+            seen.body.as_deref()
+        ),
+        (
+            "PUT",
+            "/vm/commits/cmt-dev-0123456789abcdef/pool",
+            Some(r#"{"hot_fork_pool":2}"#)
+        )
+    );
+
+    let r = run(&fake, &["vm", "commit", "pool", COMMIT_ID, "--group"]).await;
+    assert_eq!(
+        (r.code, r.stdout.as_str()),
+        (0, "cmt-dev-0123456789abcdef: the host group's warm pool\n")
+    );
+    let seen = fake.last("/vm/commits/");
+    assert_eq!(
+        (seen.method.as_str(), seen.uri.as_str()),
+        ("DELETE", "/vm/commits/cmt-dev-0123456789abcdef/pool")
+    );
+
+    let r = run(&fake, &["vm", "commit", "pool", "cmt-dev-nope", "2"]).await;
+    assert_ne!(r.code, 0);
+    assert!(r.stderr.contains("cmt-dev-nope"), "{}", r.stderr);
+}
+
+/// The commit the fake daemon knows.
+const COMMIT_ID: &str = "cmt-dev-0123456789abcdef";
+
+#[tokio::test]
 async fn human_output_confirms_briefly() {
     let fake = FakeDaemon::start(None).await;
     let r = run(

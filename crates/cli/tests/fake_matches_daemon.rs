@@ -173,6 +173,7 @@ fn cases() -> Vec<Case> {
     let vm = "/vm/{hostname}";
     let commit = "/vm/commits/{id}";
     let fork = "/vm/commits/{id}/fork";
+    let pool = "/vm/commits/{id}/pool";
     vec![
         case(M::GET, "/healthz", "/healthz", Documented),
         case(M::GET, "/info", "/info", json::<DaemonInfo>(200)),
@@ -299,6 +300,30 @@ fn cases() -> Vec<Case> {
                 Error(ErrorCode::NotFound),
             ),
             "{}",
+        ),
+        with_body(
+            case(
+                M::PUT,
+                pool,
+                &format!("/vm/commits/{COMMIT}/pool"),
+                json::<CommitInfo>(200),
+            ),
+            r#"{"hot_fork_pool":3}"#,
+        ),
+        with_body(
+            case(
+                M::PUT,
+                pool,
+                "/vm/commits/cmt-nope/pool",
+                Error(ErrorCode::NotFound),
+            ),
+            r#"{"hot_fork_pool":3}"#,
+        ),
+        case(
+            M::DELETE,
+            pool,
+            &format!("/vm/commits/{COMMIT}/pool"),
+            json::<CommitInfo>(200),
         ),
         case(M::GET, vm, "/vm/dev-1", json::<VmInfo>(200)),
         case(M::GET, vm, "/vm/web", json::<VmInfo>(200)),

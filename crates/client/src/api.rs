@@ -28,11 +28,11 @@ use percent_encoding::{utf8_percent_encode, AsciiSet, CONTROLS};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tine_proto::api::{
-    CommitInfo, CommitRequest, CreateSecretRequest, CreateVmRequest, CreateVmResponse, DaemonInfo,
-    DeleteSecretResponse, ErrorBody, ErrorCode, ExecFrame, ForkRequest, ForkResponse, FsEventType,
-    FsWatchEvent, HostGroupInfo, LifecycleResponse, ListQuery, LogsResponse, NetworkPolicy,
-    NodeStat, SecretInfo, StdioEncoding, SuspendResponse, TagsPatch, TagsResponse,
-    UpdateSecretRequest, VmHealth, VmInfo, VmNetworkInfo,
+    CommitInfo, CommitPoolRequest, CommitRequest, CreateSecretRequest, CreateVmRequest,
+    CreateVmResponse, DaemonInfo, DeleteSecretResponse, ErrorBody, ErrorCode, ExecFrame,
+    ForkRequest, ForkResponse, FsEventType, FsWatchEvent, HostGroupInfo, LifecycleResponse,
+    ListQuery, LogsResponse, NetworkPolicy, NodeStat, SecretInfo, StdioEncoding, SuspendResponse,
+    TagsPatch, TagsResponse, UpdateSecretRequest, VmHealth, VmInfo, VmNetworkInfo,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpStream, UnixStream};
@@ -1151,6 +1151,19 @@ impl TineClient {
     pub async fn delete_commit(&self, id: &str) -> Result<DeleteCommitResponse> {
         self.call(Method::DELETE, &format!("/vm/commits/{}", seg(id)), None)
             .await
+    }
+
+    /// `PUT /vm/commits/{id}/pool` (a size) or `DELETE` (`None`: back to
+    /// the host group's): a memory commit's own warm pool size.
+    pub async fn set_commit_pool(&self, id: &str, size: Option<u32>) -> Result<CommitInfo> {
+        let path = format!("/vm/commits/{}/pool", seg(id));
+        match size {
+            Some(hot_fork_pool) => {
+                let body = json_body(&CommitPoolRequest { hot_fork_pool })?;
+                self.call(Method::PUT, &path, Some(body)).await
+            }
+            None => self.call(Method::DELETE, &path, None).await,
+        }
     }
 
     /// `POST /vm/commits/{id}/fork`: boots a new VM from a commit.

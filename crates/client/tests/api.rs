@@ -523,6 +523,7 @@ async fn commits_and_forks() {
         labels: [("os".to_string(), "min".to_string())].into(),
         cache_key: Some("k1".into()),
         mode: None,
+        hot_fork_pool: None,
     };
     let commit = c.commit("dev-2", &req).await.expect("commit");
     assert_eq!(commit.mode, tine_proto::api::CommitMode::Disk);
@@ -571,6 +572,23 @@ async fn commits_and_forks() {
         body,
         serde_json::json!({"persistent": false, "fixups": [], "network": "none"})
     );
+
+    let pooled = c
+        .set_commit_pool(&commit.commit_id, Some(3))
+        .await
+        .expect("pool");
+    assert_eq!(pooled.hot_fork_pool, Some(3));
+    let seen = fake.last("/vm/commits/");
+    assert_eq!(
+        (seen.method.as_str(), seen.body.as_deref()),
+        ("PUT", Some(r#"{"hot_fork_pool":3}"#))
+    );
+    let reset = c
+        .set_commit_pool(&commit.commit_id, None)
+        .await
+        .expect("reset");
+    assert_eq!(reset.hot_fork_pool, None);
+    assert_eq!(fake.last("/vm/commits/").method, "DELETE");
 
     let deleted = c.delete_commit(&commit.commit_id).await.expect("delete");
     assert_eq!(deleted.status, tine_proto::api::DeleteStatus::Deleted);

@@ -135,6 +135,8 @@ const MIGRATIONS: &[&str] = &[
     ALTER TABLE images ADD COLUMN format TEXT NOT NULL DEFAULT 'raw';
     ALTER TABLE images ADD COLUMN origin TEXT NOT NULL DEFAULT 'built-in';
     ALTER TABLE images ADD COLUMN exec_defaults TEXT;",
+    // 7: a memory commit's own warm pool size (NULL: its group's).
+    "ALTER TABLE commits ADD COLUMN hot_fork_pool INTEGER;",
 ];
 
 /// One VM as recorded.
@@ -279,6 +281,9 @@ pub struct CommitRecord {
     pub memory_bytes: Option<u64>,
     /// Whether a memory commit's source had a NIC (its forks must too).
     pub has_nic: Option<bool>,
+    /// A memory commit's own warm pool size (none: its group's
+    /// `hot_fork_pool`).
+    pub hot_fork_pool: Option<u32>,
 }
 
 /// Which commits a listing shows: those matching every filter given.
@@ -410,7 +415,7 @@ fn vm_from_row(row: &Row<'_>) -> rusqlite::Result<std::result::Result<VmRecord, 
 
 const COMMIT_COLUMNS: &str = "id, host_group, source, disk, tags, labels, cache_key, \
      parent_commit_id, cpus, ram_bytes, size_bytes, created_ms, elapsed_ms, source_tags, secrets, \
-     mode, snapshot, memory_bytes, has_nic";
+     mode, snapshot, memory_bytes, has_nic, hot_fork_pool";
 
 fn commit_from_row(row: &Row<'_>) -> rusqlite::Result<std::result::Result<CommitRecord, DbError>> {
     let tags: String = row.get(4)?;
@@ -445,6 +450,7 @@ fn commit_from_row(row: &Row<'_>) -> rusqlite::Result<std::result::Result<Commit
             snapshot: row.get(16)?,
             memory_bytes: row.get::<_, Option<i64>>(17)?.map(|b| b as u64),
             has_nic: row.get(18)?,
+            hot_fork_pool: row.get(19)?,
         })
     };
     Ok(build())
@@ -770,7 +776,7 @@ impl Store {
                     c.source
                 )));
             }
-            tx.prepare_cached(&format!("INSERT INTO commits ({COMMIT_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19)"))?.execute(params![
+            tx.prepare_cached(&format!("INSERT INTO commits ({COMMIT_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20)"))?.execute(params![
                     c.id,
                     c.host_group,
                     c.source,
@@ -790,6 +796,7 @@ impl Store {
                     c.snapshot,
                     c.memory_bytes.map(|b| b as i64),
                     c.has_nic,
+                    c.hot_fork_pool,
                 ],
             )?;
             tx.prepare_cached("UPDATE vms SET commit_id = ?2, disk = ?3 WHERE hostname = ?1")?.execute(params![c.source, c.id, source_new_disk],
@@ -798,6 +805,16 @@ impl Store {
         })?;
         self.sync_now("a commit");
         Ok(())
+    }
+
+    /// Sets a commit's own warm pool size (none: its group's); false when
+    /// there is no such commit.
+    pub fn set_commit_pool(&self, id: &str, size: Option<u32>) -> Result<bool> {
+        let changed = self
+            .lock()
+            .prepare_cached("UPDATE commits SET hot_fork_pool = ?2 WHERE id = ?1")?
+            .execute(params![id, size])?;
+        Ok(changed == 1)
     }
 
     /// One commit.
@@ -1216,6 +1233,7 @@ mod tests {
             snapshot: None,
             memory_bytes: None,
             has_nic: None,
+            hot_fork_pool: None,
         }
     }
 

@@ -152,11 +152,7 @@ async fn urandom(c: &TineClient, vm: &str) -> R<String> {
 
 /// Makes `n` more hot forks of `commit`, each read 32 bytes of urandom
 /// once its set-up is done (as a user's first exec would) and is deleted.
-async fn urandom_of_more_forks(
-    c: &TineClient,
-    commit: &str,
-    n: usize,
-) -> R<Vec<(String, String)>> {
+async fn urandom_of_more_forks(c: &TineClient, commit: &str, n: usize) -> R<Vec<(String, String)>> {
     let mut read = Vec::new();
     for _ in 0..n {
         let f = c
@@ -178,7 +174,9 @@ fn all_differ(read: &[(String, String)]) -> R<usize> {
             return Err(fail(format!("{vm}: urandom gave {bytes:?}")));
         }
         if let Some(other) = by_bytes.insert(bytes.as_str(), vm.as_str()) {
-            return Err(fail(format!("{other} and {vm} read the same urandom bytes {bytes}")));
+            return Err(fail(format!(
+                "{other} and {vm} read the same urandom bytes {bytes}"
+            )));
         }
     }
     Ok(read.len() * (read.len() - 1) / 2)

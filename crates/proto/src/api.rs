@@ -911,6 +911,20 @@ pub struct CommitRequest {
     /// running VM's memory, vCPUs, devices and disk, for hot forks).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mode: Option<CommitMode>,
+    /// A memory commit's own warm pool: tine-vmm processes kept started
+    /// ahead for its forks (default: its host group's `hot_fork_pool`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hot_fork_pool: Option<u32>,
+}
+
+/// `PUT /vm/commits/{id}/pool` body: a memory commit's own warm pool size
+/// (`DELETE` on the same path goes back to its host group's).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CommitPoolRequest {
+    /// tine-vmm processes kept started ahead for the commit's forks
+    /// (0: none).
+    pub hot_fork_pool: u32,
 }
 
 /// A commit: an immutable disk that forks boot from.
@@ -961,6 +975,10 @@ pub struct CommitInfo {
     /// to the commit only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pause_us: Option<u64>,
+    /// A memory commit's own warm pool size, when it has one (otherwise
+    /// its host group's `hot_fork_pool` applies).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hot_fork_pool: Option<u32>,
 }
 
 /// `POST /vm/commits/{id}/fork` body. Omitted fields inherit from the

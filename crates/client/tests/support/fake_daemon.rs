@@ -54,11 +54,11 @@ use axum::{Json, Router};
 use base64::Engine as _;
 use futures_util::StreamExt;
 use tine_proto::api::{
-    CommitInfo, CommitRequest, CpResponse, CreateVmRequest, CreateVmResponse, DaemonInfo,
-    DeleteCommitResponse, DeleteStatus, ErrorBody, ErrorCode, ExecFrame, ForkRequest, ForkResponse,
-    HostGroupInfo, LifecycleResponse, LogsResponse, NodeStat, StdioEncoding, StopMode, StorageInfo,
-    StorageKind, TagsPatch, TagsResponse, VmHealth, VmHostStats, VmInfo, VmNetworkInfo, VmSnapshot,
-    VmState, VmStatus,
+    CommitInfo, CommitPoolRequest, CommitRequest, CpResponse, CreateVmRequest, CreateVmResponse,
+    DaemonInfo, DeleteCommitResponse, DeleteStatus, ErrorBody, ErrorCode, ExecFrame, ForkRequest,
+    ForkResponse, HostGroupInfo, LifecycleResponse, LogsResponse, NodeStat, StdioEncoding,
+    StopMode, StorageInfo, StorageKind, TagsPatch, TagsResponse, VmHealth, VmHostStats, VmInfo,
+    VmNetworkInfo, VmSnapshot, VmState, VmStatus,
 };
 use tokio::sync::mpsc;
 
@@ -217,6 +217,8 @@ fn fake_routes() -> FakeRoutes {
     .add(M::GET, "/vm/commits", commits)
     .add(M::DELETE, "/vm/commits/{id}", delete_commit)
     .add(M::POST, "/vm/commits/{id}/fork", fork)
+    .add(M::PUT, "/vm/commits/{id}/pool", set_pool)
+    .add(M::DELETE, "/vm/commits/{id}/pool", reset_pool)
     .add(M::GET, "/vm/{hostname}", describe)
     .add(M::DELETE, "/vm/{hostname}", delete_vm_by_name)
     .add(M::GET, "/vm/{hostname}/tags", tags)
@@ -1136,7 +1138,35 @@ fn commit_info(id: &str, source: &str, req: &CommitRequest) -> CommitInfo {
         elapsed_ms: 120,
         memory_bytes: (req.mode == Some(tine_proto::api::CommitMode::Memory)).then_some(96 << 20),
         pause_us: None,
+        hot_fork_pool: req.hot_fork_pool,
     }
+}
+
+/// The memory commit the fake knows, with its own warm pool size.
+fn memory_commit_with_pool(size: Option<u32>) -> CommitInfo {
+    commit_info(
+        COMMIT,
+        "dev-2",
+        &CommitRequest {
+            mode: Some(tine_proto::api::CommitMode::Memory),
+            hot_fork_pool: size,
+            ..CommitRequest::default()
+        },
+    )
+}
+
+async fn set_pool(Path(id): Path<String>, Json(req): Json<CommitPoolRequest>) -> Response {
+    if id != COMMIT {
+        return not_found_commit(&id);
+    }
+    Json(memory_commit_with_pool(Some(req.hot_fork_pool))).into_response()
+}
+
+async fn reset_pool(Path(id): Path<String>) -> Response {
+    if id != COMMIT {
+        return not_found_commit(&id);
+    }
+    Json(memory_commit_with_pool(None)).into_response()
 }
 
 const COMMIT: &str = "cmt-dev-0123456789abcdef";
@@ -1181,6 +1211,7 @@ async fn commits(RawQuery(q): RawQuery) -> Json<Vec<CommitInfo>> {
             labels: BTreeMap::new(),
             cache_key: Some("k1".into()),
             mode: None,
+            hot_fork_pool: None,
         },
     );
     let keep = q

@@ -5,8 +5,8 @@ use axum::extract::{Path, State};
 use axum::http::{StatusCode, Uri};
 use axum::Json;
 use tine_proto::api::{
-    self, CommitInfo, CommitMode, CommitRequest, DeleteCommitResponse, DeleteStatus, ForkRequest,
-    Wait,
+    self, CommitInfo, CommitMode, CommitPoolRequest, CommitRequest, DeleteCommitResponse,
+    DeleteStatus, ForkRequest, Wait,
 };
 
 use super::params::{
@@ -51,6 +51,22 @@ pub(super) async fn delete(
         commit_id: id,
         status: DeleteStatus::Deleted,
     }))
+}
+
+pub(super) async fn set_pool(
+    State(d): State<AppState>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> ApiResult<Json<CommitInfo>> {
+    let req: CommitPoolRequest = parse_json(&body)?;
+    Ok(Json(d.set_commit_pool(&id, Some(req.hot_fork_pool))?))
+}
+
+pub(super) async fn reset_pool(
+    State(d): State<AppState>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<CommitInfo>> {
+    Ok(Json(d.set_commit_pool(&id, None)?))
 }
 
 pub(super) async fn fork(

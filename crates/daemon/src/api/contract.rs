@@ -1283,6 +1283,79 @@ async fn fs_stat_readdir_mkdir_and_remove() {
     assert_eq!(a.status, StatusCode::BAD_REQUEST);
 }
 
+/// Not in Slicer's SDKs: a memory commit's own warm pool, set in the commit
+/// body, changed with `PUT` and given back to the group with `DELETE`; a
+/// disk commit or an unknown one is refused by name.
+#[tokio::test]
+async fn a_memory_commits_warm_pool_over_rest() {
+    let sdk = Sdk::new();
+    let h = sdk.create(serde_json::json!({})).await.hostname;
+    let a = sdk
+        .json(
+            Method::POST,
+            &format!("/vm/{h}/commit"),
+            serde_json::json!({"mode": "memory", "hot_fork_pool": 2}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    let c: tine_proto::api::CommitInfo = a.decode();
+    assert_eq!(c.hot_fork_pool, Some(2));
+    let uri = format!("/vm/commits/{}/pool", c.commit_id);
+    let a = sdk
+        .json(Method::PUT, &uri, serde_json::json!({"hot_fork_pool": 5}))
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    assert_eq!(
+        a.decode::<tine_proto::api::CommitInfo>().hot_fork_pool,
+        Some(5)
+    );
+    let listed: Vec<tine_proto::api::CommitInfo> =
+        sdk.get("/vm/commits?mode=memory").await.decode();
+    assert_eq!(listed[0].hot_fork_pool, Some(5));
+    let a = sdk.send(Method::DELETE, &uri, None).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    assert_eq!(
+        a.decode::<tine_proto::api::CommitInfo>().hot_fork_pool,
+        None
+    );
+
+    for (uri, body, status, says) in [
+        (
+            uri.clone(),
+            serde_json::json!({"hot_fork_pool": 65}),
+            StatusCode::BAD_REQUEST,
+            "at most 64",
+        ),
+        (
+            uri.clone(),
+            serde_json::json!({"size": 1}),
+            StatusCode::BAD_REQUEST,
+            "size",
+        ),
+        (
+            "/vm/commits/cmt-dev-nope/pool".to_owned(),
+            serde_json::json!({"hot_fork_pool": 1}),
+            StatusCode::NOT_FOUND,
+            "cmt-dev-nope",
+        ),
+    ] {
+        let a = sdk.json(Method::PUT, &uri, body).await;
+        assert_eq!(a.status, status, "{}", a.text());
+        let e: SdkError = a.decode();
+        assert!(e.error.contains(says), "{}", e.error);
+    }
+    let (_, disk) = sdk.committed(&[], "k").await;
+    let a = sdk
+        .json(
+            Method::PUT,
+            &format!("/vm/commits/{}/pool", disk.commit_id),
+            serde_json::json!({"hot_fork_pool": 1}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST, "{}", a.text());
+    assert!(a.decode::<SdkError>().error.contains("is a disk commit"));
+}
+
 #[tokio::test]
 async fn pause_resume_suspend_restore_and_daemon_shutdown() {
     let sdk = Sdk::new();

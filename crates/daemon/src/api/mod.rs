@@ -118,6 +118,8 @@ pub fn routes() -> Routes {
         .add(M::GET, "/vm/commits", commits::list)
         .add(M::DELETE, "/vm/commits/{id}", commits::delete)
         .add(M::POST, "/vm/commits/{id}/fork", commits::fork)
+        .add(M::PUT, "/vm/commits/{id}/pool", commits::set_pool)
+        .add(M::DELETE, "/vm/commits/{id}/pool", commits::reset_pool)
         .add(M::GET, "/secrets", secrets::list)
         .add(M::POST, "/secrets", secrets::create)
         .add(M::PATCH, "/secrets/{name}", secrets::update)

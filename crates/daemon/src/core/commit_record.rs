@@ -9,6 +9,7 @@ use tine_proto::api::{self, CommitInfo, CommitMode, CommitRequest, CommitStatus}
 use super::error::{Error, Result};
 use super::plan;
 use crate::db::{now_ms, CommitRecord, VmRecord};
+use crate::launcher::pool::MAX_POOL_SIZE;
 
 /// Most characters in a cache key.
 pub const MAX_CACHE_KEY: usize = 256;
@@ -34,6 +35,7 @@ pub fn info(c: &CommitRecord) -> CommitInfo {
         elapsed_ms: c.elapsed_ms,
         memory_bytes: c.memory_bytes,
         pause_us: None,
+        hot_fork_pool: c.hot_fork_pool,
     }
 }
 
@@ -46,8 +48,16 @@ pub fn new_commit_id(group: &str) -> Result<String> {
     Ok(format!("cmt-{group}-{hex}"))
 }
 
-/// Checks a commit request's tags, labels and cache key.
+/// Checks a commit request's tags, labels, cache key and warm pool size.
 pub fn check_request(req: &CommitRequest) -> Result<()> {
+    if let Some(size) = req.hot_fork_pool {
+        if req.mode != Some(CommitMode::Memory) {
+            return Err(Error::BadRequest(
+                "hot_fork_pool applies to memory commits only (mode: memory): a disk commit's forks boot".into(),
+            ));
+        }
+        check_pool_size(size)?;
+    }
     for t in &req.tags {
         plan::validate_tag(t)?;
     }
@@ -68,6 +78,16 @@ pub fn check_request(req: &CommitRequest) -> Result<()> {
     Ok(())
 }
 
+/// Checks a warm pool size asked for a commit.
+pub fn check_pool_size(size: u32) -> Result<()> {
+    if size > MAX_POOL_SIZE {
+        return Err(Error::BadRequest(format!(
+            "hot_fork_pool {size} is too large: at most {MAX_POOL_SIZE} pre-started processes per shape"
+        )));
+    }
+    Ok(())
+}
+
 /// The record of commit `id` of `vm` with its disk at `disk` (a disk
 /// commit's; a memory commit sets its own fields on top).
 pub fn record_for(
@@ -83,6 +103,7 @@ pub fn record_for(
         host_group: vm.host_group.clone(),
         source: vm.hostname.clone(),
         disk: disk.display().to_string(),
+        hot_fork_pool: req.hot_fork_pool,
         tags: req.tags,
         labels: req.labels,
         source_tags: vm

@@ -123,6 +123,9 @@ pub struct Daemon {
     pub(super) imports: Mutex<()>,
     /// Names of the images being imported (`POST /images`).
     pub(super) importing: Mutex<std::collections::HashSet<String>>,
+    /// Serialises warm pool resizes: each reads the sizes wanted and
+    /// applies them, so a later change is never undone by an earlier one.
+    pub(super) pool_sizing: tokio::sync::Mutex<()>,
     /// Boot slots: at most this many VMs between launch and agent-ready.
     pub(super) boot_slots: Arc<tokio::sync::Semaphore>,
     /// Why removed VMs failed (forks that never came up), for waiters.
@@ -193,6 +196,7 @@ impl Daemon {
             paused: Mutex::new(HashMap::new()),
             runs: Mutex::new(HashMap::new()),
             stop_requested: watch::channel(false).0,
+            pool_sizing: tokio::sync::Mutex::new(()),
             boot_slots: Arc::new(tokio::sync::Semaphore::new(boot_concurrency.max(1))),
         })
     }

@@ -14,8 +14,9 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use tine_proto::api::CommitMode;
+use tine_proto::api::{CommitInfo, CommitMode};
 
+use super::commit_record::{check_pool_size, info};
 use super::daemon::Daemon;
 use super::error::{chain, Error, Result};
 use super::snapshot::SnapshotFiles;
@@ -25,8 +26,9 @@ use crate::launcher::pool::Shape;
 use crate::launcher::{Instance, RestoreSpec};
 
 impl Daemon {
-    /// The warm pool each shape of memory commit needs: the largest
-    /// `hot_fork_pool` among the groups of the commits of that shape.
+    /// The warm pool each shape of memory commit needs: the largest size
+    /// any commit of that shape asks for (its own, or else its group's
+    /// `hot_fork_pool`). Commits of one shape share the shape's slots.
     fn wanted_pools(&self) -> Result<Vec<(Shape, u32)>> {
         let filter = CommitFilter {
             mode: Some(CommitMode::Memory),
@@ -42,8 +44,9 @@ impl Daemon {
                 cpus: c.cpus,
                 ram_mib: c.ram_bytes >> 20,
             };
+            let wanted = c.hot_fork_pool.unwrap_or(group.hot_fork_pool);
             let size = sizes.entry(shape).or_default();
-            *size = group.hot_fork_pool.max(*size);
+            *size = wanted.max(*size);
         }
         Ok(sizes.into_iter().filter(|(_, n)| *n > 0).collect())
     }
@@ -51,6 +54,7 @@ impl Daemon {
     /// Brings the warm pool of pre-started VMMs to what the memory commits
     /// and their groups' `hot_fork_pool` ask for, and waits until it is.
     pub async fn fill_pools(&self) {
+        let _one_at_a_time = self.pool_sizing.lock().await;
         match self.wanted_pools() {
             Ok(wanted) => self.launcher.keep_warm(&wanted).await,
             Err(e) => tracing::error!("cannot size the warm pool: {}", chain(&e)),
@@ -64,9 +68,36 @@ impl Daemon {
         tokio::spawn(async move { daemon.fill_pools().await });
     }
 
+    /// Sets a memory commit's own warm pool size (`None`: back to its
+    /// group's `hot_fork_pool`) and resizes the pools in the background.
+    pub fn set_commit_pool(self: &Arc<Self>, id: &str, size: Option<u32>) -> Result<CommitInfo> {
+        if let Some(size) = size {
+            check_pool_size(size)?;
+        }
+        let c = self
+            .store
+            .get_commit(id)?
+            .ok_or_else(|| Error::NotFound(format!("no commit `{id}`")))?;
+        if c.mode != CommitMode::Memory {
+            return Err(Error::BadRequest(format!(
+                "{id} is a disk commit: only a memory commit's forks resume from a warm pool"
+            )));
+        }
+        // Deleted in between: not found, as above.
+        if !self.store.set_commit_pool(id, size)? {
+            return Err(Error::NotFound(format!("no commit `{id}`")));
+        }
+        self.refresh_pools();
+        Ok(info(&CommitRecord {
+            hot_fork_pool: size,
+            ..c
+        }))
+    }
+
     /// Stops every pre-started VMM (the daemon is going away; a restarted
     /// one would kill them as strays).
     pub async fn drain_pools(&self) {
+        let _one_at_a_time = self.pool_sizing.lock().await;
         self.launcher.keep_warm(&[]).await;
     }
 

@@ -368,6 +368,7 @@ mod tests {
             snapshot: None,
             memory_bytes: None,
             has_nic: None,
+            hot_fork_pool: None,
         }
     }
 

@@ -30,7 +30,8 @@ use tine_proto::vmm::{Request as VmmRequest, Response as VmmResponse};
 use tokio::sync::watch;
 
 use super::{
-    BootSpec, GuestStream, Instance, LaunchError, Launcher, RestoreSpec, Running, Stop, Stray,
+    BootSpec, GuestStream, Instance, LaunchError, Launcher, RestoreSpec, Running, Shape, Stop,
+    Stray,
 };
 
 /// How a fake VM's guest behaves.
@@ -94,6 +95,8 @@ struct State {
     next_job: u64,
     /// Operations a real agent answers instead of the fake.
     delegate: Option<Delegate>,
+    /// The warm pools last asked for (the fake starts no processes).
+    warm: Vec<(Shape, u32)>,
 }
 
 /// Serves the agent protocol on the given connection: a real agent (in
@@ -166,6 +169,11 @@ impl FakeLauncher {
             ops: ops.to_vec(),
             serve,
         });
+    }
+
+    /// The warm pools the daemon last asked for, per shape.
+    pub fn warm_pools(&self) -> Vec<(Shape, u32)> {
+        self.lock().warm.clone()
     }
 
     /// How the guest of `hostname` behaves from its next boot on.
@@ -518,6 +526,11 @@ impl Launcher for FakeLauncher {
             Ok(self.vmm_answer(hostname, request))
         }
         .boxed()
+    }
+
+    fn keep_warm<'a>(&'a self, wanted: &'a [(Shape, u32)]) -> BoxFuture<'a, ()> {
+        self.lock().warm = wanted.to_vec();
+        Box::pin(async {})
     }
 
     fn connect<'a>(

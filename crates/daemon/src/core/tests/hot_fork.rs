@@ -383,3 +383,122 @@ async fn a_kill_after_the_record_keeps_the_commit_and_resumes_the_source() {
         .expect("the commit forks");
     assert_eq!(b.fake.memory_of(&r.hostname), Some(memory));
 }
+
+#[tokio::test]
+async fn a_memory_commits_own_warm_pool_sizes_its_shapes_pool_and_can_be_reset() {
+    let b = bed(true);
+    let group_size = b.daemon.config().host_groups[0].hot_fork_pool;
+    let h = b.create(Wait::Agent).await;
+    let shape = crate::launcher::Shape {
+        cpus: b.daemon.vm(&h).expect("vm").cpus,
+        ram_mib: 256,
+    };
+    let info = b
+        .daemon
+        .commit(
+            &h,
+            CommitRequest {
+                hot_fork_pool: Some(group_size + 3),
+                ..memory_commit()
+            },
+        )
+        .await
+        .expect("commit");
+    assert_eq!(info.hot_fork_pool, Some(group_size + 3));
+    let id = info.commit_id;
+    b.daemon.fill_pools().await;
+    assert_eq!(b.fake.warm_pools(), vec![(shape, group_size + 3)]);
+    // Listed with it.
+    let listed = b.daemon.commits(&CommitFilter::default()).expect("list");
+    assert_eq!(listed[0].hot_fork_pool, Some(group_size + 3));
+
+    // None for this commit: its shape needs no pre-started process.
+    let changed = b.daemon.set_commit_pool(&id, Some(0)).expect("set");
+    assert_eq!(changed.hot_fork_pool, Some(0));
+    b.daemon.fill_pools().await;
+    assert_eq!(b.fake.warm_pools(), vec![]);
+
+    // Back to the group's size.
+    let reset = b.daemon.set_commit_pool(&id, None).expect("reset");
+    assert_eq!(reset.hot_fork_pool, None);
+    b.daemon.fill_pools().await;
+    let expected = if group_size == 0 {
+        vec![]
+    } else {
+        vec![(shape, group_size)]
+    };
+    assert_eq!(b.fake.warm_pools(), expected);
+    let stored = b.daemon.store.get_commit(&id).expect("read").expect("kept");
+    assert_eq!(stored.hot_fork_pool, None);
+}
+
+#[tokio::test]
+async fn a_warm_pool_size_is_refused_by_name_where_it_means_nothing() {
+    let b = bed(true);
+    let max = crate::launcher::pool::MAX_POOL_SIZE;
+    // On a disk commit, at commit time and later.
+    let h = b.create(Wait::Agent).await;
+    b.daemon
+        .shutdown(&h, ShutdownAction::Shutdown, WAIT)
+        .await
+        .expect("shutdown");
+    let msg = refusal(
+        b.daemon
+            .commit(
+                &h,
+                CommitRequest {
+                    hot_fork_pool: Some(2),
+                    ..CommitRequest::default()
+                },
+            )
+            .await,
+        ErrorCode::BadRequest,
+    );
+    assert!(msg.contains("memory commits only"), "{msg}");
+    let disk = b
+        .daemon
+        .commit(&h, CommitRequest::default())
+        .await
+        .expect("disk commit")
+        .commit_id;
+    let msg = refusal(
+        b.daemon.set_commit_pool(&disk, Some(2)),
+        ErrorCode::BadRequest,
+    );
+    assert!(msg.contains("is a disk commit"), "{msg}");
+    let msg = refusal(
+        b.daemon.set_commit_pool("cmt-dev-0", Some(2)),
+        ErrorCode::NotFound,
+    );
+    assert!(msg.contains("cmt-dev-0"), "{msg}");
+
+    // Too large, at commit time (nothing is made) and later.
+    let source = b.create(Wait::Agent).await;
+    let too_large = CommitRequest {
+        hot_fork_pool: Some(max + 1),
+        ..memory_commit()
+    };
+    let msg = refusal(
+        b.daemon.commit(&source, too_large).await,
+        ErrorCode::BadRequest,
+    );
+    assert!(msg.contains(&format!("at most {max}")), "{msg}");
+    let memory = CommitFilter {
+        mode: Some(CommitMode::Memory),
+        ..CommitFilter::default()
+    };
+    assert!(b.daemon.commits(&memory).expect("list").is_empty());
+    let id = b
+        .daemon
+        .commit(&source, memory_commit())
+        .await
+        .expect("commit")
+        .commit_id;
+    let msg = refusal(
+        b.daemon.set_commit_pool(&id, Some(max + 1)),
+        ErrorCode::BadRequest,
+    );
+    assert!(msg.contains("too large"), "{msg}");
+    let kept = b.daemon.store.get_commit(&id).expect("read").expect("kept");
+    assert_eq!(kept.hot_fork_pool, None);
+}
