@@ -22,6 +22,7 @@ use super::error::{chain, Error, Result};
 use super::snapshot::SnapshotFiles;
 use super::supervise::SetUp;
 use crate::db::{CommitFilter, CommitRecord, VmRecord};
+use crate::failpoint::{self, Failpoint};
 use crate::launcher::pool::Shape;
 use crate::launcher::{Instance, RestoreSpec};
 
@@ -140,13 +141,16 @@ impl Daemon {
 
     /// Launches an unborn hot fork (recorded `starting` without a process;
     /// the caller holds its lock): network, a VMM restored from `files`
-    /// with the fork's own disk and TAP, the process recorded, then its
-    /// set-up supervised. `permit` is its boot slot.
+    /// with the fork's own disk and TAP, the process recorded once
+    /// `disk_synced` says its disk reached stable storage (meanwhile the
+    /// restore runs), then its set-up supervised. `permit` is its boot
+    /// slot.
     pub(super) async fn launch_hot_fork(
         self: &Arc<Self>,
         hostname: &str,
         permit: Option<tokio::sync::OwnedSemaphorePermit>,
         files: &SnapshotFiles,
+        disk_synced: impl std::future::Future<Output = Result<()>>,
     ) -> Result<()> {
         let vm: VmRecord = self.vm(hostname)?;
         let group = self.group(&vm.host_group)?.clone();
@@ -180,6 +184,11 @@ impl Daemon {
                 what: format!("resume {hostname} from {}", files.dir.display()),
                 source,
             })?;
+        if let Err(e) = disk_synced.await {
+            self.launcher.kill(hostname, running.instance);
+            return Err(e);
+        }
+        failpoint::hit(Failpoint::BootDiskSynced);
         let Instance { pid, pid_start } = running.instance;
         if let Err(e) = self.store.set_process(hostname, pid, pid_start) {
             self.launcher.kill(hostname, running.instance);

@@ -246,7 +246,9 @@ impl Daemon {
 
     /// Launches a VM recorded `starting` without a process once a boot
     /// slot is free, after its disk reached stable storage (a fork's disk
-    /// is made without syncs: see `storage::fork_disk`).
+    /// is made without syncs: see `storage::fork_disk`); a hot fork's
+    /// restore runs while the disk is synced, and its process is recorded
+    /// once both are done.
     fn spawn_boot(self: &Arc<Self>, hostname: &str) {
         let this = self.clone();
         let h = hostname.to_owned();
@@ -262,25 +264,32 @@ impl Daemon {
                     return;
                 }
             };
-            let synced = tokio::task::spawn_blocking(move || storage::sync_disk(Path::new(&disk)))
-                .await
-                .map_err(|source| Error::Task {
-                    what: "sync disk",
-                    source,
-                })
-                .and_then(|r| r.map_err(|e| Error::disk("sync disk before boot", e)));
-            let launched = match synced {
-                Ok(()) => {
-                    failpoint::hit(Failpoint::BootDiskSynced);
-                    // An unborn fork of a memory commit resumes it.
-                    match this.hot_fork_snapshot(&h) {
-                        Ok(Some(files)) => this.launch_hot_fork(&h, permit, &files).await,
-                        Ok(None) => this.launch(&h, permit),
-                        Err(e) => Err(e),
+            let launched = async {
+                // An unborn fork of a memory commit resumes it.
+                let snapshot = this.hot_fork_snapshot(&h)?;
+                let syncing =
+                    tokio::task::spawn_blocking(move || storage::sync_disk(Path::new(&disk)));
+                let disk_synced = async move {
+                    syncing
+                        .await
+                        .map_err(|source| Error::Task {
+                            what: "sync disk",
+                            source,
+                        })
+                        .and_then(|r| r.map_err(|e| Error::disk("sync disk before boot", e)))
+                };
+                match snapshot {
+                    // A restore does not need its disk on stable storage,
+                    // only the fork's record does: the two go on at once.
+                    Some(files) => this.launch_hot_fork(&h, permit, &files, disk_synced).await,
+                    None => {
+                        disk_synced.await?;
+                        failpoint::hit(Failpoint::BootDiskSynced);
+                        this.launch(&h, permit)
                     }
                 }
-                Err(e) => Err(e),
-            };
+            }
+            .await;
             if let Err(e) = launched {
                 let reason = chain(&e);
                 tracing::warn!(vm = %h, "launch: {reason}");

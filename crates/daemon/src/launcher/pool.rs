@@ -114,6 +114,11 @@ impl Pool {
         }
     }
 
+    /// Whether some slot is being started.
+    pub fn is_starting(&self) -> bool {
+        !self.starting.is_empty()
+    }
+
     /// A slot failed to start.
     pub fn failed(&mut self, name: &str) {
         self.starting.retain(|(_, n)| n != name);

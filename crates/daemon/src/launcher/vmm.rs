@@ -51,6 +51,8 @@ pub struct VmmLauncher {
     vmm: PathBuf,
     data_dir: PathBuf,
     pool: Arc<Mutex<Pool>>,
+    /// Told whenever a pooled process finished starting (or failed to).
+    slot_done: Arc<tokio::sync::Notify>,
     /// Restores under way.
     restoring: Arc<AtomicUsize>,
 }
@@ -62,6 +64,7 @@ impl VmmLauncher {
             vmm,
             data_dir,
             pool: Arc::default(),
+            slot_done: Arc::default(),
             restoring: Arc::default(),
         }
     }
@@ -134,12 +137,21 @@ impl VmmLauncher {
         }
     }
 
-    /// Starts what the pool lacks, until it has what it wants.
+    /// Starts what the pool lacks, until it has what it wants; processes
+    /// another call is starting are waited for, so that the pool is full
+    /// when it returns.
     async fn refill(&self) {
         loop {
+            // Made before the pool is read: a start that ends in between
+            // still wakes it.
+            let slot_done = self.slot_done.notified();
             let todo = self.pool().to_start(pool::new_slot_name);
             if todo.is_empty() {
-                return;
+                if !self.pool().is_starting() {
+                    return;
+                }
+                slot_done.await;
+                continue;
             }
             let started = futures_util::future::join_all(
                 todo.iter()
@@ -160,6 +172,7 @@ impl VmmLauncher {
                     }
                 }
             }
+            self.slot_done.notify_waiters();
             if failed {
                 // Forks start their own process; the next fill tries again.
                 return;
