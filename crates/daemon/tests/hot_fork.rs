@@ -4,7 +4,9 @@
 //! counter (same boot, same pid, the count going on) with their own
 //! hostname, machine-id, MAC and address, out of quarantine (the host
 //! answers their ARP), with private writes; the urandom bytes of
-//! `ENTROPY_FORKS` forks differ pairwise (46 forks, 1035 pairs); a file
+//! `ENTROPY_FORKS` forks differ pairwise (46 forks, 1035 pairs), of which
+//! 10 (`TINE_DENSITY_FORKS`) run at once for the density figure (USS, PSS
+//! and guest pages copied of each after one exec, from describe); a file
 //! the source wrote after the commit is in no fork; a changed CPU
 //! shape is refused; a `kill -9` in the middle of a memory commit leaves
 //! the source running on its own disk and no commit.
@@ -161,6 +163,72 @@ async fn urandom_of_more_forks(c: &TineClient, commit: &str, n: usize) -> R<Vec<
             .or_fail()?;
         read.push((f.hostname.clone(), urandom(c, &f.hostname).await?));
         c.delete(&f.hostname).await.or_fail()?;
+    }
+    Ok(read)
+}
+
+/// Hot forks of one commit running at once for the density figure:
+/// `TINE_DENSITY_FORKS` (default 10, at most 40; each one held at once
+/// slows the nested bed, so CI runs 10: 20 took 7 minutes there).
+fn held_forks() -> R<usize> {
+    match std::env::var("TINE_DENSITY_FORKS") {
+        Err(_) => Ok(10),
+        Ok(v) => match v.parse::<usize>() {
+            Ok(n) if (2..=40).contains(&n) => Ok(n),
+            _ => Err(fail(format!(
+                "TINE_DENSITY_FORKS={v:?}: give a number of forks from 2 to 40"
+            ))),
+        },
+    }
+}
+
+/// Makes `n` hot forks of `commit` that run at once, each read 32 bytes of
+/// urandom (one exec); then prints what each one's process holds (USS,
+/// PSS, guest pages copied, from describe) and deletes them.
+async fn urandom_of_forks_at_once(
+    c: &TineClient,
+    commit: &str,
+    n: usize,
+) -> R<Vec<(String, String)>> {
+    let mut read = Vec::new();
+    for _ in 0..n {
+        let f = c
+            .fork(commit, &ForkRequest::default(), Wait::Agent, Some(BOOT))
+            .await
+            .or_fail()?;
+        read.push((f.hostname.clone(), urandom(c, &f.hostname).await?));
+    }
+    let mut uss = Vec::new();
+    let mut pss = Vec::new();
+    let mut copied = Vec::new();
+    for (vm, _) in &read {
+        let memory = c.describe(vm).await.or_fail()?.memory;
+        let Some(m) = memory else {
+            return Err(fail(format!("{vm}: describe shows no memory figures")));
+        };
+        let Some(pages) = m.guest_pages_copied else {
+            return Err(fail(format!(
+                "{vm}: a hot fork without a copied-page count: {m:?}"
+            )));
+        };
+        uss.push(m.uss_bytes);
+        pss.push(m.pss_bytes);
+        copied.push(pages * tine_proto::api::GUEST_PAGE_BYTES);
+    }
+    let mib = |v: &mut Vec<u64>| {
+        v.sort_unstable();
+        let at =
+            |q: f64| v[((v.len() - 1) as f64 * q).round() as usize] as f64 / f64::from(1 << 20);
+        format!("p50 {:.1} MiB, max {:.1} MiB", at(0.5), at(1.0))
+    };
+    println!(
+        "density: {n} hot forks (256 MiB guests) running at once, after one exec each: USS {}; PSS {}; guest pages copied {}",
+        mib(&mut uss),
+        mib(&mut pss),
+        mib(&mut copied)
+    );
+    for (vm, _) in &read {
+        c.delete(vm).await.or_fail()?;
     }
     Ok(read)
 }
@@ -397,7 +465,9 @@ fn checks(d: &mut Daemon) -> R {
         for vm in &forks {
             read.push((vm.clone(), urandom(&c, vm).await?));
         }
-        read.extend(urandom_of_more_forks(&c, &id, ENTROPY_FORKS - forks.len()).await?);
+        let held = held_forks()?;
+        read.extend(urandom_of_forks_at_once(&c, &id, held).await?);
+        read.extend(urandom_of_more_forks(&c, &id, ENTROPY_FORKS - held - forks.len()).await?);
         let pairs = all_differ(&read)?;
         println!("urandom: {} hot forks, {pairs} pairs, 0 equal", read.len());
         expect_err(
