@@ -553,8 +553,12 @@ impl EventLoopHandle {
 
     fn request(&self, command: LoopCommand) {
         if self.commands.send(command).is_ok() {
-            let _ = self.wake.write(1);
-            let _ = self.acks.recv_timeout(Duration::from_secs(5));
+            if let Err(e) = self.wake.write(1) {
+                eprintln!("cannot wake the device event loop: {e}");
+            }
+            if let Err(e) = self.acks.recv_timeout(Duration::from_secs(5)) {
+                eprintln!("the device event loop did not take a request: {e}");
+            }
         }
     }
 
@@ -686,7 +690,10 @@ impl EventLoop {
         for (&fd, &events) in &wanted {
             let event = EpollEvent::new(EventSet::from_bits_truncate(events), host_token(d, fd));
             if self.epoll.ctl(ControlOperation::Modify, fd, event).is_err() {
-                let _ = self.epoll.ctl(ControlOperation::Add, fd, event);
+                if let Err(e) = self.epoll.ctl(ControlOperation::Add, fd, event) {
+                    // The device will not hear from this descriptor.
+                    eprintln!("device {d}: cannot watch its host descriptor {fd}: {e}");
+                }
             }
         }
         *registered = wanted;

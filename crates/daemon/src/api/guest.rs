@@ -835,7 +835,9 @@ async fn pump_shell(socket: WebSocket, mut session: tine_client::agent::ShellSes
             }
         }
         // The client left: hang up the terminal.
-        let _ = control.signal(libc::SIGHUP).await;
+        if let Err(e) = control.signal(libc::SIGHUP).await {
+            tracing::debug!("cannot hang up the shell (it may have ended): {e}");
+        }
     });
     loop {
         match session.next_event().await {

@@ -86,7 +86,12 @@ pub(super) async fn import(State(d): State<AppState>, uri: Uri, body: Body) -> A
     let received = match received {
         Ok(n) => n,
         Err(e) => {
-            let _ = tokio::fs::remove_file(&upload).await;
+            if let Err(rm) = tokio::fs::remove_file(&upload).await {
+                tracing::warn!(
+                    "cannot remove the partial upload {}: {rm}",
+                    upload.display()
+                );
+            }
             return Err(e);
         }
     };

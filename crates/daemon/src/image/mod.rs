@@ -362,7 +362,12 @@ fn convert_archive(
         }
     }
     // The archive is no longer needed: free its space before mkfs.
-    let _ = std::fs::remove_dir_all(&archive_dir);
+    if let Err(e) = std::fs::remove_dir_all(&archive_dir) {
+        tracing::warn!(
+            "cannot remove the unpacked archive {}: {e}",
+            archive_dir.display()
+        );
+    }
     rootfs::check_shell(&root)?;
     step(
         progress,
@@ -383,7 +388,9 @@ fn convert_archive(
     );
     let base = work.join("rootfs.ext4");
     rootfs::make_ext4(&root, &base, size)?;
-    let _ = std::fs::remove_dir_all(&root);
+    if let Err(e) = std::fs::remove_dir_all(&root) {
+        tracing::warn!("cannot remove the unpacked root {}: {e}", root.display());
+    }
     Ok(Converted {
         base,
         format: source.format,

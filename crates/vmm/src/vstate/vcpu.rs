@@ -225,7 +225,12 @@ impl Vcpu {
             if self.fd.get_tsc_khz().ok() != Some(khz) {
                 // Best effort: scaling needs host support; a mismatch is
                 // tolerated as Firecracker does below 250 ppm.
-                let _ = self.fd.set_tsc_khz(khz);
+                if let Err(e) = self.fd.set_tsc_khz(khz) {
+                    eprintln!(
+                        "vcpu {}: cannot scale the TSC to the snapshot's {khz} kHz ({e}); the guest's clock runs at the host's rate",
+                        self.index
+                    );
+                }
             }
         }
         self.fd
