@@ -152,17 +152,25 @@ async fn urandom(c: &TineClient, vm: &str) -> R<String> {
     .await
 }
 
-/// Makes `n` more hot forks of `commit`, each read 32 bytes of urandom
-/// once its set-up is done (as a user's first exec would) and is deleted.
+/// A new hot fork of `commit` and the 32 bytes of urandom it read once
+/// its set-up was done (as a user's first exec would).
+async fn fork_reading_urandom(c: &TineClient, commit: &str) -> R<(String, String)> {
+    let f = c
+        .fork(commit, &ForkRequest::default(), Wait::Agent, Some(BOOT))
+        .await
+        .or_fail()?;
+    let bytes = urandom(c, &f.hostname).await?;
+    Ok((f.hostname, bytes))
+}
+
+/// Makes `n` more hot forks of `commit`, one after the other, each
+/// deleted once it read its urandom.
 async fn urandom_of_more_forks(c: &TineClient, commit: &str, n: usize) -> R<Vec<(String, String)>> {
     let mut read = Vec::new();
     for _ in 0..n {
-        let f = c
-            .fork(commit, &ForkRequest::default(), Wait::Agent, Some(BOOT))
-            .await
-            .or_fail()?;
-        read.push((f.hostname.clone(), urandom(c, &f.hostname).await?));
-        c.delete(&f.hostname).await.or_fail()?;
+        let (vm, bytes) = fork_reading_urandom(c, commit).await?;
+        c.delete(&vm).await.or_fail()?;
+        read.push((vm, bytes));
     }
     Ok(read)
 }
@@ -192,11 +200,7 @@ async fn urandom_of_forks_at_once(
 ) -> R<Vec<(String, String)>> {
     let mut read = Vec::new();
     for _ in 0..n {
-        let f = c
-            .fork(commit, &ForkRequest::default(), Wait::Agent, Some(BOOT))
-            .await
-            .or_fail()?;
-        read.push((f.hostname.clone(), urandom(c, &f.hostname).await?));
+        read.push(fork_reading_urandom(c, commit).await?);
     }
     let mut uss = Vec::new();
     let mut pss = Vec::new();

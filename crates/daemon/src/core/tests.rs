@@ -104,13 +104,19 @@ impl Bed {
             .collect()
     }
 
-    /// A persistent builder, stopped and committed.
-    async fn commit(&self) -> String {
+    /// A VM booted, then shut down.
+    async fn stopped(&self) -> String {
         let h = self.create(Wait::Agent).await;
         self.daemon
             .shutdown(&h, ShutdownAction::Shutdown, WAIT)
             .await
             .expect("shutdown");
+        h
+    }
+
+    /// A persistent builder, stopped and committed.
+    async fn commit(&self) -> String {
+        let h = self.stopped().await;
         self.daemon
             .commit(&h, CommitRequest::default())
             .await

@@ -242,11 +242,7 @@ async fn a_memory_commit_refuses_what_is_not_running_and_persistent() {
     assert!(msg.contains("not persistent"), "{msg}");
 
     let b = bed(true);
-    let h = b.create(Wait::Agent).await;
-    b.daemon
-        .shutdown(&h, ShutdownAction::Shutdown, WAIT)
-        .await
-        .expect("shutdown");
+    let h = b.stopped().await;
     let msg = refusal(
         b.daemon.commit(&h, memory_commit()).await,
         ErrorCode::Conflict,
@@ -437,11 +433,7 @@ async fn a_warm_pool_size_is_refused_by_name_where_it_means_nothing() {
     let b = bed(true);
     let max = crate::launcher::pool::MAX_POOL_SIZE;
     // On a disk commit, at commit time and later.
-    let h = b.create(Wait::Agent).await;
-    b.daemon
-        .shutdown(&h, ShutdownAction::Shutdown, WAIT)
-        .await
-        .expect("shutdown");
+    let h = b.stopped().await;
     let msg = refusal(
         b.daemon
             .commit(
