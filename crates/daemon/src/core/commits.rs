@@ -17,7 +17,7 @@ use tine_proto::api::{
 };
 
 use super::commit_record::{check_request, info, new_commit_id, record_for};
-use super::daemon::{Daemon, FileStamp};
+use super::daemon::{no_commit, Daemon, FileStamp};
 use super::error::{chain, Error, Result};
 use super::plan;
 use super::snapshot::SnapshotFiles;
@@ -144,10 +144,7 @@ impl Daemon {
 
     /// Deletes a commit nobody depends on.
     pub fn delete_commit(self: &Arc<Self>, id: &str) -> Result<()> {
-        let c = self
-            .store
-            .delete_commit(id)?
-            .ok_or_else(|| Error::NotFound(format!("no commit `{id}`")))?;
+        let c = self.store.delete_commit(id)?.ok_or_else(|| no_commit(id))?;
         remove_file_logged(Path::new(&c.disk));
         if let Some(dir) = &c.snapshot {
             self.remove_snapshot_logged(&c.source, &SnapshotFiles::in_dir(PathBuf::from(dir)));
@@ -168,10 +165,7 @@ impl Daemon {
         timeout: Duration,
     ) -> Result<api::ForkResponse> {
         let began = Instant::now();
-        let c = self
-            .store
-            .get_commit(id)?
-            .ok_or_else(|| Error::NotFound(format!("no commit `{id}`")))?;
+        let c = self.commit_record(id)?;
         let group = self.group(&c.host_group)?.clone();
         let name_taken = match &req.name {
             Some(n) => self.store.find_vm(n)?.is_some(),

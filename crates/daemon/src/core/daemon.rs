@@ -432,6 +432,11 @@ impl Daemon {
         })
     }
 
+    /// The commit `id`, or not found.
+    pub(super) fn commit_record(&self, id: &str) -> Result<CommitRecord> {
+        self.store.get_commit(id)?.ok_or_else(|| no_commit(id))
+    }
+
     /// The VM with this hostname or friendly name, or not found.
     pub fn vm(&self, key: &str) -> Result<VmRecord> {
         self.store
@@ -644,4 +649,9 @@ impl Daemon {
         })?;
         Ok((vm, client))
     }
+}
+
+/// The error for a commit id nothing is recorded under.
+pub(super) fn no_commit(id: &str) -> Error {
+    Error::NotFound(format!("no commit `{id}`"))
 }

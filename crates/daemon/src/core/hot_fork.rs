@@ -17,7 +17,7 @@ use std::sync::Arc;
 use tine_proto::api::{CommitInfo, CommitMode};
 
 use super::commit_record::{check_pool_size, info};
-use super::daemon::Daemon;
+use super::daemon::{no_commit, Daemon};
 use super::error::{chain, Error, Result};
 use super::snapshot::SnapshotFiles;
 use super::supervise::SetUp;
@@ -53,7 +53,7 @@ impl Daemon {
     }
 
     /// Brings the warm pool of pre-started VMMs to what the memory commits
-    /// and their groups' `hot_fork_pool` ask for, and waits until it is.
+    /// ask for (`wanted_pools`), and waits until it is.
     pub async fn fill_pools(&self) {
         let _one_at_a_time = self.pool_sizing.lock().await;
         match self.wanted_pools() {
@@ -75,10 +75,7 @@ impl Daemon {
         if let Some(size) = size {
             check_pool_size(size)?;
         }
-        let c = self
-            .store
-            .get_commit(id)?
-            .ok_or_else(|| Error::NotFound(format!("no commit `{id}`")))?;
+        let c = self.commit_record(id)?;
         if c.mode != CommitMode::Memory {
             return Err(Error::BadRequest(format!(
                 "{id} is a disk commit: only a memory commit's forks resume from a warm pool"
@@ -86,7 +83,7 @@ impl Daemon {
         }
         // Deleted in between: not found, as above.
         if !self.store.set_commit_pool(id, size)? {
-            return Err(Error::NotFound(format!("no commit `{id}`")));
+            return Err(no_commit(id));
         }
         self.refresh_pools();
         Ok(info(&CommitRecord {
