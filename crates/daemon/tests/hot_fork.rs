@@ -3,9 +3,10 @@
 //! pauses it only briefly and it runs on; two hot forks resume the
 //! counter (same boot, same pid, the count going on) with their own
 //! hostname, machine-id, MAC and address, out of quarantine (the host
-//! answers their ARP), with private writes; the urandom bytes of
-//! `ENTROPY_FORKS` forks differ pairwise (46 forks, 1035 pairs), of which
-//! 10 (`TINE_DENSITY_FORKS`) run at once for the density figure (USS, PSS
+//! answers their ARP), with private writes, and each fork's own kernel
+//! logged one CRNG reseed for its VM generation ID change (the source
+//! none); the urandom bytes of `ENTROPY_FORKS` forks differ pairwise (46
+//! forks, 1035 pairs), of which 10 (`TINE_DENSITY_FORKS`) run at once for the density figure (USS, PSS
 //! and guest pages copied of each after one exec, from describe); a file
 //! the source wrote after the commit is in no fork; a changed CPU
 //! shape is refused; a `kill -9` in the middle of a memory commit leaves
@@ -137,6 +138,32 @@ async fn counter_goes_on(c: &TineClient, vm: &str, pid: &str, boot: &str, from: 
         return Err(fail(format!("{vm}: the counter stands still at {n1}")));
     }
     Ok(n2)
+}
+
+/// The guest kernel's log line when its vmgenid driver saw a new VM
+/// generation ID and reseeded the CRNG.
+const VMFORK_RESEED: &str = "crng reseeded due to virtual machine fork";
+
+/// How often `vm`'s kernel reseeded on a VM generation ID change; fails
+/// unless the vmgenid driver is bound to the VMM's ACPI device.
+async fn vmgenid_reseeds(c: &TineClient, vm: &str) -> R<u32> {
+    let out = sh_ok(
+        c,
+        vm,
+        &format!(
+            "test -e /sys/bus/acpi/drivers/vmgenid/VMGENCTR:00 || echo unbound; \
+             dmesg | grep -c '{VMFORK_RESEED}' || true"
+        ),
+    )
+    .await?;
+    if out.contains("unbound") {
+        return Err(fail(format!(
+            "{vm}: no vmgenid driver bound to VMGENCTR:00"
+        )));
+    }
+    out.trim()
+        .parse()
+        .map_err(|_| fail(format!("{vm}: count of {VMFORK_RESEED:?}: {out:?}")))
 }
 
 /// Hot forks whose first urandom bytes are compared, each with each:
@@ -393,6 +420,12 @@ fn checks(d: &mut Daemon) -> R {
     let data = d.data();
     let (forks, hot_ms) = r.block_on(async {
         let source = identity(&c, &src).await?;
+        let source_reseeds = vmgenid_reseeds(&c, &src).await?;
+        if source_reseeds != 0 {
+            return Err(fail(format!(
+                "{src} was never restored but logged {source_reseeds} VM fork reseeds"
+            )));
+        }
         let mut forks = Vec::new();
         let mut hot_ms = Vec::new();
         for _ in 0..2 {
@@ -424,6 +457,15 @@ fn checks(d: &mut Daemon) -> R {
                 echo.trim()
             );
             counter_goes_on(&c, &vm, &pid, &boot_id, at_commit).await?;
+            // The VMM wrote a new generation ID and raised the GED on
+            // restore: the fork's own kernel reseeded its CRNG.
+            let reseeds = vmgenid_reseeds(&c, &vm).await?;
+            if reseeds != 1 {
+                return Err(fail(format!(
+                    "{vm}: {reseeds} VM fork reseeds logged, expected 1"
+                )));
+            }
+            println!("{vm}: kernel CRNG reseeded by the VM generation ID change");
             let files = sh_ok(
                 &c,
                 &vm,

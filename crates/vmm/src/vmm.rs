@@ -11,15 +11,19 @@ use serde::{Deserialize, Serialize};
 use tine_proto::vmm::{RunState, SnapshotInfo, StopReason};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
+use crate::arch::x86_64::acpi::{self, AcpiError};
 use crate::arch::x86_64::boot::{self, BootError};
 use crate::arch::x86_64::cpuid::{self, CpuidError, TEMPLATE_NAME};
 use crate::arch::x86_64::interrupts::set_lint;
+use crate::arch::x86_64::layout::{ACPI_PM1_EVT_PORT, ACPI_PM1_LEN, GED_GSI, VMGENID_START};
 use crate::arch::x86_64::mptable::{self, MptableError, MAX_VCPUS};
 use crate::arch::x86_64::msr::{self, MsrError};
 use crate::arch::x86_64::regs::{self, RegsError};
 use crate::device_manager::{
     DeviceConfigs, DeviceManager, DeviceManagerError, MmioDeviceState, RestoreOverrides,
 };
+use crate::devices::acpi::pm::AcpiPm1;
+use crate::devices::acpi::vmgenid::{VmGenId, VmGenIdConstructorArgs, VmGenIdError, VmGenIdState};
 use crate::devices::bus::{Bus, BusError};
 use crate::devices::legacy::debug_exit::{DebugExit, DEBUG_EXIT_PORT};
 use crate::devices::legacy::i8042::{I8042, I8042_KBD_GSI, I8042_LEN, I8042_PORT};
@@ -27,6 +31,7 @@ use crate::devices::legacy::serial::{
     BoundedLog, SerialConsole, SerialState, COM1_GSI, COM1_LEN, COM1_PORT,
 };
 use crate::snapshot::format::{self, FormatError};
+use crate::snapshot::Persist;
 use crate::vstate::memory::{GuestRam, MemoryError, Reservation};
 use crate::vstate::vcpu::{StopSignal, Vcpu, VcpuContext, VcpuError, VcpuHandle, VcpuState};
 use crate::vstate::vm::{Vm, VmError, VmState};
@@ -170,6 +175,12 @@ pub enum VmmError {
     /// MP table failed.
     #[error(transparent)]
     Mptable(#[from] MptableError),
+    /// ACPI tables failed.
+    #[error(transparent)]
+    Acpi(#[from] AcpiError),
+    /// The VM generation ID device failed.
+    #[error(transparent)]
+    VmGenId(#[from] VmGenIdError),
     /// Device placement failed.
     #[error(transparent)]
     Bus(#[from] BusError),
@@ -271,6 +282,57 @@ pub struct MicrovmState {
     pub devices: Vec<MmioDeviceState>,
     /// The boot configuration the VM came from (informational).
     pub boot: BootConfig,
+    /// The VM generation ID device (Linux guests booted with ACPI tables).
+    pub vmgenid: Option<VmGenIdState>,
+}
+
+/// Format version 1 of [`MicrovmState`]: no VM generation ID device.
+#[derive(Deserialize)]
+struct MicrovmStateV1 {
+    mem_size: u64,
+    cpu_template: String,
+    cpu_fingerprint: u64,
+    vm: VmState,
+    vcpus: Vec<VcpuState>,
+    serial: SerialState,
+    devices: Vec<MmioDeviceState>,
+    boot: BootConfig,
+}
+
+impl From<MicrovmStateV1> for MicrovmState {
+    fn from(v1: MicrovmStateV1) -> Self {
+        Self {
+            mem_size: v1.mem_size,
+            cpu_template: v1.cpu_template,
+            cpu_fingerprint: v1.cpu_fingerprint,
+            vm: v1.vm,
+            vcpus: v1.vcpus,
+            serial: v1.serial,
+            devices: v1.devices,
+            boot: v1.boot,
+            vmgenid: None,
+        }
+    }
+}
+
+impl MicrovmState {
+    /// Decodes a state file of any readable format version.
+    pub fn decode(bytes: &[u8]) -> Result<Self, FormatError> {
+        let (version, payload) = format::open(bytes)?;
+        if version == 1 {
+            return format::decode_payload::<MicrovmStateV1>(payload).map(Self::from);
+        }
+        format::decode_payload(payload)
+    }
+
+    fn read(file: &mut File) -> Result<Self, FormatError> {
+        let mut bytes = Vec::new();
+        std::io::Read::read_to_end(
+            &mut std::io::Read::take(file, format::MAX_PAYLOAD + 64),
+            &mut bytes,
+        )?;
+        Self::decode(&bytes)
+    }
 }
 
 /// A VM created but not yet given memory and state: what a pre-started
@@ -351,6 +413,7 @@ pub struct Vmm {
     serial: Arc<Mutex<SerialConsole>>,
     i8042: Arc<Mutex<I8042>>,
     devices: DeviceManager,
+    vmgenid: Option<VmGenId>,
     state: RunState,
     cpu_fingerprint: u64,
     boot: BootConfig,
@@ -412,7 +475,21 @@ fn legacy_devices(
         DEBUG_EXIT_PORT,
         1,
     )?;
+    pio.insert(
+        Arc::new(Mutex::new(AcpiPm1::new(stop.clone()))),
+        ACPI_PM1_EVT_PORT,
+        ACPI_PM1_LEN,
+    )?;
     Ok(Legacy { pio, serial, i8042 })
+}
+
+/// An eventfd registered with KVM as an irqfd on `gsi`.
+fn irqfd(vm: &Vm, gsi: u32, op: &'static str) -> Result<EventFd, VmmError> {
+    let irq = EventFd::new(EFD_NONBLOCK).map_err(|e| VmmError::Io("eventfd", e))?;
+    vm.fd
+        .register_irqfd(&irq, gsi)
+        .map_err(|source| VmError::Kvm { op, source })?;
+    Ok(irq)
 }
 
 impl Vmm {
@@ -456,6 +533,9 @@ impl Vmm {
             }
         };
         mptable::setup_mptable(&ram.mem, config.vcpus)?;
+        if linux.is_some() {
+            acpi::setup_acpi(&ram.mem, config.vcpus)?;
+        }
 
         let PreparedVm {
             vm,
@@ -466,6 +546,15 @@ impl Vmm {
         vm.register_memory(&ram)?;
         let stop = StopSignal::new().map_err(|e| VmmError::Io("eventfd", e))?;
         let legacy = legacy_devices(&vm, &stop, console, None)?;
+        let vmgenid = match &linux {
+            Some(_) => Some(VmGenId::new(
+                &ram.mem,
+                VMGENID_START,
+                GED_GSI,
+                irqfd(&vm, GED_GSI, "KVM_IRQFD (GED)")?,
+            )?),
+            None => None,
+        };
         let mut mmio = Bus::new();
         let mut devices = DeviceManager::create(&vm, &mut mmio, &ram.mem, &config.devices)?;
         if let Some((entry, initrd)) = &linux {
@@ -525,6 +614,7 @@ impl Vmm {
             serial: legacy.serial,
             i8042: legacy.i8042,
             devices,
+            vmgenid,
             state: RunState::Running,
             boot: config.clone(),
         })
@@ -543,7 +633,7 @@ impl Vmm {
         paused: bool,
     ) -> Result<Self, VmmError> {
         let mut state_file = open("state file", state_path)?;
-        let state: MicrovmState = format::read(&mut state_file)?;
+        let state = MicrovmState::read(&mut state_file)?;
         let mem_file = open("memory file", mem_path)?;
         if state.vcpus.is_empty() || state.vcpus.len() > MAX_VCPUS as usize {
             return Err(VmmError::Config(format!(
@@ -601,6 +691,18 @@ impl Vmm {
         // Devices last, after the irqchip, so their pending interrupts are
         // not overwritten by the irqchip state.
         let legacy = legacy_devices(&vm, &stop, console, Some(&state.serial))?;
+        // A fresh generation ID and its interrupt, after the irqchip's state
+        // (which would drop the pending edge) and before any vCPU runs.
+        let vmgenid = match &state.vmgenid {
+            Some(saved) => {
+                let args = VmGenIdConstructorArgs {
+                    mem: ram.mem.clone(),
+                    irq: irqfd(&vm, saved.gsi, "KVM_IRQFD (GED)")?,
+                };
+                Some(VmGenId::restore(args, saved)?)
+            }
+            None => None,
+        };
         let mut mmio = Bus::new();
         let mut devices =
             DeviceManager::restore(&vm, &mut mmio, &ram.mem, &state.devices, overrides)?;
@@ -612,7 +714,14 @@ impl Vmm {
         };
         let mut handles = Vec::with_capacity(restored.len());
         for vcpu in restored {
-            let _ = vcpu.fd.kvmclock_ctrl();
+            // Tells the guest's kvmclock the vCPU was stopped, so its
+            // soft-lockup watchdog does not fire. Fails when the guest has no
+            // kvmclock (synthetic guests): nothing to tell then.
+            if let Err(e) = vcpu.fd.kvmclock_ctrl() {
+                if e.errno() != libc::EINVAL {
+                    eprintln!("tine-vmm: KVM_KVMCLOCK_CTRL on vCPU {}: {e}", vcpu.index);
+                }
+            }
             handles.push(VcpuHandle::start(vcpu, ctx.clone(), true)?);
         }
         let mut vmm = Self {
@@ -624,6 +733,7 @@ impl Vmm {
             serial: legacy.serial,
             i8042: legacy.i8042,
             devices,
+            vmgenid,
             state: RunState::Paused,
             boot: state.boot,
         };
@@ -711,6 +821,7 @@ impl Vmm {
             serial,
             devices: self.devices.save(),
             boot: self.boot.clone(),
+            vmgenid: self.vmgenid.as_ref().map(Persist::save),
         };
         let encoded = format::encode(&state)?;
         let mem_tmp = temp_name(mem_path);

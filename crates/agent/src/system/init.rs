@@ -15,9 +15,9 @@
 //!
 //! [`shutdown`] sends `SIGTERM` to every process, waits up to a grace
 //! period, sends `SIGKILL`, syncs, remounts `/` read-only and stops the VM:
-//! tine-vmm guests have no ACPI, so power off is a write of 0 to the VMM's
-//! debug-exit port 0x501 (`ioperm`, which needs `CONFIG_X86_IOPL_IOPERM`,
-//! then `outb`), and reboot is `reboot(RB_AUTOBOOT)` (the kernel pulses the
+//! power off is a write of 0 to tine-vmm's debug-exit port 0x501, which
+//! works with kernels without ACPI too (`ioperm`, which needs
+//! `CONFIG_X86_IOPL_IOPERM`, then `outb`), and reboot is `reboot(RB_AUTOBOOT)` (the kernel pulses the
 //! i8042 reset line with `reboot=k`; tine-vmm then stops the VM). When the
 //! port write does not stop the VM, power off falls back to
 //! `reboot(RB_POWER_OFF)` with ACPI and to a reset without it (a halt would

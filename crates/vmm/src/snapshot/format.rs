@@ -9,9 +9,11 @@ use serde::Serialize;
 
 /// First bytes of every state file.
 pub const MAGIC: &[u8; 8] = b"TINESNAP";
-/// Format version written and accepted. Bumped on any change to the
-/// payload's types; other versions are refused.
-pub const FORMAT_VERSION: u32 = 1;
+/// Format version written. Bumped on any change to the payload's types.
+/// Version 2 added the VM generation ID device.
+pub const FORMAT_VERSION: u32 = 2;
+/// Oldest format version [`open`] accepts; its reader converts the payload.
+pub const OLDEST_FORMAT_VERSION: u32 = 1;
 /// Largest payload accepted (the state of a VM is a few hundred KiB).
 pub const MAX_PAYLOAD: u64 = 64 << 20;
 const HEADER_LEN: usize = 8 + 4 + 8;
@@ -26,7 +28,7 @@ pub enum FormatError {
     #[error("not a tine-vmm state file (bad magic)")]
     BadMagic,
     /// Another format version.
-    #[error("state file has format version {found}; this tine-vmm reads version {FORMAT_VERSION}")]
+    #[error("state file has format version {found}; this tine-vmm reads versions {OLDEST_FORMAT_VERSION} to {FORMAT_VERSION}")]
     Version {
         /// Version in the file.
         found: u32,
@@ -66,8 +68,9 @@ pub fn write<T: Serialize>(out: &mut impl Write, state: &T) -> Result<(), Format
     Ok(())
 }
 
-/// Decodes a complete state file.
-pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, FormatError> {
+/// Checks a complete state file's container (magic, a readable version,
+/// length, CRC) and returns its format version and payload.
+pub fn open(bytes: &[u8]) -> Result<(u32, &[u8]), FormatError> {
     if bytes.len() < 8 {
         return Err(FormatError::Truncated("no header"));
     }
@@ -80,7 +83,7 @@ pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, FormatError> {
     let mut version = [0u8; 4];
     version.copy_from_slice(&bytes[8..12]);
     let found = u32::from_le_bytes(version);
-    if found != FORMAT_VERSION {
+    if !(OLDEST_FORMAT_VERSION..=FORMAT_VERSION).contains(&found) {
         return Err(FormatError::Version { found });
     }
     let mut len = [0u8; 8];
@@ -101,7 +104,21 @@ pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, FormatError> {
     if crc32fast::hash(payload) != u32::from_le_bytes(crc) {
         return Err(FormatError::Crc);
     }
+    Ok((found, payload))
+}
+
+/// Decodes a payload [`open`] returned.
+pub fn decode_payload<T: DeserializeOwned>(payload: &[u8]) -> Result<T, FormatError> {
     postcard::from_bytes(payload).map_err(|e| FormatError::Decode(e.to_string()))
+}
+
+/// Decodes a complete state file of the current format version.
+pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, FormatError> {
+    let (found, payload) = open(bytes)?;
+    if found != FORMAT_VERSION {
+        return Err(FormatError::Version { found });
+    }
+    decode_payload(payload)
 }
 
 /// Reads and decodes a state file.
@@ -141,6 +158,22 @@ mod tests {
         assert!(matches!(
             decode::<Sample>(&bytes),
             Err(FormatError::Version { found: 99 })
+        ));
+    }
+
+    #[test]
+    fn test_open_accepts_older_versions_that_decode_refuses() {
+        let mut bytes = encode(&sample()).expect("encode");
+        bytes[8..12].copy_from_slice(&OLDEST_FORMAT_VERSION.to_le_bytes());
+        let (found, payload) = open(&bytes).expect("open");
+        assert_eq!(found, OLDEST_FORMAT_VERSION);
+        assert_eq!(
+            decode_payload::<Sample>(payload).expect("payload"),
+            sample()
+        );
+        assert!(matches!(
+            decode::<Sample>(&bytes),
+            Err(FormatError::Version { found }) if found == OLDEST_FORMAT_VERSION
         ));
     }
 

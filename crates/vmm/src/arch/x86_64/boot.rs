@@ -10,8 +10,8 @@ use linux_loader::loader::{Error as LoaderError, KernelLoader};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
 
 use super::layout::{
-    CMDLINE_MAX_SIZE, CMDLINE_START, HIMEM_START, MMIO_HOLE_START, SYSTEM_REGION_END,
-    SYSTEM_REGION_START, ZERO_PAGE_START,
+    ACPI_RSDP_START, CMDLINE_MAX_SIZE, CMDLINE_START, HIMEM_START, MMIO_HOLE_START,
+    SYSTEM_REGION_END, SYSTEM_REGION_START, ZERO_PAGE_START,
 };
 use crate::vstate::memory::GuestMemoryMmap;
 
@@ -220,6 +220,7 @@ pub fn write_zero_page(
     params.hdr.header = KERNEL_HDR_MAGIC;
     params.hdr.cmd_line_ptr = CMDLINE_START as u32;
     params.hdr.cmdline_size = cmdline_len as u32;
+    params.acpi_rsdp_addr = ACPI_RSDP_START;
     if let Some((addr, size)) = initramfs {
         params.hdr.ramdisk_image = addr as u32;
         params.hdr.ramdisk_size = size as u32;

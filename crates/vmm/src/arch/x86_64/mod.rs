@@ -1,6 +1,7 @@
 //! x86_64: guest-physical layout, boot structures (GDT, page tables, zero
-//! page, MP table), CPUID template, MSRs and LAPIC setup.
+//! page, MP table, ACPI tables), CPUID template, MSRs and LAPIC setup.
 
+pub mod acpi;
 pub mod boot;
 pub mod cpuid;
 pub mod gdt;

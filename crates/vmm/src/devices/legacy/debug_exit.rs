@@ -1,7 +1,8 @@
 //! The debug-exit port (0x501, QEMU's isa-debug-exit convention): a byte
-//! written there powers the VM off with that value. Guests without ACPI
+//! written there powers the VM off with that value. Kernels without ACPI
 //! have no other way to power off (Linux then halts forever); tine's agent
-//! and test guests use it, and `reboot=k` remains the reboot path.
+//! and test guests use it, and `reboot=k` remains the reboot path. Kernels
+//! with ACPI can also use the PM1 control register (`devices::acpi`).
 
 use crate::devices::bus::BusDevice;
 use tine_proto::vmm::StopReason;
