@@ -330,25 +330,50 @@ pub async fn control(
     request: &tine_proto::vmm::Request,
     within: Duration,
 ) -> std::io::Result<tine_proto::vmm::Response> {
-    let exchange = async {
+    let answer = async {
         let io = tokio::net::UnixStream::connect(&paths.control).await?;
-        let (r, mut w) = io.into_split();
-        let mut line = serde_json::to_string(request)
-            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
-        line.push('\n');
-        w.write_all(line.as_bytes()).await?;
-        let mut answer = String::new();
-        let mut reader = BufReader::new(r.take(64 * 1024));
-        reader.read_line(&mut answer).await?;
-        serde_json::from_str(&answer)
-            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+        exchange(io, request).await
     };
-    tokio::time::timeout(within, exchange).await.map_err(|_| {
+    tokio::time::timeout(within, answer).await.map_err(|_| {
         std::io::Error::new(
             std::io::ErrorKind::TimedOut,
             format!("no answer on {} within {within:?}", paths.control.display()),
         )
     })?
+}
+
+/// Sends `request` on a connection to a control socket and reads the
+/// answer, within `within`.
+pub async fn control_on(
+    io: tokio::net::UnixStream,
+    request: &tine_proto::vmm::Request,
+    within: Duration,
+) -> std::io::Result<tine_proto::vmm::Response> {
+    tokio::time::timeout(within, exchange(io, request))
+        .await
+        .map_err(|_| {
+            std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("no answer from tine-vmm within {within:?}"),
+            )
+        })?
+}
+
+/// One request line out, one answer line (at most 64 KiB) back.
+async fn exchange(
+    io: tokio::net::UnixStream,
+    request: &tine_proto::vmm::Request,
+) -> std::io::Result<tine_proto::vmm::Response> {
+    let (r, mut w) = io.into_split();
+    let mut line = serde_json::to_string(request)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    line.push('\n');
+    w.write_all(line.as_bytes()).await?;
+    let mut answer = String::new();
+    let mut reader = BufReader::new(r.take(64 * 1024));
+    reader.read_line(&mut answer).await?;
+    serde_json::from_str(&answer)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
 }
 
 /// Whether the process `pid` started at `pid_start` has ended (gone, a

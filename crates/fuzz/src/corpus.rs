@@ -126,6 +126,7 @@ fn vmm_lines() -> io::Result<Vec<Vec<u8>>> {
             vsock_uds: Some("v.sock".into()),
             drives: [("drive0".to_owned(), "disk.qcow2".into())].into(),
             taps: [("net0".to_owned(), "tap0".to_owned())].into(),
+            serial_log: Some("serial.log".into()),
         })?,
         br#"{"status":"ok","state":"running"}"#.to_vec(),
         br#"{"status":"error","message":"no"}"#.to_vec(),

@@ -58,6 +58,11 @@ pub enum Request {
         /// snapshot's, as `--tap-override` does.
         #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
         taps: BTreeMap<String, String>,
+        /// Write the serial console here instead of the command line's
+        /// `--serial-log` (a pooled process restores for a VM whose folder
+        /// it was not started in).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        serial_log: Option<PathBuf>,
     },
     /// Ask the guest to shut down (Ctrl-Alt-Del); the process exits when
     /// the guest stops.
@@ -240,20 +245,28 @@ mod tests {
             Request::Restore {
                 paused: false,
                 vsock_uds: None,
+                serial_log: None,
                 ref drives,
                 ref taps,
                 ..
             } if drives.is_empty() && taps.is_empty()
         ));
         let req: Request = serde_json::from_str(
-            r#"{"op":"restore","state_path":"/s","mem_path":"/m","drives":{"drive0":"/d"},"taps":{"net0":"t7"}}"#,
+            r#"{"op":"restore","state_path":"/s","mem_path":"/m","drives":{"drive0":"/d"},"taps":{"net0":"t7"},"serial_log":"/vm/serial.log"}"#,
         )
         .expect("restore with overrides");
-        let Request::Restore { drives, taps, .. } = req else {
+        let Request::Restore {
+            drives,
+            taps,
+            serial_log,
+            ..
+        } = req
+        else {
             panic!("not a restore: {req:?}");
         };
         assert_eq!(drives.get("drive0"), Some(&PathBuf::from("/d")));
         assert_eq!(taps.get("net0").map(String::as_str), Some("t7"));
+        assert_eq!(serial_log, Some(PathBuf::from("/vm/serial.log")));
     }
 
     #[test]

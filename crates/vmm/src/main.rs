@@ -243,6 +243,7 @@ fn handle(
                 vsock_uds,
                 drives,
                 taps,
+                serial_log,
             },
             machine @ Machine::Prepared(_),
         ) => {
@@ -256,11 +257,15 @@ fn handle(
             }
             overrides.drives.extend(drives);
             overrides.taps.extend(taps);
+            let console = ConsoleConfig {
+                log_path: serial_log.or_else(|| console.log_path.clone()),
+                ..console.clone()
+            };
             match Vmm::restore(
                 &state_path,
                 &mem_path,
                 prepared.take(),
-                console,
+                &console,
                 &overrides,
                 paused,
             ) {

@@ -164,38 +164,49 @@ pub fn new_slot_name() -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Moves a ready slot's control socket and logs into the VM's folder and
-/// leaves a link to that folder where the slot's folder was. The process
-/// keeps its socket and open files; its vsock socket, disk and TAP come
-/// with the restore request.
-pub fn hand_over(slot: &VmPaths, vm: &VmPaths) -> Result<(), HandOverError> {
-    let fail = |step: &str| {
-        let step = step.to_owned();
-        move |source| HandOverError {
-            slot: slot.dir.clone(),
-            vm: vm.dir.clone(),
-            step,
-            source,
-        }
-    };
-    std::fs::create_dir_all(&vm.dir).map_err(fail("create the VM's folder"))?;
+fn hand_over_error(
+    slot: &VmPaths,
+    vm: &VmPaths,
+    step: &str,
+) -> impl FnOnce(std::io::Error) -> HandOverError {
+    let (slot, vm, step) = (slot.dir.clone(), vm.dir.clone(), step.to_owned());
+    move |source| HandOverError {
+        slot,
+        vm,
+        step,
+        source,
+    }
+}
+
+/// Readies the VM's folder for a slot's process: creates it and removes
+/// sockets an earlier run left there. Runs before the restore request,
+/// which makes the process bind the VM's vsock socket in that folder.
+pub fn prepare_vm_dir(slot: &VmPaths, vm: &VmPaths) -> Result<(), HandOverError> {
+    std::fs::create_dir_all(&vm.dir).map_err(hand_over_error(
+        slot,
+        vm,
+        "create the VM's folder",
+    ))?;
     for stale in [&vm.vsock, &vm.control] {
         match std::fs::remove_file(stale) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                return Err(fail("remove a stale socket")(e))
+                return Err(hand_over_error(slot, vm, "remove a stale socket")(e))
             }
             _ => {}
         }
     }
+    Ok(())
+}
+
+/// Moves a slot's control socket and log into the VM's folder (prepared by
+/// [`prepare_vm_dir`]) and leaves a link to that folder where the slot's
+/// folder was. The process keeps its socket, its open connections and its
+/// log file, so this may run while the process restores; the restore
+/// request names the serial log, vsock socket, disk and TAP in the VM's
+/// folder.
+pub fn move_slot(slot: &VmPaths, vm: &VmPaths) -> Result<(), HandOverError> {
+    let fail = |step| hand_over_error(slot, vm, step);
     std::fs::rename(&slot.log, &vm.log).map_err(fail("move vmm.log"))?;
-    // The serial log is made by the restore (through the link, so in the
-    // VM's folder); a slot has none yet.
-    match std::fs::rename(&slot.serial, &vm.serial) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-            return Err(fail("move serial.log")(e))
-        }
-        _ => {}
-    }
     std::fs::rename(&slot.control, &vm.control).map_err(fail("move the control socket"))?;
     std::fs::remove_dir(&slot.dir).map_err(fail("remove the slot's folder"))?;
     std::os::unix::fs::symlink(&vm.dir, &slot.dir).map_err(fail("link the slot to the VM"))?;
@@ -301,20 +312,28 @@ mod tests {
         let dir = tempfile::tempdir().expect("tmp");
         let slot = VmPaths::in_dir(dir.path().join(POOL_DIR).join("ab12"));
         std::fs::create_dir_all(&slot.dir).expect("slot");
-        for f in [&slot.log, &slot.serial, &slot.control] {
+        for f in [&slot.log, &slot.control] {
             std::fs::write(f, "x").expect("file");
         }
         let vm = VmPaths::new(dir.path(), "b-1");
         std::fs::create_dir_all(&vm.dir).expect("vm");
         std::fs::write(&vm.control, "stale").expect("stale socket");
-        hand_over(&slot, &vm).expect("hand over");
-        for f in [&vm.log, &vm.serial, &vm.control] {
+        std::fs::write(&vm.vsock, "stale").expect("stale socket");
+        prepare_vm_dir(&slot, &vm).expect("prepare");
+        assert!(
+            !vm.control.exists() && !vm.vsock.exists(),
+            "stale sockets stay"
+        );
+        move_slot(&slot, &vm).expect("move");
+        for f in [&vm.log, &vm.control] {
             assert_eq!(std::fs::read_to_string(f).expect("moved"), "x");
         }
         assert_eq!(std::fs::read_link(&slot.dir).expect("link"), vm.dir);
         // A slot that is not there is an error naming the step.
         let gone = VmPaths::in_dir(dir.path().join(POOL_DIR).join("cd34"));
-        let err = hand_over(&gone, &VmPaths::new(dir.path(), "b-2")).expect_err("gone");
+        let other = VmPaths::new(dir.path(), "b-2");
+        prepare_vm_dir(&gone, &other).expect("prepare");
+        let err = move_slot(&gone, &other).expect_err("gone");
         assert!(err.to_string().contains("move vmm.log"), "{err}");
     }
 

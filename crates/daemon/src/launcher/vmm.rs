@@ -114,27 +114,71 @@ impl VmmLauncher {
         }
     }
 
-    /// A pooled process of `shape` moved into the VM's folder, if the pool
-    /// has one; a slot that cannot be moved is stopped.
-    fn take_from_pool(&self, shape: Shape, paths: &VmPaths) -> Option<Running> {
+    /// The oldest pooled process of `shape` that still runs, if any.
+    fn take_slot(&self, shape: Shape) -> Option<Slot> {
         let mut dead = Vec::new();
         let slot = self.pool().take(shape, &mut dead);
         for slot in dead {
             tracing::warn!(slot = %slot.name, "a pooled tine-vmm had ended");
             stop_slot(slot);
         }
-        let slot = slot?;
-        match pool::hand_over(&slot.paths, paths) {
-            Ok(()) => {
-                let link = slot.paths.dir.clone();
-                Some(self.spawned(slot.child, paths.clone(), Some(link)))
-            }
-            Err(e) => {
-                tracing::warn!("{}", tine_proto::error_chain(&e));
-                stop_slot(slot);
-                None
-            }
+        slot
+    }
+
+    /// Restores into a pooled process. The request goes out on the slot's
+    /// socket at once; moving the process's files into the VM's folder runs
+    /// meanwhile (the move is off the fork's path). None when the slot
+    /// cannot be used (it is stopped; the caller starts its own process).
+    async fn restore_pooled(
+        &self,
+        hostname: &str,
+        slot: Slot,
+        paths: &VmPaths,
+        request: &VmmRequest,
+    ) -> Option<Result<Running, LaunchError>> {
+        if let Err(e) = pool::prepare_vm_dir(&slot.paths, paths) {
+            tracing::warn!("{}", tine_proto::error_chain(&e));
+            stop_slot(slot);
+            return None;
         }
+        let io = match tokio::net::UnixStream::connect(&slot.paths.control).await {
+            Ok(io) => io,
+            Err(e) => {
+                tracing::warn!(slot = %slot.name, "a pooled tine-vmm does not listen: {e}");
+                stop_slot(slot);
+                return None;
+            }
+        };
+        let moved = {
+            let (from, to) = (slot.paths.clone(), paths.clone());
+            tokio::task::spawn_blocking(move || pool::move_slot(&from, &to))
+        };
+        let answer = process::control_on(io, request, answer_limit(request)).await;
+        let moved = match moved.await {
+            Ok(moved) => moved.map_err(LaunchError::from),
+            Err(e) => Err(LaunchError::Prepare {
+                path: paths.dir.clone(),
+                source: std::io::Error::other(format!("the move of the pooled process ended: {e}")),
+            }),
+        };
+        let failed = match (answer, moved) {
+            (Ok(VmmResponse::Ok { .. }), Ok(())) => {
+                let link = slot.paths.dir.clone();
+                return Some(Ok(self.spawned(slot.child, paths.clone(), Some(link))));
+            }
+            (Ok(VmmResponse::Error { error }), _) => LaunchError::Refused {
+                hostname: hostname.to_owned(),
+                request: "restore".into(),
+                error,
+            },
+            (Err(source), _) => LaunchError::Control {
+                hostname: hostname.to_owned(),
+                source,
+            },
+            (Ok(VmmResponse::Ok { .. }), Err(e)) => e,
+        };
+        stop_slot(slot);
+        Some(Err(failed))
     }
 
     /// Starts what the pool lacks, until it has what it wants; processes
@@ -312,11 +356,6 @@ impl Launcher for VmmLauncher {
             // The pool is refilled once no restore is under way: a process
             // starting next to one would take the CPU it needs now.
             let _refill = RefillWhenIdle::new(self);
-            let pooled = self.take_from_pool(shape, &paths);
-            let running = match pooled {
-                Some(running) => running,
-                None => self.prestart_now(spec, &paths)?,
-            };
             let request = VmmRequest::Restore {
                 state_path: spec.state.clone(),
                 mem_path: spec.memory.clone(),
@@ -332,7 +371,17 @@ impl Launcher for VmmLauncher {
                     .iter()
                     .map(|t| (super::ROOT_NIC.to_owned(), t.clone()))
                     .collect(),
+                serial_log: Some(paths.serial.clone()),
             };
+            if let Some(slot) = self.take_slot(shape) {
+                if let Some(result) = self
+                    .restore_pooled(&spec.hostname, slot, &paths, &request)
+                    .await
+                {
+                    return result;
+                }
+            }
+            let running = self.prestart_now(spec, &paths)?;
             // The pre-started process listens once it is ready: until then
             // its socket is missing, or there but not listening yet (bound,
             // `listen` to come), and the request was not delivered.
