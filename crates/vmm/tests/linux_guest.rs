@@ -17,6 +17,8 @@ const TICKER_INIT: &str = r#"#!/bin/sh
 echo "tine-test: init reached"
 i=0
 while [ $i -lt 100000 ]; do
+  /bin/busybox dmesg | /bin/busybox grep -q 'crng reseeded due to virtual machine fork' \
+    && echo "tine-test: kernel log has the VM fork reseed"
   echo "tick $i"
   i=$((i + 1))
   /bin/busybox sleep 0.3
@@ -136,6 +138,11 @@ fn bzimage_boots_too() -> Result<(), Failed> {
     Ok(())
 }
 
+/// What `TICKER_INIT` prints once its kernel's log says the vmgenid driver
+/// reseeded the CRNG for a changed VM generation ID (the line itself goes
+/// to the kernel log, not always to the console).
+const VMFORK_RESEED: &str = "tine-test: kernel log has the VM fork reseed";
+
 fn snapshot_restores_into_two_running_vms() -> Result<(), Failed> {
     let dir = scratch("snap")?;
     let init = initramfs(&dir, TICKER_INIT)?;
@@ -188,6 +195,21 @@ fn snapshot_restores_into_two_running_vms() -> Result<(), Failed> {
         if vmm.run_state() != RunState::Running {
             return Err(format!("child is {:?}", vmm.run_state()).into());
         }
+        // The restore wrote a new VM generation ID and raised the GED: the
+        // child's own kernel reseeded its CRNG.
+        if let Err(e) = wait_for(child_log, VMFORK_RESEED, Duration::from_secs(20)) {
+            let text = std::fs::read_to_string(child_log)?;
+            let head: Vec<&str> = text
+                .lines()
+                .filter(|l| !l.starts_with("tick"))
+                .take(40)
+                .collect();
+            eprintln!("DEBUG child head:\n{}", head.join("\n"));
+            return Err(e);
+        }
+    }
+    if std::fs::read_to_string(&log)?.contains(VMFORK_RESEED) {
+        return Err("the parent, never restored, logged a VM fork reseed".into());
     }
     for (mut vmm, _) in children {
         vmm.kill();

@@ -272,3 +272,52 @@ fn test_synthetic_restore_other_cpu_template_is_refused() {
         "unexpected error: {err}"
     );
 }
+
+/// A state file of format version 1 (written before the VM generation ID
+/// device existed) still restores, and the guest runs on from it.
+#[test]
+fn test_synthetic_restore_of_a_format_1_state_file_runs() {
+    use tine_vmm::snapshot::format;
+    use tine_vmm::vmm::MicrovmState;
+    let dir = tempfile::tempdir().expect("tmp");
+    let state = dir.path().join("vm.state");
+    let mem = dir.path().join("vm.mem");
+    let mut parent = Vmm::boot(&raw_config(COUNTER_LOOP), &ConsoleConfig::default()).expect("boot");
+    let before = wait_counter_above(&parent, 0);
+    parent.pause().expect("pause");
+    parent.snapshot(&state, &mem).expect("snapshot");
+    parent.kill();
+    let bytes = std::fs::read(&state).expect("read");
+    let (version, payload) = format::open(&bytes).expect("open");
+    assert_eq!(version, format::FORMAT_VERSION);
+    let saved = MicrovmState::decode(&bytes).expect("decode");
+    assert_eq!(saved.vmgenid, None, "a raw guest has no VM generation ID");
+    // Version 1 is the same payload without the trailing `vmgenid` (an
+    // Option, encoded as one 0 byte when None).
+    assert_eq!(payload.last(), Some(&0));
+    let v1_payload = &payload[..payload.len() - 1];
+    let mut v1 = Vec::new();
+    v1.extend_from_slice(format::MAGIC);
+    v1.extend_from_slice(&1u32.to_le_bytes());
+    v1.extend_from_slice(&(v1_payload.len() as u64).to_le_bytes());
+    v1.extend_from_slice(v1_payload);
+    v1.extend_from_slice(&crc32fast::hash(v1_payload).to_le_bytes());
+    assert!(
+        format::decode::<MicrovmState>(&v1).is_err(),
+        "the current-version decoder must not take a version 1 file"
+    );
+    let old = MicrovmState::decode(&v1).expect("a version 1 file decodes");
+    assert_eq!(old.mem_size, saved.mem_size);
+    assert_eq!(old.vcpus.len(), saved.vcpus.len());
+    std::fs::write(&state, &v1).expect("write");
+    let child = Vmm::restore(
+        &state,
+        &mem,
+        None,
+        &ConsoleConfig::default(),
+        &RestoreOverrides::default(),
+        false,
+    )
+    .expect("restore of a version 1 state file");
+    assert!(wait_counter_above(&child, before) > before);
+}
