@@ -190,9 +190,6 @@ pub enum LaunchError {
         #[source]
         source: std::io::Error,
     },
-    /// A pooled process could not move into the VM's folder.
-    #[error(transparent)]
-    HandOver(#[from] pool::HandOverError),
     /// Preparing the VM's folder failed.
     #[error("cannot prepare {path}")]
     Prepare {

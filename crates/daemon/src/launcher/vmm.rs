@@ -155,7 +155,10 @@ impl VmmLauncher {
         };
         let answer = process::control_on(io, request, answer_limit(request)).await;
         let moved = match moved.await {
-            Ok(moved) => moved.map_err(LaunchError::from),
+            Ok(moved) => moved.map_err(|e| LaunchError::Prepare {
+                path: e.vm.clone(),
+                source: std::io::Error::new(e.source.kind(), tine_proto::error_chain(&e)),
+            }),
             Err(e) => Err(LaunchError::Prepare {
                 path: paths.dir.clone(),
                 source: std::io::Error::other(format!("the move of the pooled process ended: {e}")),
