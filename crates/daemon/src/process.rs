@@ -334,12 +334,7 @@ pub async fn control(
         let io = tokio::net::UnixStream::connect(&paths.control).await?;
         exchange(io, request).await
     };
-    tokio::time::timeout(within, answer).await.map_err(|_| {
-        std::io::Error::new(
-            std::io::ErrorKind::TimedOut,
-            format!("no answer on {} within {within:?}", paths.control.display()),
-        )
-    })?
+    answered_within(within, &paths.control.display().to_string(), answer).await
 }
 
 /// Sends `request` on a connection to a control socket and reads the
@@ -349,14 +344,21 @@ pub async fn control_on(
     request: &tine_proto::vmm::Request,
     within: Duration,
 ) -> std::io::Result<tine_proto::vmm::Response> {
-    tokio::time::timeout(within, exchange(io, request))
-        .await
-        .map_err(|_| {
-            std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                format!("no answer from tine-vmm within {within:?}"),
-            )
-        })?
+    answered_within(within, "tine-vmm's control socket", exchange(io, request)).await
+}
+
+/// `answer`, or `TimedOut` naming `from` when it takes longer than `within`.
+async fn answered_within(
+    within: Duration,
+    from: &str,
+    answer: impl std::future::Future<Output = std::io::Result<tine_proto::vmm::Response>>,
+) -> std::io::Result<tine_proto::vmm::Response> {
+    tokio::time::timeout(within, answer).await.map_err(|_| {
+        std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("no answer on {from} within {within:?}"),
+        )
+    })?
 }
 
 /// One request line out, one answer line (at most 64 KiB) back.

@@ -326,12 +326,7 @@ impl MicrovmState {
     }
 
     fn read(file: &mut File) -> Result<Self, FormatError> {
-        let mut bytes = Vec::new();
-        std::io::Read::read_to_end(
-            &mut std::io::Read::take(file, format::MAX_PAYLOAD + 64),
-            &mut bytes,
-        )?;
-        Self::decode(&bytes)
+        Self::decode(&format::read_bytes(file)?)
     }
 }
 
@@ -447,25 +442,13 @@ fn legacy_devices(
     console: &ConsoleConfig,
     serial_state: Option<&SerialState>,
 ) -> Result<Legacy, VmmError> {
-    let irq = Arc::new(EventFd::new(EFD_NONBLOCK).map_err(|e| VmmError::Io("eventfd", e))?);
-    vm.fd
-        .register_irqfd(&irq, COM1_GSI)
-        .map_err(|source| VmError::Kvm {
-            op: "KVM_IRQFD (serial)",
-            source,
-        })?;
+    let irq = Arc::new(irqfd(vm, COM1_GSI, "KVM_IRQFD (serial)")?);
     let out = console_writer(console)?;
     let serial = Arc::new(Mutex::new(match serial_state {
         Some(state) => SerialConsole::restore(state, irq, out),
         None => SerialConsole::new(irq, out),
     }));
-    let kbd_irq = Arc::new(EventFd::new(EFD_NONBLOCK).map_err(|e| VmmError::Io("eventfd", e))?);
-    vm.fd
-        .register_irqfd(&kbd_irq, I8042_KBD_GSI)
-        .map_err(|source| VmError::Kvm {
-            op: "KVM_IRQFD (i8042)",
-            source,
-        })?;
+    let kbd_irq = Arc::new(irqfd(vm, I8042_KBD_GSI, "KVM_IRQFD (i8042)")?);
     let i8042 = Arc::new(Mutex::new(I8042::new(stop.clone(), Some(kbd_irq))));
     let mut pio = Bus::new();
     pio.insert(serial.clone(), COM1_PORT, COM1_LEN)?;
@@ -533,9 +516,6 @@ impl Vmm {
             }
         };
         mptable::setup_mptable(&ram.mem, config.vcpus)?;
-        if linux.is_some() {
-            acpi::setup_acpi(&ram.mem, config.vcpus)?;
-        }
 
         let PreparedVm {
             vm,
@@ -546,13 +526,17 @@ impl Vmm {
         vm.register_memory(&ram)?;
         let stop = StopSignal::new().map_err(|e| VmmError::Io("eventfd", e))?;
         let legacy = legacy_devices(&vm, &stop, console, None)?;
+        // Linux gets ACPI tables, and with them the VM generation ID.
         let vmgenid = match &linux {
-            Some(_) => Some(VmGenId::new(
-                &ram.mem,
-                VMGENID_START,
-                GED_GSI,
-                irqfd(&vm, GED_GSI, "KVM_IRQFD (GED)")?,
-            )?),
+            Some(_) => {
+                acpi::setup_acpi(&ram.mem, config.vcpus)?;
+                Some(VmGenId::new(
+                    &ram.mem,
+                    VMGENID_START,
+                    GED_GSI,
+                    irqfd(&vm, GED_GSI, "KVM_IRQFD (GED)")?,
+                )?)
+            }
             None => None,
         };
         let mut mmio = Bus::new();

@@ -123,9 +123,14 @@ pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, FormatError> {
 
 /// Reads and decodes a state file.
 pub fn read<T: DeserializeOwned>(input: &mut impl Read) -> Result<T, FormatError> {
+    decode(&read_bytes(input)?)
+}
+
+/// Reads a state file's bytes, no more than the largest valid file holds.
+pub fn read_bytes(input: &mut impl Read) -> Result<Vec<u8>, FormatError> {
     let mut bytes = Vec::new();
     input.take(MAX_PAYLOAD + 64).read_to_end(&mut bytes)?;
-    decode(&bytes)
+    Ok(bytes)
 }
 
 #[cfg(test)]

@@ -38,7 +38,7 @@ use super::layout::{
     ACPI_PM1_CNT_PORT, ACPI_PM1_EVT_PORT, ACPI_RSDP_START, ACPI_TABLES_END, APIC_START, GED_GSI,
     IOAPIC_START, SCI_GSI, VMGENID_START,
 };
-use super::mptable::MAX_VCPUS;
+use super::mptable::{ioapic_id, MAX_VCPUS};
 
 const OEM_ID: [u8; 6] = *b"TINE  ";
 const OEM_REVISION: u32 = 1;
@@ -141,8 +141,8 @@ fn madt(num_cpus: u8) -> MADT {
     for cpu in 0..num_cpus {
         madt.add_structure(ProcessorLocalApic::new(cpu, cpu, EnabledStatus::Enabled));
     }
-    // The same IOAPIC ID as the MP table's; ISA IRQs map to the same pins.
-    madt.add_structure(IoApic::new(num_cpus + 1, IOAPIC_START as u32, 0));
+    // ISA IRQs map to the same pins as in the MP table.
+    madt.add_structure(IoApic::new(ioapic_id(num_cpus), IOAPIC_START as u32, 0));
     madt
 }
 

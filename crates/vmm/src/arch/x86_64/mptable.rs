@@ -33,13 +33,19 @@ fn checksum(bytes: &[u8]) -> u8 {
         .wrapping_neg()
 }
 
+/// The IOAPIC's ID, after the vCPUs' local APIC IDs (0 to `num_cpus - 1`);
+/// the MP table and the MADT give the same.
+pub fn ioapic_id(num_cpus: u8) -> u8 {
+    num_cpus + 1
+}
+
 /// Builds the floating pointer plus configuration table for `num_cpus`
 /// vCPUs, to be placed at `base`.
 pub fn build(num_cpus: u8, base: u64) -> Result<Vec<u8>, MptableError> {
     if num_cpus == 0 || num_cpus > MAX_VCPUS {
         return Err(MptableError::VcpuCount(num_cpus));
     }
-    let ioapic_id = num_cpus + 1;
+    let ioapic_id = ioapic_id(num_cpus);
     let table_addr = base + 16;
 
     let mut entries: Vec<u8> = Vec::new();
