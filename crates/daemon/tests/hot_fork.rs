@@ -2,8 +2,9 @@
 //! (nested here). A source runs a counter in a tmpfs; a memory commit
 //! pauses it only briefly and it runs on; two hot forks resume the
 //! counter (same boot, same pid, the count going on) with their own
-//! hostname, machine-id, MAC and address, out of quarantine (the host
-//! answers their ARP), with private writes, and each fork's own kernel
+//! hostname, machine-id, MAC and address (on the TAP made ahead for them,
+//! in quarantine until then), out of quarantine (the host answers their
+//! ARP), with private writes, and each fork's own kernel
 //! logged one CRNG reseed for its VM generation ID change (the source
 //! none); the urandom bytes of `ENTROPY_FORKS` forks differ pairwise (46
 //! forks, 1035 pairs), of which 10 (`TINE_DENSITY_FORKS`) run at once for the density figure (USS, PSS
@@ -322,6 +323,41 @@ async fn pooled_pid(data: &std::path::Path) -> R<u32> {
     }
 }
 
+/// The TAP the daemon made ahead for the next hot fork (its alias a
+/// spare's), which must be down: in quarantine.
+async fn spare_tap() -> R<String> {
+    let deadline = Instant::now() + BOOT;
+    loop {
+        let out = std::process::Command::new("ip")
+            .args(["-j", "-d", "link", "show"])
+            .output()
+            .map_err(|e| fail(format!("cannot run ip (iproute2): {e}")))?;
+        let links: serde_json::Value = serde_json::from_slice(&out.stdout)
+            .map_err(|e| fail(format!("ip -j link show: {e}")))?;
+        let spares: Vec<(String, bool)> = links
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|l| {
+                l["ifalias"]
+                    .as_str()
+                    .is_some_and(|a| a.starts_with("spare-"))
+            })
+            .map(|l| {
+                let up = l["flags"]
+                    .as_array()
+                    .is_some_and(|f| f.iter().any(|x| x == "UP"));
+                (l["ifname"].as_str().unwrap_or_default().to_owned(), up)
+            })
+            .collect();
+        match &spares[..] {
+            [(tap, false)] => return Ok(tap.clone()),
+            [] if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(100)).await,
+            _ => return Err(fail(format!("spare TAPs (name, up): {spares:?}"))),
+        }
+    }
+}
+
 fn hot_forks_resume_the_source() -> R {
     let mut d = Daemon::start("hotfork", GROUP, None)?;
     let result = checks(&mut d);
@@ -431,6 +467,8 @@ fn checks(d: &mut Daemon) -> R {
         for _ in 0..2 {
             // The fork runs in the process the pool started ahead for it.
             let pooled = pooled_pid(&data).await?;
+            // And with the network made ahead for it, in quarantine.
+            let spare = spare_tap().await?;
             let t = Instant::now();
             let f = c
                 .fork(&id, &ForkRequest::default(), Wait::Agent, Some(BOOT))
@@ -439,11 +477,18 @@ fn checks(d: &mut Daemon) -> R {
             if f.mode != CommitMode::Memory || f.child_status != VmState::Running {
                 return Err(fail(format!("the hot fork answered {f:?}")));
             }
-            let vmm_pid = c.describe(&f.hostname).await.or_fail()?.pid;
+            let described = c.describe(&f.hostname).await.or_fail()?;
+            let vmm_pid = described.pid;
             if vmm_pid != Some(pooled) {
                 return Err(fail(format!(
                     "{} runs in tine-vmm {vmm_pid:?}, not the pooled {pooled}",
                     f.hostname
+                )));
+            }
+            if described.network.tap.as_ref() != Some(&spare) {
+                return Err(fail(format!(
+                    "{} has TAP {:?}, not the spare {spare}",
+                    f.hostname, described.network.tap
                 )));
             }
             hot_ms.push(f.elapsed_ms);

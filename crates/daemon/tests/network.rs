@@ -545,6 +545,54 @@ fn tap_names_are_owned_by_their_vm() {
 }
 
 #[test]
+fn a_spare_network_is_handed_over_with_its_tap_rules_and_address() {
+    let fx = Fixture::new("s");
+    let cfg = isolated_cfg("169.254.211.0/24", &[], &["203.0.113.0/24"]);
+    // Made in advance under a spare's name, then quarantined.
+    let spare = attach(&fx, "gs", &cfg, "spare-01", &[]);
+    fx.mgr.set_quarantine(&spare, true).expect("quarantine");
+    let taken = fx.mgr.hand_over(&spare, "gs-7").expect("hand over");
+    assert_eq!(taken.hostname, "gs-7");
+    assert_eq!(taken.tap, spare.tap, "the same TAP");
+    assert_eq!(taken.address, spare.address, "the same address");
+    assert_ne!(taken.mac, spare.mac, "the VM's own MAC");
+    let l = link(&spare.tap).expect("tap");
+    assert_eq!(l["ifalias"], "gs-7", "owned by the VM now");
+    assert!(
+        !l["flags"]
+            .as_array()
+            .expect("flags")
+            .iter()
+            .any(|f| f == "UP"),
+        "still in quarantine: {l}"
+    );
+    let rules = chain_rules(&fx.table(), &format!("vm-{}", spare.tap));
+    assert_eq!(rules[1], format!("ip saddr != {} drop", spare.address));
+    // Owned by the VM: the spare's name no longer holds it, and the VM's
+    // own record works as any other (quarantine, detach).
+    let again = fx.mgr.hand_over(&spare, "gs-8").expect_err("taken");
+    assert!(
+        matches!(again, NetworkError::NameCollision { ref owner, .. } if owner == "gs-7"),
+        "{again}"
+    );
+    fx.mgr
+        .set_quarantine(&taken, false)
+        .expect("out of quarantine");
+    fx.mgr.detach(&taken).expect("detach");
+    assert!(link(&spare.tap).is_none());
+
+    // A spare that is not in quarantine is not handed over.
+    let open = attach(&fx, "gs", &cfg, "spare-02", &[spare.address]);
+    let err = fx.mgr.hand_over(&open, "gs-9").expect_err("up");
+    assert!(matches!(err, NetworkError::BadRecord { .. }), "{err}");
+    assert_eq!(link(&open.tap).expect("tap")["ifalias"], "spare-02");
+    // Nor one whose TAP is gone.
+    fx.mgr.detach(&open).expect("detach");
+    let err = fx.mgr.hand_over(&open, "gs-9").expect_err("gone");
+    assert!(matches!(err, NetworkError::Netlink { .. }), "{err}");
+}
+
+#[test]
 fn isolated_traffic_follows_the_policy() {
     let mut fx = Fixture::new("d");
     let cfg = isolated_cfg("169.254.204.0/24", &["0.0.0.0/0"], &[]);

@@ -21,6 +21,7 @@ use super::daemon::{no_commit, Daemon, FileStamp};
 use super::error::{chain, Error, Result};
 use super::plan;
 use super::snapshot::SnapshotFiles;
+use super::spares;
 use crate::db::CommitFilter;
 use crate::failpoint::{self, Failpoint};
 use crate::storage;
@@ -202,13 +203,25 @@ impl Daemon {
                 self.remember_verified(&c.id, stamp);
             }
         }
+        let spare = if hot {
+            self.take_spare_disk(&c.id)
+        } else {
+            None
+        };
+        let taken_spare = spare.clone();
         let this = self.clone();
         // The fork finishes even if the client goes away.
         let job = tokio::spawn(async move {
-            this.provision(&new, move |disk: &Path| {
-                storage::fork_disk(&commit_path, disk).map_err(|e| Error::disk("fork disk", e))
-            })
-            .await
+            let provisioned = this
+                .provision(&new, move |disk: &Path| {
+                    spares::fork_disk_from(spare, &commit_path, disk)
+                })
+                .await;
+            if let (Err(_), Some(spare)) = (&provisioned, &taken_spare) {
+                // Taken, but no fork holds it (gone if it was renamed).
+                spares::discard_spare_disk(spare);
+            }
+            provisioned
         });
         let hostname = job.await.map_err(|source| Error::Task {
             what: "fork",

@@ -13,6 +13,7 @@ use tine_proto::api::{StopMode, VmState};
 use tokio::sync::watch;
 
 use super::error::{chain, Error, Result};
+use super::spare_book::SpareBook;
 use crate::config::{Config, HostGroup};
 use crate::db::{now_ms, CommitFilter, CommitRecord, ImageRecord, Store, VmRecord};
 use crate::failpoint::{self, Failpoint};
@@ -126,6 +127,10 @@ pub struct Daemon {
     /// Serialises warm pool resizes: each reads the sizes wanted and
     /// applies them, so a later change is never undone by an earlier one.
     pub(super) pool_sizing: tokio::sync::Mutex<()>,
+    /// Networks and disks made ahead of hot forks (see `spares`).
+    pub(super) spares: Mutex<SpareBook>,
+    /// Serialises spare fills, as `pool_sizing` does pool resizes.
+    pub(super) spare_sizing: tokio::sync::Mutex<()>,
     /// Boot slots: at most this many VMs between launch and agent-ready.
     pub(super) boot_slots: Arc<tokio::sync::Semaphore>,
     /// Why removed VMs failed (forks that never came up), for waiters.
@@ -197,6 +202,8 @@ impl Daemon {
             runs: Mutex::new(HashMap::new()),
             stop_requested: watch::channel(false).0,
             pool_sizing: tokio::sync::Mutex::new(()),
+            spares: Mutex::default(),
+            spare_sizing: tokio::sync::Mutex::new(()),
             boot_slots: Arc::new(tokio::sync::Semaphore::new(boot_concurrency.max(1))),
         })
     }

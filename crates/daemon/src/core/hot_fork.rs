@@ -2,13 +2,15 @@
 //! and all, on its own copy-on-write disk, TAP and vsock socket.
 //!
 //! A fork is provisioned as any fork (record, overlay disk on the commit's
-//! disk); its launch, instead of a boot, restores the commit's snapshot in
-//! a pre-started `tine-vmm`, the memory file mapped copy-on-write (every
-//! fork shares its pages until it writes them). Its set-up is
-//! [`SetUp::HotFork`]: the guest still believes it is the source, so it
-//! gets its own hostname, machine-id, SSH host keys, entropy, clock, MAC
-//! and address before it is `running`. Until then its TAP is in network
-//! quarantine (down): the copy of the source never reaches the wire.
+//! disk, a spare one when the commit has one ready); its launch, instead
+//! of a boot, restores the commit's snapshot in a pre-started `tine-vmm`
+//! (with a spare network when one fits), the memory file mapped
+//! copy-on-write (every fork shares its pages until it writes them). Its
+//! set-up is [`SetUp::HotFork`]: the guest still believes it is the
+//! source, so it gets its own hostname, machine-id, SSH host keys,
+//! entropy, clock, MAC and address before it is `running`. Until then its
+//! TAP is in network quarantine (down): the copy of the source never
+//! reaches the wire.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -21,7 +23,7 @@ use super::daemon::{no_commit, Daemon};
 use super::error::{chain, Error, Result};
 use super::snapshot::SnapshotFiles;
 use super::supervise::SetUp;
-use crate::db::{CommitFilter, CommitRecord, VmRecord};
+use crate::db::{CommitRecord, VmRecord};
 use crate::failpoint::{self, Failpoint};
 use crate::launcher::pool::Shape;
 use crate::launcher::{Instance, RestoreSpec};
@@ -31,35 +33,30 @@ impl Daemon {
     /// any commit of that shape asks for (its own, or else its group's
     /// `hot_fork_pool`). Commits of one shape share the shape's slots.
     fn wanted_pools(&self) -> Result<Vec<(Shape, u32)>> {
-        let filter = CommitFilter {
-            mode: Some(CommitMode::Memory),
-            ..CommitFilter::default()
-        };
         let mut sizes: BTreeMap<Shape, u32> = BTreeMap::new();
-        for c in self.store.list_commits(&filter)? {
-            // A group no longer configured has no pool.
-            let Ok(group) = self.group(&c.host_group) else {
-                continue;
-            };
+        for p in self.pooled_commits()? {
             let shape = Shape {
-                cpus: c.cpus,
-                ram_mib: c.ram_bytes >> 20,
+                cpus: p.commit.cpus,
+                ram_mib: p.commit.ram_bytes >> 20,
             };
-            let wanted = c.hot_fork_pool.unwrap_or(group.hot_fork_pool);
             let size = sizes.entry(shape).or_default();
-            *size = wanted.max(*size);
+            *size = p.size.max(*size);
         }
-        Ok(sizes.into_iter().filter(|(_, n)| *n > 0).collect())
+        Ok(sizes.into_iter().collect())
     }
 
-    /// Brings the warm pool of pre-started VMMs to what the memory commits
-    /// ask for (`wanted_pools`), and waits until it is.
-    pub async fn fill_pools(&self) {
-        let _one_at_a_time = self.pool_sizing.lock().await;
-        match self.wanted_pools() {
-            Ok(wanted) => self.launcher.keep_warm(&wanted).await,
-            Err(e) => tracing::error!("cannot size the warm pool: {}", chain(&e)),
+    /// Brings the warm pool of pre-started VMMs and the spares (see
+    /// `spares`) to what the memory commits ask for (`wanted_pools`), and
+    /// waits until they are.
+    pub async fn fill_pools(self: &Arc<Self>) {
+        {
+            let _one_at_a_time = self.pool_sizing.lock().await;
+            match self.wanted_pools() {
+                Ok(wanted) => self.launcher.keep_warm(&wanted).await,
+                Err(e) => tracing::error!("cannot size the warm pool: {}", chain(&e)),
+            }
         }
+        self.fill_spares().await;
     }
 
     /// The same in the background (after a memory commit was made or
@@ -92,11 +89,14 @@ impl Daemon {
         }))
     }
 
-    /// Stops every pre-started VMM (the daemon is going away; a restarted
-    /// one would kill them as strays).
-    pub async fn drain_pools(&self) {
-        let _one_at_a_time = self.pool_sizing.lock().await;
-        self.launcher.keep_warm(&[]).await;
+    /// Stops every pre-started VMM and removes the spares (the daemon is
+    /// going away; a restarted one would remove them as strays).
+    pub async fn drain_pools(self: &Arc<Self>) {
+        {
+            let _one_at_a_time = self.pool_sizing.lock().await;
+            self.launcher.keep_warm(&[]).await;
+        }
+        self.drain_spares().await;
     }
 
     /// The snapshot of a memory commit, checked complete; an error names
@@ -151,7 +151,12 @@ impl Daemon {
     ) -> Result<()> {
         let vm: VmRecord = self.vm(hostname)?;
         let group = self.group(&vm.host_group)?.clone();
-        let network = self.attach_network(&group, &vm)?;
+        // A spare made ahead is already in quarantine; asserting it again
+        // costs one netlink query.
+        let network = match self.take_spare_network(&group, &vm)? {
+            Some(spare) => Some(spare),
+            None => self.attach_network(&group, &vm)?,
+        };
         if let Some(n) = &network {
             // Until its set-up gives the guest its own MAC and address, it
             // is its source on the wire: nothing of it may get out.

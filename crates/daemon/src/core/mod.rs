@@ -4,12 +4,13 @@
 //! part of it runs in plain unit tests on the fake launcher.
 //!
 //! Modules, each on top of the ones before it: `error`, `plan` (requests
-//! checked against their group), `daemon` (the state and what every part
-//! shares), `netattach`, `secrets` (host secrets and their sync into
-//! guests), `supervise` (launch, boot set-up, exit policy), `snapshot` (a
-//! VM's state and memory to files and back), `suspend`, `lifecycle`,
-//! `commit_record` (what disk and memory commits share), `memory_commit`,
-//! `hot_fork`, `commits`, `reconcile`.
+//! checked against their group), `spare_book` (what is made ahead of hot
+//! forks), `daemon` (the state and what every part shares), `netattach`,
+//! `secrets` (host secrets and their sync into guests), `supervise`
+//! (launch, boot set-up, exit policy), `snapshot` (a VM's state and memory
+//! to files and back), `suspend`, `lifecycle`, `commit_record` (what disk
+//! and memory commits share), `memory_commit`, `spares` (networks and
+//! disks made ahead of hot forks), `hot_fork`, `commits`, `reconcile`.
 
 mod commit_record;
 mod commits;
@@ -24,6 +25,8 @@ mod plan;
 mod reconcile;
 mod secrets;
 mod snapshot;
+mod spare_book;
+mod spares;
 mod supervise;
 mod suspend;
 
@@ -38,4 +41,5 @@ pub use lifecycle::DEFAULT_SHUTDOWN_TIMEOUT;
 pub use plan::{validate_name, validate_tag, MAX_USERDATA};
 pub use reconcile::ReconcileReport;
 pub use snapshot::{Captured, SnapshotFiles};
+pub use spares::SPARES_DIR;
 pub use supervise::{after_exit, stop_mode, AfterExit, SetUp, BASE_CMDLINE};

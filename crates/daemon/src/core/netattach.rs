@@ -18,7 +18,7 @@ use crate::db::VmRecord;
 use crate::network::{DefaultAction, NetMode, NetworkConfig, PolicyOverride, VmNetwork};
 
 /// The VM's override, if it has one that changes anything.
-fn override_of(vm: &VmRecord) -> Option<PolicyOverride> {
+pub(super) fn override_of(vm: &VmRecord) -> Option<PolicyOverride> {
     match &vm.policy {
         Some(ForkNetwork::Policy(p)) => Some(PolicyOverride {
             allow: p.allow.clone(),

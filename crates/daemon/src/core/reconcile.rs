@@ -331,6 +331,12 @@ impl Daemon {
                 }
             }
         }
+        // Spares are nobody's until taken, and this daemon has made none
+        // yet: an earlier one's are left-overs.
+        let spares = self.spares_dir();
+        if spares.exists() {
+            remove_logged(&spares, true, report);
+        }
         // Commit files and memory commits' snapshot folders (a partial
         // one is never named).
         let commits: HashSet<String> = self.store.commit_paths()?.into_iter().collect();

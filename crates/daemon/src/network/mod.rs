@@ -541,6 +541,61 @@ impl NetworkManager {
         Ok(())
     }
 
+    /// Hands a spare network (attached in advance under a spare's own
+    /// hostname, then put in quarantine) to VM `hostname`: the TAP, its
+    /// rules and its address stay as they are, the TAP's alias becomes
+    /// `hostname`, and the record returned is the VM's (its hostname and
+    /// MAC). The TAP must still be the spare's and down: a spare only ever
+    /// goes to a hot fork, which starts in quarantine.
+    pub fn hand_over(&self, spare: &VmNetwork, hostname: &str) -> Result<VmNetwork, NetworkError> {
+        Self::check_record(spare)?;
+        names::check_hostname(hostname)?;
+        let taken = VmNetwork {
+            hostname: hostname.to_owned(),
+            mac: vm_mac(hostname),
+            ..spare.clone()
+        };
+        if spare.mode == NetMode::None {
+            return Ok(taken);
+        }
+        let mut host = self.lock();
+        let rtnl = host.rtnl()?;
+        let link = rtnl
+            .link(&spare.tap)?
+            .ok_or_else(|| NetworkError::Netlink {
+                operation: format!("find the spare TAP {}", spare.tap),
+                source: std::io::Error::from_raw_os_error(libc::ENODEV),
+            })?;
+        if link.kind.as_deref() != Some("tap") {
+            return Err(NetworkError::WrongKind {
+                name: spare.tap.clone(),
+                kind: link.kind.clone().unwrap_or_else(|| "plain".to_owned()),
+                expected: "tap",
+            });
+        }
+        if link.alias.as_deref() != Some(spare.hostname.as_str()) {
+            return Err(NetworkError::NameCollision {
+                name: spare.tap.clone(),
+                hostname: hostname.to_owned(),
+                owner: link.alias.clone().unwrap_or_default(),
+            });
+        }
+        if link.up {
+            return Err(NetworkError::BadRecord {
+                tap: spare.tap.clone(),
+                reason: "a spare TAP is up: it must wait in quarantine",
+            });
+        }
+        rtnl.set_link(
+            link.index,
+            LinkChange {
+                alias: Some(hostname),
+                ..LinkChange::default()
+            },
+        )?;
+        Ok(taken)
+    }
+
     /// Removes the VM's TAP, then its rules. A TAP already gone is fine; a
     /// TAP recorded as another VM's is left alone (error). The bridge stays
     /// for the group's other VMs ([`NetworkManager::cleanup_orphans`]

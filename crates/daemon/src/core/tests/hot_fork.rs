@@ -494,3 +494,103 @@ async fn a_warm_pool_size_is_refused_by_name_where_it_means_nothing() {
     let kept = b.daemon.store.get_commit(&id).expect("read").expect("kept");
     assert_eq!(kept.hot_fork_pool, None);
 }
+
+/// The spare disks made for memory commit `id`, sorted, with their inodes.
+fn spare_disks(b: &Bed, id: &str) -> Vec<(std::path::PathBuf, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(entries) = std::fs::read_dir(b.daemon.spares_dir().join(id)) else {
+        return Vec::new();
+    };
+    let mut out: Vec<_> = entries
+        .flatten()
+        .map(|e| (e.path(), e.metadata().expect("stat").ino()))
+        .collect();
+    out.sort();
+    out
+}
+
+#[tokio::test]
+async fn a_memory_commit_keeps_spare_disks_and_its_hot_forks_take_them() {
+    let b = bed(true);
+    let h = b.create(Wait::Agent).await;
+    let id = b
+        .daemon
+        .commit(
+            &h,
+            CommitRequest {
+                hot_fork_pool: Some(2),
+                ..memory_commit()
+            },
+        )
+        .await
+        .expect("commit")
+        .commit_id;
+    b.daemon.fill_pools().await;
+    let made = spare_disks(&b, &id);
+    assert_eq!(made.len(), 2, "{made:?}");
+    let commit_disk = b.daemon.commit_record(&id).expect("commit").disk;
+    for (path, _) in &made {
+        let chain = tine_disk::backing_chain(path).expect("chain");
+        assert!(
+            chain.iter().any(|i| i.path == Path::new(&commit_disk)),
+            "{chain:?} is not on the commit"
+        );
+    }
+
+    // A hot fork's disk is one of them, renamed into its folder (the same
+    // file), and the spares are made up again.
+    let fork = b
+        .daemon
+        .fork(&id, ForkRequest::default(), Wait::Agent, WAIT)
+        .await
+        .expect("fork")
+        .hostname;
+    let disk = b.daemon.vm(&fork).expect("fork").disk;
+    let inode = {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata(&disk).expect("disk").ino()
+    };
+    assert!(made.iter().any(|(_, i)| *i == inode), "not a spare");
+    b.daemon.fill_pools().await;
+    let refilled = spare_disks(&b, &id);
+    assert_eq!(refilled.len(), 2);
+    assert_eq!(
+        refilled.iter().filter(|s| made.contains(s)).count(),
+        1,
+        "one old spare left, one new: {made:?} -> {refilled:?}"
+    );
+    assert!(refilled.iter().all(|(_, i)| *i != inode));
+
+    // A disk commit's fork takes none.
+    let disk_commit = b.commit().await;
+    let cold = b
+        .daemon
+        .fork(&disk_commit, ForkRequest::default(), Wait::Agent, WAIT)
+        .await
+        .expect("cold fork")
+        .hostname;
+    assert!(b.daemon.vm(&cold).is_ok());
+    assert_eq!(spare_disks(&b, &id), refilled);
+
+    // No pool, no spares; a restarted daemon removes an earlier one's.
+    b.daemon.set_commit_pool(&id, Some(0)).expect("no pool");
+    b.daemon.fill_pools().await;
+    assert!(spare_disks(&b, &id).is_empty());
+    assert!(!b.daemon.spares_dir().join(&id).exists(), "its folder too");
+    b.daemon.set_commit_pool(&id, Some(1)).expect("pool of 1");
+    b.daemon.fill_pools().await;
+    assert_eq!(spare_disks(&b, &id).len(), 1);
+    let restarted = open(
+        b.dir.path(),
+        &b.fake,
+        config(b.dir.path(), true, 4),
+        Deadlines::default(),
+    );
+    restarted.reconcile().await.expect("reconcile");
+    assert!(!restarted.spares_dir().exists(), "left-overs removed");
+    restarted.fill_pools().await;
+    assert_eq!(spare_disks(&b, &id).len(), 1, "made again");
+    // A graceful exit removes them.
+    restarted.drain_pools().await;
+    assert!(!restarted.spares_dir().exists());
+}
