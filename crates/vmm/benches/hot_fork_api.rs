@@ -2,9 +2,13 @@
 //! host's KVM: a fork request in (`wait=none`) until the child's tine-vmm
 //! has restored the snapshot and its vCPU runs, at 1, 10 and 50 requests at
 //! once; first with every fork starting its own tine-vmm, then with a warm
-//! pool of pre-started ones (the host group's `hot_fork_pool`). Prints
-//! p50/p99 and their ratio; asserts nothing. Targets: p50 <= 2 ms, p99 <=
-//! 5 ms.
+//! pool of pre-started ones (the host group's `hot_fork_pool`). Then the
+//! same in a group with an isolated network (needs root, `nft` and `ip`):
+//! without a pool each fork makes its TAP and nft rules on its path, with
+//! one it takes a spare network made ahead (and a spare disk). The bench's
+//! network objects have their own nft table and TAP prefix, on a link-local
+//! range; no packet is sent. Prints p50/p99 and their ratio; asserts
+//! nothing. Targets: p50 <= 2 ms, p99 <= 5 ms.
 //!
 //!   cargo bench -p tine-vmm --bench hot_fork_api   (TINE_BENCH_RUNS, default 100)
 //!
@@ -31,6 +35,7 @@ use tine_daemon::core::{Daemon, Deadlines, Parts};
 use tine_daemon::launcher::fake::FakeLauncher;
 use tine_daemon::launcher::vmm::VmmLauncher;
 use tine_daemon::launcher::Launcher;
+use tine_daemon::network::{ManagerOptions, NetMode, NetworkConfig, NetworkManager};
 use tine_proto::api::{CommitMode, CommitRequest, CreateVmRequest, ShutdownAction, Wait};
 use tine_vmm::vmm::{BootConfig, ConsoleConfig, Privilege, Vmm};
 
@@ -39,9 +44,28 @@ const RAM_MIB: u64 = 64;
 const TARGET_P50_MS: f64 = 2.0;
 const TARGET_P99_MS: f64 = 5.0;
 
-fn config(image: &Path, pool: u32) -> Config {
+/// The bench's own nft table and TAP/bridge prefixes: never the daemon's.
+fn bench_network() -> anyhow::Result<NetworkManager> {
+    Ok(NetworkManager::new(ManagerOptions {
+        table: "tine_bench".into(),
+        tap_prefix: "tb-".into(),
+        bridge_prefix: "tbb-".into(),
+    })?)
+}
+
+/// An isolated network on a link-local range (nothing is sent).
+fn isolated() -> anyhow::Result<NetworkConfig> {
+    Ok(NetworkConfig {
+        mode: NetMode::Isolated,
+        cidr: Some("169.254.232.0/22".parse()?),
+        ..NetworkConfig::default()
+    })
+}
+
+fn config(image: &Path, pool: u32, network: Option<NetworkConfig>) -> Config {
     let mut config = Config::embedded_default();
     config.boot_concurrency = Some(64);
+    let group = config.host_groups[0].clone();
     config.host_groups = vec![HostGroup {
         name: "b".into(),
         image: image.display().to_string(),
@@ -49,25 +73,36 @@ fn config(image: &Path, pool: u32) -> Config {
         cpus: 1,
         ram_mb: RAM_MIB,
         hot_fork_pool: pool,
-        ..config.host_groups[0].clone()
+        network: network.unwrap_or(group.network.clone()),
+        ..group
     }];
     config
 }
 
-fn daemon(dir: &Path, pool: u32, launcher: Arc<dyn Launcher>) -> anyhow::Result<Arc<Daemon>> {
-    Ok(Daemon::from_parts(Parts::on_launcher(
-        config(&dir.join("base.img"), pool),
+fn daemon(
+    dir: &Path,
+    pool: u32,
+    network: Option<NetworkConfig>,
+    launcher: Arc<dyn Launcher>,
+) -> anyhow::Result<Arc<Daemon>> {
+    let with_network = network.is_some();
+    let mut parts = Parts::on_launcher(
+        config(&dir.join("base.img"), pool, network),
         dir.join("data"),
         launcher,
         Deadlines::default(),
-    )?))
+    )?;
+    if with_network {
+        parts.network = bench_network()?;
+    }
+    Ok(Daemon::from_parts(parts))
 }
 
 /// A memory commit recorded by the daemon, its snapshot that of a
 /// synthetic guest: the commit's id.
 async fn synthetic_memory_commit(dir: &Path) -> anyhow::Result<String> {
     std::fs::write(dir.join("base.img"), vec![0u8; 1 << 20])?;
-    let d = daemon(dir, 0, Arc::new(FakeLauncher::new()))?;
+    let d = daemon(dir, 0, None, Arc::new(FakeLauncher::new()))?;
     let source = d
         .create_vm("b", CreateVmRequest::default(), Wait::Agent, WAIT, false)
         .await?
@@ -96,47 +131,44 @@ async fn synthetic_memory_commit(dir: &Path) -> anyhow::Result<String> {
     Ok(commit)
 }
 
-fn main() -> anyhow::Result<()> {
-    let runs: usize = std::env::var("TINE_BENCH_RUNS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(100);
-    let vmm = vmm_binary();
-    let rt = tokio::runtime::Runtime::new()?;
-    let mut rows = Vec::new();
-    rt.block_on(async {
-        for concurrent in [1usize, 10, 50] {
-            let mut figures = Vec::new();
-            for pool in [0u32, concurrent as u32] {
-                let dir = tempfile::tempdir()?;
-                let commit = synthetic_memory_commit(dir.path()).await?;
-                let launcher = Arc::new(VmmLauncher::new(vmm.clone(), dir.path().join("data")));
-                let d = daemon(dir.path(), pool, launcher)?;
-                d.fill_pools().await;
-                let mut ms =
-                    hot_forks::timed_hot_forks(&d, &commit, concurrent, runs, 3, WAIT).await?;
-                ms.sort_by(f64::total_cmp);
-                figures.push((percentile(&ms, 0.5), percentile(&ms, 0.99)));
-                d.drain_pools().await;
-            }
-            rows.push((concurrent, figures[0], figures[1]));
-        }
-        Ok::<(), anyhow::Error>(())
-    })?;
-    println!(
-        "hot fork through the daemon and tine-vmm, wait=none, {RAM_MIB} MiB idle synthetic guest, ~{runs} forks per row"
-    );
+/// p50/p99 of hot forks, `concurrent` at once, without a pool and with
+/// one of `concurrent`, in a group with `network` (or none).
+async fn row(
+    vmm: &Path,
+    concurrent: usize,
+    runs: usize,
+    network: Option<NetworkConfig>,
+) -> anyhow::Result<((f64, f64), (f64, f64))> {
+    let mut figures = Vec::new();
+    for pool in [0u32, concurrent as u32] {
+        let dir = tempfile::tempdir()?;
+        let commit = synthetic_memory_commit(dir.path()).await?;
+        let launcher = Arc::new(VmmLauncher::new(vmm.to_path_buf(), dir.path().join("data")));
+        let d = daemon(dir.path(), pool, network.clone(), launcher)?;
+        d.fill_pools().await;
+        let mut ms = hot_forks::timed_hot_forks(&d, &commit, concurrent, runs, 3, WAIT).await?;
+        ms.sort_by(f64::total_cmp);
+        figures.push((percentile(&ms, 0.5), percentile(&ms, 0.99)));
+        d.drain_pools().await;
+    }
+    Ok((figures[0], figures[1]))
+}
+
+type Row = (usize, (f64, f64), (f64, f64));
+
+fn print_table(title: &str, rows: &[Row]) {
+    println!("{title}");
     println!(
         "{:<14} {:>12} {:>12} {:>12} {:>12} {:>10}",
         "at once", "p50 no pool", "p99 no pool", "p50 pool", "p99 pool", "p50 ratio"
     );
-    for (concurrent, (p50, p99), (pool_p50, pool_p99)) in &rows {
+    for (concurrent, (p50, p99), (pool_p50, pool_p99)) in rows {
         println!(
             "{concurrent:<14} {p50:>9.3} ms {p99:>9.3} ms {pool_p50:>9.3} ms {pool_p99:>9.3} ms {:>10.2}",
             pool_p50 / p50
         );
     }
-    for (concurrent, _, (p50, p99)) in &rows {
+    for (concurrent, _, (p50, p99)) in rows {
         println!(
             "target, {concurrent} at once with a pool: p50 <= {TARGET_P50_MS} ms, p99 <= {TARGET_P99_MS} ms: {}",
             if *p50 <= TARGET_P50_MS && *p99 <= TARGET_P99_MS {
@@ -146,5 +178,40 @@ fn main() -> anyhow::Result<()> {
             }
         );
     }
+}
+
+fn main() -> anyhow::Result<()> {
+    let runs: usize = std::env::var("TINE_BENCH_RUNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(100);
+    let vmm = vmm_binary();
+    let rt = tokio::runtime::Runtime::new()?;
+    let mut plain = Vec::new();
+    let mut networked = Vec::new();
+    rt.block_on(async {
+        for concurrent in [1usize, 10, 50] {
+            let (no_pool, pool) = row(&vmm, concurrent, runs, None).await?;
+            plain.push((concurrent, no_pool, pool));
+        }
+        // Whatever an interrupted run left, then the bench's own objects.
+        bench_network()?.teardown()?;
+        for concurrent in [1usize, 10] {
+            let measured = row(&vmm, concurrent, runs, Some(isolated()?)).await;
+            bench_network()?.teardown()?;
+            let (no_pool, pool) = measured?;
+            networked.push((concurrent, no_pool, pool));
+        }
+        Ok::<(), anyhow::Error>(())
+    })?;
+    print_table(
+        &format!("hot fork through the daemon and tine-vmm, wait=none, {RAM_MIB} MiB idle synthetic guest, no NIC, ~{runs} forks per row"),
+        &plain,
+    );
+    println!();
+    print_table(
+        "the same with an isolated network (TAP, nft rules, quarantine): without a pool made on the fork's path, with one taken from the spares",
+        &networked,
+    );
     Ok(())
 }

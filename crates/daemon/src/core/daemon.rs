@@ -208,6 +208,13 @@ impl Daemon {
         })
     }
 
+    /// The book of spares (see `spares`).
+    pub(super) fn spare_book(&self) -> std::sync::MutexGuard<'_, SpareBook> {
+        // The book is consistent between its calls: a panic elsewhere
+        // leaves it usable.
+        self.spares.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// The configuration.
     pub fn config(&self) -> &Config {
         &self.config

@@ -122,13 +122,15 @@ impl Daemon {
             return Ok(Some(stored.clone()));
         }
         let _one = self.allocate.lock().unwrap_or_else(|p| p.into_inner());
-        let in_use: Vec<Ipv4Addr> = self
+        let mut in_use: Vec<Ipv4Addr> = self
             .store
             .list_vms(Some(&group.name))?
             .iter()
             .filter_map(|v| v.network.as_ref())
             .map(|n| n.address)
             .collect();
+        // Spare networks made ahead of hot forks hold theirs.
+        in_use.extend(self.spare_book().addresses(&group.name));
         let overrides = override_of(vm);
         let planned = self
             .network

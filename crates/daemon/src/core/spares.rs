@@ -20,14 +20,14 @@
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, MutexGuard};
+use std::sync::Arc;
 
 use tine_proto::api::{CommitMode, ForkNetwork};
 
 use super::daemon::Daemon;
 use super::error::{chain, Error, Result};
 use super::netattach::override_of;
-use super::spare_book::{Released, SpareBook};
+use super::spare_book::Released;
 use crate::config::HostGroup;
 use crate::db::{CommitFilter, CommitRecord, VmRecord};
 use crate::launcher::pool::new_slot_name;
@@ -67,12 +67,6 @@ fn remove_spare_disk(path: &Path) {
 }
 
 impl Daemon {
-    fn spare_book(&self) -> MutexGuard<'_, SpareBook> {
-        // The book is consistent between its calls: a panic elsewhere
-        // leaves it usable.
-        self.spares.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
     /// Where spare disks are made.
     pub(super) fn spares_dir(&self) -> PathBuf {
         self.data_dir.join(SPARES_DIR)

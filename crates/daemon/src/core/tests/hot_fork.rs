@@ -594,3 +594,125 @@ async fn a_memory_commit_keeps_spare_disks_and_its_hot_forks_take_them() {
     restarted.drain_pools().await;
     assert!(!restarted.spares_dir().exists());
 }
+
+/// Whether the link `name` exists, and is up.
+fn link_up(name: &str) -> Option<bool> {
+    let out = std::process::Command::new("ip")
+        .args(["-j", "link", "show", "dev", name])
+        .output()
+        .expect("ip (iproute2) runs");
+    if !out.status.success() {
+        return None;
+    }
+    let links: serde_json::Value = serde_json::from_slice(&out.stdout).expect("ip -j");
+    Some(
+        links[0]["flags"]
+            .as_array()
+            .is_some_and(|f| f.iter().any(|x| x == "UP")),
+    )
+}
+
+#[tokio::test]
+async fn a_hot_fork_takes_the_spare_network_and_no_other_vm_gets_its_address() {
+    // Real TAPs and nft rules (needs root, `ip` and `nft`), with their own
+    // table and prefix, on a link-local range; nothing is sent.
+    let options = crate::network::ManagerOptions {
+        table: "tine_test_spares".into(),
+        tap_prefix: "cs-".into(),
+        bridge_prefix: "cb-".into(),
+    };
+    let manager = || crate::network::NetworkManager::new(options.clone()).expect("options");
+    manager().teardown().expect("left-overs of a killed run");
+    let dir = tempfile::tempdir().expect("tmp");
+    let fake = FakeLauncher::new();
+    let mut cfg = config(dir.path(), true, 4);
+    cfg.host_groups[0].network = crate::network::NetworkConfig {
+        mode: crate::network::NetMode::Isolated,
+        cidr: Some("169.254.212.0/24".parse().expect("cidr")),
+        ..Default::default()
+    };
+    let mut parts = Parts::on_launcher(
+        cfg,
+        dir.path().join("data"),
+        Arc::new(fake.clone()),
+        Deadlines::default(),
+    )
+    .expect("parts");
+    parts.network = manager();
+    let daemon = Daemon::from_parts(parts);
+    let b = Bed { dir, fake, daemon };
+
+    let source = b.create(Wait::Agent).await;
+    let id = b
+        .daemon
+        .commit(&source, memory_commit())
+        .await
+        .expect("commit")
+        .commit_id;
+    b.daemon.set_commit_pool(&id, Some(1)).expect("a pool of 1");
+    b.daemon.fill_pools().await;
+    let spare = {
+        let book = b.daemon.spare_book();
+        let addresses = book.addresses("dev");
+        assert_eq!(addresses.len(), 1, "one spare network");
+        addresses[0]
+    };
+    let spare_tap = {
+        let fork_net = |h: &str| b.daemon.vm(h).expect("vm").network.expect("a network");
+        assert_ne!(fork_net(&source).address, spare);
+        // A VM created now is not given the spare's address.
+        let other = b.create(Wait::Agent).await;
+        assert_ne!(fork_net(&other).address, spare, "the spare's address");
+        // A hot fork takes the spare: its TAP, rules and address, its own
+        // MAC; out of quarantine once its set-up is done.
+        let fork = b
+            .daemon
+            .fork(&id, ForkRequest::default(), Wait::Agent, WAIT)
+            .await
+            .expect("hot fork")
+            .hostname;
+        let n = fork_net(&fork);
+        assert_eq!(n.address, spare);
+        assert!(n.tap.starts_with("cs-spare-"), "{}", n.tap);
+        assert_eq!(n.hostname, fork);
+        assert_eq!(n.mac, crate::network::vm_mac(&fork));
+        assert_eq!(link_up(&n.tap), Some(true), "out of quarantine");
+        // A fork with its own policy takes none: its rules differ.
+        let own = b
+            .daemon
+            .fork(
+                &id,
+                ForkRequest {
+                    network: Some(tine_proto::api::ForkNetwork::Policy(
+                        tine_proto::api::NetworkPolicy {
+                            allow: None,
+                            drop: Some(vec!["203.0.113.0/24".into()]),
+                        },
+                    )),
+                    ..ForkRequest::default()
+                },
+                Wait::Agent,
+                WAIT,
+            )
+            .await
+            .expect("fork with its own policy")
+            .hostname;
+        let own = fork_net(&own);
+        assert_eq!(own.tap, format!("cs-{}", own.hostname));
+        assert_eq!(own.drop, ["203.0.113.0/24"]);
+        n.tap
+    };
+    // The take is refilled: a new spare, down, with another address.
+    b.daemon.fill_pools().await;
+    let refilled = b.daemon.spare_book().addresses("dev");
+    assert_eq!(refilled.len(), 1);
+    assert_ne!(refilled[0], spare);
+    for vm in b.daemon.list(None, &Default::default()).expect("list") {
+        b.daemon.delete(&vm.hostname).await.expect("delete");
+    }
+    assert_eq!(link_up(&spare_tap), None, "the fork's TAP went with it");
+    b.daemon.drain_pools().await;
+    assert!(b.daemon.spare_book().addresses("dev").is_empty());
+    let left = manager().teardown().expect("teardown");
+    assert!(left.is_empty(), "left behind: {left:?}");
+}
