@@ -43,6 +43,20 @@ fn controls(b: &Bed, hostname: &str) -> Vec<VmmRequest> {
         .collect()
 }
 
+impl Bed {
+    /// A running source and a memory commit of it.
+    async fn memory_committed(&self) -> (String, String) {
+        let source = self.create(Wait::Agent).await;
+        let id = self
+            .daemon
+            .commit(&source, memory_commit())
+            .await
+            .expect("commit")
+            .commit_id;
+        (source, id)
+    }
+}
+
 fn refusal<T: std::fmt::Debug>(r: super::super::Result<T>, code: ErrorCode) -> String {
     let e: ApiError = r.expect_err("refused").into();
     assert_eq!(e.code, code, "{}", e.message);
@@ -178,13 +192,7 @@ async fn a_hot_fork_resumes_the_commits_memory_on_its_own_disk_with_every_fixup(
 #[tokio::test]
 async fn a_hot_fork_refuses_another_shape_partial_fixups_and_a_missing_snapshot() {
     let b = bed(true);
-    let h = b.create(Wait::Agent).await;
-    let id = b
-        .daemon
-        .commit(&h, memory_commit())
-        .await
-        .expect("commit")
-        .commit_id;
+    let (h, id) = b.memory_committed().await;
     let cpus = ForkRequest {
         cpus: Some(2),
         ..ForkRequest::default()
@@ -642,13 +650,7 @@ async fn a_hot_fork_takes_the_spare_network_and_no_other_vm_gets_its_address() {
     let daemon = Daemon::from_parts(parts);
     let b = Bed { dir, fake, daemon };
 
-    let source = b.create(Wait::Agent).await;
-    let id = b
-        .daemon
-        .commit(&source, memory_commit())
-        .await
-        .expect("commit")
-        .commit_id;
+    let (source, id) = b.memory_committed().await;
     b.daemon.set_commit_pool(&id, Some(1)).expect("a pool of 1");
     b.daemon.fill_pools().await;
     let spare = {
