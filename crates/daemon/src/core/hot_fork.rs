@@ -149,6 +149,21 @@ impl Daemon {
         files: &SnapshotFiles,
         disk_synced: impl std::future::Future<Output = Result<()>>,
     ) -> Result<()> {
+        let launched = self
+            .resume_hot_fork(hostname, permit, files, disk_synced)
+            .await;
+        // What it took of the spares is made up now that it is launched.
+        self.refresh_spares();
+        launched
+    }
+
+    async fn resume_hot_fork(
+        self: &Arc<Self>,
+        hostname: &str,
+        permit: Option<tokio::sync::OwnedSemaphorePermit>,
+        files: &SnapshotFiles,
+        disk_synced: impl std::future::Future<Output = Result<()>>,
+    ) -> Result<()> {
         let vm: VmRecord = self.vm(hostname)?;
         let group = self.group(&vm.host_group)?.clone();
         // A spare made ahead is already in quarantine; asserting it again

@@ -15,7 +15,8 @@
 //! spare is nobody's until it is taken: a graceful exit removes the
 //! daemon's spares, and a restarted daemon removes an earlier one's
 //! (start-up reconciliation removes the TAPs and rules no VM owns and the
-//! spares folder). Every take refills in the background.
+//! spares folder). Each hot fork's launch ends with a refill in the
+//! background.
 
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
@@ -153,7 +154,9 @@ impl Daemon {
         }
     }
 
-    /// The same in the background (after a take).
+    /// The same in the background (once a hot fork that took spares was
+    /// launched: a refill during its launch would compete with it for the
+    /// CPU and the disk's syncs).
     pub(super) fn refresh_spares(self: &Arc<Self>) {
         let daemon = self.clone();
         tokio::spawn(async move { daemon.fill_spares().await });
@@ -284,7 +287,7 @@ impl Daemon {
     }
 
     /// A spare network for a hot fork's first start, handed over and
-    /// recorded as the fork's (`None`: no spare fits, the fork attaches its
+    /// recorded as the fork's (the launch refills the spares once it ends) (`None`: no spare fits, the fork attaches its
     /// own). A fork with its own policy or without a NIC takes none.
     pub(super) fn take_spare_network(
         self: &Arc<Self>,
@@ -321,18 +324,13 @@ impl Daemon {
             }
             taken
         };
-        self.refresh_spares();
         Ok(Some(taken))
     }
 
     /// A spare disk of memory commit `commit`, if one is ready; the caller
     /// renames it into place ([`fork_disk_from`]).
-    pub(super) fn take_spare_disk(self: &Arc<Self>, commit: &str) -> Option<PathBuf> {
-        let spare = self.spare_book().take_disk(commit);
-        if spare.is_some() {
-            self.refresh_spares();
-        }
-        spare
+    pub(super) fn take_spare_disk(&self, commit: &str) -> Option<PathBuf> {
+        self.spare_book().take_disk(commit)
     }
 }
 

@@ -192,7 +192,7 @@ async fn a_hot_fork_resumes_the_commits_memory_on_its_own_disk_with_every_fixup(
 #[tokio::test]
 async fn a_hot_fork_refuses_another_shape_partial_fixups_and_a_missing_snapshot() {
     let b = bed(true);
-    let (h, id) = b.memory_committed().await;
+    let (_, id) = b.memory_committed().await;
     let cpus = ForkRequest {
         cpus: Some(2),
         ..ForkRequest::default()
