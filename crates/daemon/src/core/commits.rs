@@ -17,7 +17,7 @@ use tine_proto::api::{
 };
 
 use super::commit_record::{check_request, info, new_commit_id, record_for};
-use super::daemon::{no_commit, Daemon, FileStamp};
+use super::daemon::{no_commit, remove_file_logged, Daemon, FileStamp};
 use super::error::{chain, Error, Result};
 use super::plan;
 use super::snapshot::SnapshotFiles;
@@ -30,14 +30,6 @@ fn file_stamp(path: &Path) -> Option<FileStamp> {
     use std::os::unix::fs::MetadataExt;
     let m = std::fs::metadata(path).ok()?;
     Some((m.ino(), m.len(), m.mtime(), m.mtime_nsec()))
-}
-
-fn remove_file_logged(path: &Path) {
-    if let Err(e) = std::fs::remove_file(path) {
-        if e.kind() != std::io::ErrorKind::NotFound {
-            tracing::warn!("cannot remove {}: {e}", path.display());
-        }
-    }
 }
 
 impl Daemon {
@@ -219,7 +211,7 @@ impl Daemon {
                 .await;
             if let (Err(_), Some(spare)) = (&provisioned, &taken_spare) {
                 // Taken, but no fork holds it (gone if it was renamed).
-                spares::discard_spare_disk(spare);
+                remove_file_logged(spare);
             }
             provisioned
         });

@@ -149,6 +149,15 @@ pub struct Daemon {
     stop_requested: watch::Sender<bool>,
 }
 
+/// Removes a file, logging a failure (one already gone is fine).
+pub(super) fn remove_file_logged(path: &std::path::Path) {
+    if let Err(e) = std::fs::remove_file(path) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            tracing::warn!("cannot remove {}: {e}", path.display());
+        }
+    }
+}
+
 /// A file's inode, size and modification time.
 pub(super) type FileStamp = (u64, u64, i64, i64);
 

@@ -25,7 +25,7 @@ use std::sync::Arc;
 
 use tine_proto::api::{CommitMode, ForkNetwork};
 
-use super::daemon::Daemon;
+use super::daemon::{remove_file_logged, Daemon};
 use super::error::{chain, Error, Result};
 use super::netattach::override_of;
 use super::spare_book::Released;
@@ -56,15 +56,6 @@ pub(super) struct PooledCommit {
     pub group: HostGroup,
     /// Its pool size (more than 0).
     pub size: u32,
-}
-
-fn remove_spare_disk(path: &Path) {
-    match std::fs::remove_file(path) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-            tracing::warn!("cannot remove the spare disk {}: {e}", path.display())
-        }
-        _ => {}
-    }
 }
 
 impl Daemon {
@@ -188,7 +179,7 @@ impl Daemon {
                 }
             }
             for d in &released.disks {
-                remove_spare_disk(d);
+                remove_file_logged(d);
             }
         })
         .await;
@@ -221,7 +212,7 @@ impl Daemon {
             let made =
                 storage::fork_disk(&commit_disk, &path).and_then(|()| storage::sync_disk(&path));
             if let Err(e) = made {
-                remove_spare_disk(&path);
+                remove_file_logged(&path);
                 return Err(Error::disk("make a spare disk", e));
             }
             Ok(path)
@@ -342,14 +333,9 @@ pub(super) fn fork_disk_from(spare: Option<PathBuf>, commit: &Path, disk: &Path)
             Ok(()) => return Ok(()),
             Err(e) => {
                 tracing::warn!("cannot use the spare disk {}: {e}", spare.display());
-                remove_spare_disk(&spare);
+                remove_file_logged(&spare);
             }
         }
     }
     storage::fork_disk(commit, disk).map_err(|e| Error::disk("fork disk", e))
-}
-
-/// Removes a spare taken for a fork that was never recorded.
-pub(super) fn discard_spare_disk(spare: &Path) {
-    remove_spare_disk(spare);
 }
