@@ -412,6 +412,10 @@ pub struct Vmm {
     state: RunState,
     cpu_fingerprint: u64,
     boot: BootConfig,
+    /// The snapshot's kvmclock while a VM restored paused has not run yet:
+    /// the first resume sets it again, so that the guest's clock goes on
+    /// from the snapshot however long the restored VM waited.
+    restored_clock: Option<kvm_bindings::kvm_clock_data>,
 }
 
 struct Legacy {
@@ -601,6 +605,7 @@ impl Vmm {
             vmgenid,
             state: RunState::Running,
             boot: config.clone(),
+            restored_clock: None,
         })
     }
 
@@ -720,6 +725,7 @@ impl Vmm {
             vmgenid,
             state: RunState::Paused,
             boot: state.boot,
+            restored_clock: paused.then_some(state.vm.clock),
         };
         if !paused {
             vmm.resume()?;
@@ -772,6 +778,9 @@ impl Vmm {
     /// Lets every vCPU run again.
     pub fn resume(&mut self) -> Result<(), VmmError> {
         self.require("resume", RunState::Paused)?;
+        if let Some(clock) = self.restored_clock.take() {
+            self.vm.set_clock(&clock)?;
+        }
         self.devices.resume();
         for vcpu in &self.vcpus {
             vcpu.resume()?;

@@ -321,3 +321,44 @@ fn test_synthetic_restore_of_a_format_1_state_file_runs() {
     .expect("restore of a version 1 state file");
     assert!(wait_counter_above(&child, before) > before);
 }
+
+#[test]
+fn test_synthetic_a_vm_restored_paused_resumes_with_the_snapshots_clock() {
+    use tine_vmm::vmm::MicrovmState;
+    let dir = tempfile::tempdir().expect("tmp");
+    let (state, mem) = (dir.path().join("vm.state"), dir.path().join("vm.mem"));
+    let mut parent = Vmm::boot(&raw_config(COUNTER_LOOP), &ConsoleConfig::default()).expect("boot");
+    wait_counter_above(&parent, 0);
+    parent.pause().expect("pause");
+    parent.snapshot(&state, &mem).expect("snapshot");
+    parent.kill();
+    let clock_of = |path: &std::path::Path| {
+        let bytes = std::fs::read(path).expect("read state");
+        MicrovmState::decode(&bytes).expect("decode").vm.clock.clock
+    };
+    // Restored paused, it waits a second before it runs (a VM primed ahead
+    // of a fork); its kvmclock then goes on from the snapshot's, not from
+    // the restore's.
+    let mut child = Vmm::restore(
+        &state,
+        &mem,
+        None,
+        &ConsoleConfig::default(),
+        &RestoreOverrides::default(),
+        true,
+    )
+    .expect("restore");
+    std::thread::sleep(Duration::from_secs(1));
+    child.resume().expect("resume");
+    child.pause().expect("pause");
+    let again = dir.path().join("again.state");
+    child
+        .snapshot(&again, &dir.path().join("again.mem"))
+        .expect("snapshot");
+    child.kill();
+    let ran_ns = clock_of(&again).saturating_sub(clock_of(&state));
+    assert!(
+        ran_ns < 500_000_000,
+        "the guest's clock moved {ran_ns} ns over a run of a few ms: the wait counted"
+    );
+}

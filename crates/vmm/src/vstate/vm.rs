@@ -135,16 +135,19 @@ impl Vm {
         })
     }
 
+    /// Sets kvmclock to a saved value.
+    pub fn set_clock(&self, saved: &kvm_clock_data) -> Result<(), VmError> {
+        let mut clock = *saved;
+        clock.flags = 0;
+        self.fd.set_clock(&clock).map_err(kvm_err("KVM_SET_CLOCK"))
+    }
+
     /// Restores the VM-wide state.
     pub fn restore_state(&self, state: &VmState) -> Result<(), VmError> {
         self.fd
             .set_pit2(&state.pit)
             .map_err(kvm_err("KVM_SET_PIT2"))?;
-        let mut clock = state.clock;
-        clock.flags = 0;
-        self.fd
-            .set_clock(&clock)
-            .map_err(kvm_err("KVM_SET_CLOCK"))?;
+        self.set_clock(&state.clock)?;
         for chip in [&state.pic_master, &state.pic_slave, &state.ioapic] {
             self.fd
                 .set_irqchip(chip)
