@@ -1,15 +1,15 @@
 //! The daemon's real launcher driving this crate's `tine-vmm` binary with a
 //! synthetic guest: restore into a pre-started process, pause, snapshot,
 //! resume, adoption by a second launcher (a restarted daemon), and the
-//! typed stop at the end; then the same through the warm pool. Runs on
-//! this host's KVM (ring-3 guest code).
+//! typed stop at the end; then the same through the warm pool, and a VM
+//! primed ahead of its fork. Runs on this host's KVM (ring-3 guest code).
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use tine_daemon::launcher::pool::{Shape, POOL_DIR};
 use tine_daemon::launcher::vmm::VmmLauncher;
-use tine_daemon::launcher::{Launcher, LauncherExt, RestoreSpec, Stop};
+use tine_daemon::launcher::{Launcher, LauncherExt, PrimeSpec, RestoreSpec, Stop};
 use tine_daemon::process::{find_processes, Owner};
 use tine_proto::vmm::StopReason;
 use tine_vmm::vmm::{BootConfig, ConsoleConfig, Vmm};
@@ -206,4 +206,117 @@ async fn a_restore_takes_a_pooled_process_which_a_restarted_daemon_knows_as_the_
         .expect("restore without a pool");
     launcher.stop_now("t-2").await.expect("kill");
     assert_eq!(own.exit.await, Stop::Reported(StopReason::Killed));
+}
+
+/// Guest pages the run `instance` has copied from its memory file.
+fn copied_pages(instance: tine_daemon::launcher::Instance) -> u64 {
+    tine_daemon::host_stats::vm_memory(instance.pid, instance.pid_start, 32 << 20)
+        .and_then(|m| m.copied_bytes)
+        .expect("the VMM's smaps")
+        / 4096
+}
+
+#[tokio::test]
+async fn a_primed_vm_waits_paused_until_a_vm_takes_it_over() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let (state, memory) = synthetic_snapshot(dir.path());
+    let data_dir = dir.path().join("data");
+    let vmm: PathBuf = env!("CARGO_BIN_EXE_tine-vmm").into();
+    let launcher = VmmLauncher::new(vmm.clone(), data_dir.clone());
+    let disk = |name: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, vec![0u8; 1 << 20]).expect("disk");
+        path
+    };
+    let spec = PrimeSpec {
+        cpus: 1,
+        ram_mib: 32,
+        state,
+        memory,
+        disk: disk("spare-1.raw"),
+        tap: None,
+    };
+    let name = launcher.prime(&spec).await.expect("prime");
+    let primed = pool_pids(&data_dir);
+    assert_eq!(primed.len(), 1, "its process waits in the pool's folder");
+    let instance = tine_daemon::launcher::Instance {
+        pid: primed[0],
+        pid_start: tine_daemon::process::start_time(primed[0]).expect("start time"),
+    };
+    // Paused: its guest has not run, so it copied nothing.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(copied_pages(instance), 0);
+    // Ours, not a stray; a restarted daemon's stray.
+    assert!(launcher.strays().is_empty(), "{:?}", launcher.strays());
+    let again = VmmLauncher::new(vmm.clone(), data_dir.clone());
+    assert_eq!(again.strays().len(), 1);
+
+    // Taken over: its files are the VM's, its guest runs.
+    let running = launcher
+        .resume_primed(&name, "t-1")
+        .await
+        .expect("resume")
+        .expect("its process runs");
+    assert_eq!(running.instance, instance, "the primed process");
+    let vm_dir = data_dir.join("vms").join("t-1");
+    for file in ["control.sock", "vmm.log", "serial.log"] {
+        assert!(vm_dir.join(file).exists(), "{file} is in the VM's folder");
+    }
+    let mut copied = 0;
+    for _ in 0..200 {
+        copied = copied_pages(instance);
+        if copied > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(copied > 0, "its guest writes once resumed");
+    launcher
+        .pause("t-1")
+        .await
+        .expect("pause through the moved socket");
+    let adopted = again.adopt("t-1", instance).expect("a restarted daemon's");
+    assert!(
+        launcher.resume_primed(&name, "t-2").await.is_err(),
+        "taken once"
+    );
+
+    // One nobody takes is stopped, and its folder removed.
+    let other = launcher
+        .prime(&PrimeSpec {
+            disk: disk("spare-2.raw"),
+            ..spec.clone()
+        })
+        .await
+        .expect("prime");
+    assert_eq!(pool_pids(&data_dir).len(), 1);
+    launcher.discard_primed(&other);
+    wait_pool(&data_dir, 0).await;
+    assert!(!data_dir.join(POOL_DIR).join(&other).exists());
+
+    // One whose process ended meanwhile is none: the VM restores instead.
+    let dead = launcher
+        .prime(&PrimeSpec {
+            disk: disk("spare-3.raw"),
+            ..spec
+        })
+        .await
+        .expect("prime");
+    let pid = wait_pool(&data_dir, 1).await[0];
+    let killed = std::process::Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status()
+        .expect("kill runs");
+    assert!(killed.success());
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let none = launcher
+        .resume_primed(&dead, "t-3")
+        .await
+        .expect("no error");
+    assert!(none.is_none(), "its process had ended");
+    assert!(!data_dir.join(POOL_DIR).join(&dead).exists());
+
+    launcher.stop_now("t-1").await.expect("kill");
+    assert_eq!(running.exit.await, Stop::Reported(StopReason::Killed));
+    assert_eq!(adopted.exit.await, Stop::Reported(StopReason::Killed));
 }

@@ -30,8 +30,8 @@ use tine_proto::vmm::{Request as VmmRequest, Response as VmmResponse};
 use tokio::sync::watch;
 
 use super::{
-    BootSpec, GuestStream, Instance, LaunchError, Launcher, RestoreSpec, Running, Shape, Stop,
-    Stray,
+    BootSpec, GuestStream, Instance, LaunchError, Launcher, PrimeSpec, RestoreSpec, Running, Shape,
+    Stop, Stray,
 };
 
 /// How a fake VM's guest behaves.
@@ -59,6 +59,10 @@ pub enum Seen {
     Boot(BootSpec),
     /// A restore.
     Restore(RestoreSpec),
+    /// A snapshot restored ahead of any VM (seen under `pool/<name>`).
+    Prime(PrimeSpec),
+    /// A primed process taken by the VM.
+    ResumePrimed(PrimeSpec),
     /// A control request.
     Control(VmmRequest),
     /// An agent request.
@@ -97,6 +101,8 @@ struct State {
     delegate: Option<Delegate>,
     /// The warm pools last asked for (the fake starts no processes).
     warm: Vec<(Shape, u32)>,
+    /// Primed snapshots by name, with their memory number.
+    primed: HashMap<String, (PrimeSpec, u64)>,
 }
 
 /// Serves the agent protocol on the given connection: a real agent (in
@@ -169,6 +175,15 @@ impl FakeLauncher {
             ops: ops.to_vec(),
             serve,
         });
+    }
+
+    /// The snapshots primed now, none taken yet.
+    pub fn primed(&self) -> Vec<PrimeSpec> {
+        self.lock()
+            .primed
+            .values()
+            .map(|(s, _)| s.clone())
+            .collect()
     }
 
     /// The warm pools the daemon last asked for, per shape.
@@ -409,6 +424,23 @@ impl FakeLauncher {
     }
 }
 
+/// The memory number of the fake snapshot in `state` and `memory`, or
+/// why it is none.
+fn read_snapshot(state: &std::path::Path, memory: &std::path::Path) -> Result<u64, String> {
+    let text = std::fs::read_to_string(state)
+        .map_err(|e| format!("cannot read {}: {e}", state.display()))?;
+    let number = text
+        .lines()
+        .next()
+        .and_then(|l| l.strip_prefix(STATE_MAGIC))
+        .and_then(|n| n.trim().parse::<u64>().ok())
+        .ok_or_else(|| format!("{} is not a snapshot", state.display()))?;
+    if !memory.is_file() {
+        return Err(format!("no memory file {}", memory.display()));
+    }
+    Ok(number)
+}
+
 fn end(stop: &watch::Sender<Option<Stop>>, why: Stop) {
     stop.send_if_modified(|s| {
         if s.is_none() {
@@ -429,22 +461,12 @@ impl Launcher for FakeLauncher {
     fn restore<'a>(&'a self, spec: &'a RestoreSpec) -> BoxFuture<'a, Result<Running, LaunchError>> {
         async move {
             self.record(&spec.hostname, Seen::Restore(spec.clone()));
-            let refused = |error: String| LaunchError::Refused {
-                hostname: spec.hostname.clone(),
-                request: "restore".into(),
-                error,
-            };
-            let text = std::fs::read_to_string(&spec.state)
-                .map_err(|e| refused(format!("cannot read {}: {e}", spec.state.display())))?;
-            let memory = text
-                .lines()
-                .next()
-                .and_then(|l| l.strip_prefix(STATE_MAGIC))
-                .and_then(|n| n.trim().parse::<u64>().ok())
-                .ok_or_else(|| refused(format!("{} is not a snapshot", spec.state.display())))?;
-            if !spec.memory.is_file() {
-                return Err(refused(format!("no memory file {}", spec.memory.display())));
-            }
+            let memory =
+                read_snapshot(&spec.state, &spec.memory).map_err(|error| LaunchError::Refused {
+                    hostname: spec.hostname.clone(),
+                    request: "restore".into(),
+                    error,
+                })?;
             let running = self.boot_as(&spec.hostname, Some(memory))?;
             if spec.paused {
                 if let Some(run) = self.lock().runs.get_mut(&spec.hostname) {
@@ -454,6 +476,56 @@ impl Launcher for FakeLauncher {
             Ok(running)
         }
         .boxed()
+    }
+
+    fn prime<'a>(&'a self, spec: &'a PrimeSpec) -> BoxFuture<'a, Result<String, LaunchError>> {
+        async move {
+            let name = crate::launcher::pool::new_slot_name();
+            let label = format!("{}/{name}", crate::process::POOL_DIR);
+            self.record(&label, Seen::Prime(spec.clone()));
+            if let Some(why) = self.lock().refuse_boot.clone() {
+                return Err(LaunchError::Refused {
+                    hostname: label,
+                    request: "restore".into(),
+                    error: why,
+                });
+            }
+            let memory =
+                read_snapshot(&spec.state, &spec.memory).map_err(|error| LaunchError::Refused {
+                    hostname: label,
+                    request: "restore".into(),
+                    error,
+                })?;
+            self.lock()
+                .primed
+                .insert(name.clone(), (spec.clone(), memory));
+            Ok(name)
+        }
+        .boxed()
+    }
+
+    fn resume_primed<'a>(
+        &'a self,
+        name: &'a str,
+        hostname: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Running>, LaunchError>> {
+        async move {
+            let primed = self.lock().primed.remove(name);
+            let Some((spec, memory)) = primed else {
+                return Err(LaunchError::Refused {
+                    hostname: hostname.to_owned(),
+                    request: "resume".into(),
+                    error: format!("no primed process {name}"),
+                });
+            };
+            self.record(hostname, Seen::ResumePrimed(spec));
+            self.boot_as(hostname, Some(memory)).map(Some)
+        }
+        .boxed()
+    }
+
+    fn discard_primed(&self, name: &str) {
+        self.lock().primed.remove(name);
     }
 
     fn adopt(&self, hostname: &str, instance: Instance) -> Option<Running> {

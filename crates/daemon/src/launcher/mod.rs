@@ -81,6 +81,26 @@ pub struct RestoreSpec {
     pub tap: Option<String>,
 }
 
+/// A memory commit's snapshot to restore ahead of any VM, paused, with
+/// the disk and TAP a hot fork will take over with it (see
+/// [`Launcher::prime`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrimeSpec {
+    /// vCPUs of the snapshot.
+    pub cpus: u32,
+    /// RAM of the snapshot in MiB.
+    pub ram_mib: u64,
+    /// The snapshot's state file.
+    pub state: PathBuf,
+    /// The snapshot's memory file (mapped copy-on-write).
+    pub memory: PathBuf,
+    /// The root disk (`drive0`): a spare overlay the fork's folder will
+    /// get by rename.
+    pub disk: PathBuf,
+    /// The TAP for the NIC (`net0`), when the fork will have one.
+    pub tap: Option<String>,
+}
+
 /// One run of a VM: the process (or stand-in) that runs it. A pid plus
 /// its start time names a process uniquely, also across daemon restarts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -238,6 +258,25 @@ pub trait Launcher: Send + Sync + std::fmt::Debug + 'static {
 
     /// Starts a process ahead of time and restores a snapshot into it.
     fn restore<'a>(&'a self, spec: &'a RestoreSpec) -> BoxFuture<'a, Result<Running, LaunchError>>;
+
+    /// Restores `spec` paused into a process of its own, ahead of any VM;
+    /// returns the name [`Launcher::resume_primed`] takes it by. Nothing
+    /// of it runs until then; a restarted daemon finds it a stray.
+    fn prime<'a>(&'a self, spec: &'a PrimeSpec) -> BoxFuture<'a, Result<String, LaunchError>>;
+
+    /// Hands the primed process `name` to `hostname` (its sockets and logs
+    /// move into the VM's folder; the disk and TAP it holds are the VM's
+    /// from now on) and runs its vCPUs. `None` when that process had ended
+    /// while it waited: its guest never ran, so its disk and TAP are as
+    /// they were made. A failure stops the process.
+    fn resume_primed<'a>(
+        &'a self,
+        name: &'a str,
+        hostname: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Running>, LaunchError>>;
+
+    /// Stops a primed process nobody will take.
+    fn discard_primed(&self, name: &str);
 
     /// Takes over a run a previous daemon started, if it is still that
     /// process; `None` when it is gone.

@@ -15,7 +15,7 @@
 //! restore maps the commit's memory file over the registered RAM, so one
 //! slot serves any snapshot of its shape.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::process::Child;
 
@@ -62,6 +62,11 @@ pub struct Pool {
     ready: BTreeMap<Shape, Vec<Slot>>,
     /// Slots being started.
     starting: Vec<(Shape, String)>,
+    /// Processes a memory commit was restored into (paused) ahead of a hot
+    /// fork, by name, until a fork takes one: outside the sizes by shape.
+    primed: HashMap<String, Slot>,
+    /// Names of processes being primed.
+    priming: HashSet<String>,
 }
 
 impl Pool {
@@ -139,13 +144,35 @@ impl Pool {
         None
     }
 
-    /// The names of the slots this pool holds or is starting.
+    /// Notes a process whose priming began.
+    pub fn priming(&mut self, name: &str) {
+        self.priming.insert(name.to_owned());
+    }
+
+    /// The priming of `name` ended: with the primed process, or with
+    /// nothing (it failed).
+    pub fn primed(&mut self, name: &str, slot: Option<Slot>) {
+        self.priming.remove(name);
+        if let Some(slot) = slot {
+            self.primed.insert(name.to_owned(), slot);
+        }
+    }
+
+    /// Takes the primed process `name`.
+    pub fn take_primed(&mut self, name: &str) -> Option<Slot> {
+        self.primed.remove(name)
+    }
+
+    /// The names of the slots this pool holds or is starting, primed ones
+    /// included.
     pub fn names(&self) -> HashSet<String> {
         self.ready
             .values()
             .flatten()
             .map(|s| s.name.clone())
             .chain(self.starting.iter().map(|(_, n)| n.clone()))
+            .chain(self.primed.keys().cloned())
+            .chain(self.priming.iter().cloned())
             .collect()
     }
 }
@@ -211,6 +238,28 @@ pub fn move_slot(slot: &VmPaths, vm: &VmPaths) -> Result<(), HandOverError> {
     std::fs::remove_dir(&slot.dir).map_err(fail("remove the slot's folder"))?;
     std::os::unix::fs::symlink(&vm.dir, &slot.dir).map_err(fail("link the slot to the VM"))?;
     Ok(())
+}
+
+/// Moves a primed process's files into the VM's folder (prepared by
+/// [`prepare_vm_dir`]): its vsock socket and serial log (an open listener
+/// and an open file keep working under their new names), then what
+/// [`move_slot`] moves. Guest-initiated vsock connections, which the
+/// process makes next to the socket's first name, reach the VM's folder
+/// through the slot's link.
+pub fn move_primed(slot: &VmPaths, vm: &VmPaths) -> Result<(), HandOverError> {
+    // A VM without a vsock device or a console log has no such file.
+    for (from, to, step) in [
+        (&slot.vsock, &vm.vsock, "move the vsock socket"),
+        (&slot.serial, &vm.serial, "move serial.log"),
+    ] {
+        match std::fs::rename(from, to) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(hand_over_error(slot, vm, step)(e))
+            }
+            _ => {}
+        }
+    }
+    move_slot(slot, vm)
 }
 
 /// Removes what `pool_dir` holds that is neither in `keep` nor named by a

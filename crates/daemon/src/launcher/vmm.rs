@@ -16,7 +16,9 @@ use tine_proto::vmm::{Request as VmmRequest, Response as VmmResponse};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::pool::{self, Pool, Shape, Slot, POOL_DIR};
-use super::{BootSpec, GuestStream, Instance, LaunchError, Launcher, RestoreSpec, Running, Stray};
+use super::{
+    BootSpec, GuestStream, Instance, LaunchError, Launcher, PrimeSpec, RestoreSpec, Running, Stray,
+};
 use crate::process::{self, VmPaths};
 
 /// How long a request on a VMM's control socket may take to be answered.
@@ -273,6 +275,41 @@ impl VmmLauncher {
         }
     }
 
+    /// Starts a process named `name` and restores `spec` into it, paused,
+    /// its sockets and logs in its own folder.
+    async fn prime_slot(&self, name: &str, spec: &PrimeSpec) -> Result<Slot, LaunchError> {
+        let shape = Shape {
+            cpus: spec.cpus,
+            ram_mib: spec.ram_mib,
+        };
+        let slot = self.start_slot(shape, name).await?;
+        let request = VmmRequest::Restore {
+            state_path: spec.state.clone(),
+            mem_path: spec.memory.clone(),
+            paused: true,
+            vsock_uds: Some(slot.paths.vsock.clone()),
+            drives: BTreeMap::from([(super::ROOT_DRIVE.to_owned(), spec.disk.clone())]),
+            taps: spec
+                .tap
+                .iter()
+                .map(|t| (super::ROOT_NIC.to_owned(), t.clone()))
+                .collect(),
+            serial_log: Some(slot.paths.serial.clone()),
+        };
+        let hostname = format!("{POOL_DIR}/{name}");
+        let failed = match process::control(&slot.paths, &request, answer_limit(&request)).await {
+            Ok(VmmResponse::Ok { .. }) => return Ok(slot),
+            Ok(VmmResponse::Error { error }) => LaunchError::Refused {
+                hostname,
+                request: "restore".into(),
+                error,
+            },
+            Err(source) => LaunchError::Control { hostname, source },
+        };
+        stop_slot(slot);
+        Err(failed)
+    }
+
     /// Starts a process for `spec` now (the pool had none).
     fn prestart_now(&self, spec: &RestoreSpec, paths: &VmPaths) -> Result<Running, LaunchError> {
         let child =
@@ -435,6 +472,90 @@ impl Launcher for VmmLauncher {
             }
         }
         .boxed()
+    }
+
+    fn prime<'a>(&'a self, spec: &'a PrimeSpec) -> BoxFuture<'a, Result<String, LaunchError>> {
+        async move {
+            let name = pool::new_slot_name();
+            self.pool().priming(&name);
+            match self.prime_slot(&name, spec).await {
+                Ok(slot) => {
+                    self.pool().primed(&name, Some(slot));
+                    Ok(name)
+                }
+                Err(e) => {
+                    self.pool().primed(&name, None);
+                    Err(e)
+                }
+            }
+        }
+        .boxed()
+    }
+
+    fn resume_primed<'a>(
+        &'a self,
+        name: &'a str,
+        hostname: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Running>, LaunchError>> {
+        async move {
+            let Some(mut slot) = self.pool().take_primed(name) else {
+                return Err(LaunchError::Refused {
+                    hostname: hostname.to_owned(),
+                    request: "resume".into(),
+                    error: format!("no primed process {name}"),
+                });
+            };
+            if !matches!(slot.child.try_wait(), Ok(None)) {
+                tracing::warn!(slot = %slot.name, "a primed tine-vmm had ended");
+                stop_slot(slot);
+                return Ok(None);
+            }
+            let paths = self.paths(hostname);
+            // Connected before its files move: the answer comes on this
+            // connection whatever the socket's name is by then.
+            let moved = match tokio::net::UnixStream::connect(&slot.paths.control).await {
+                Ok(io) => pool::prepare_vm_dir(&slot.paths, &paths)
+                    .and_then(|()| pool::move_primed(&slot.paths, &paths))
+                    .map(|()| io)
+                    .map_err(|e| LaunchError::Prepare {
+                        path: e.vm.clone(),
+                        source: std::io::Error::new(e.source.kind(), tine_proto::error_chain(&e)),
+                    }),
+                Err(source) => Err(LaunchError::Control {
+                    hostname: hostname.to_owned(),
+                    source,
+                }),
+            };
+            let failed = match moved {
+                Ok(io) => {
+                    let request = VmmRequest::Resume;
+                    match process::control_on(io, &request, answer_limit(&request)).await {
+                        Ok(VmmResponse::Ok { .. }) => {
+                            let link = slot.paths.dir.clone();
+                            return Ok(Some(self.spawned(slot.child, paths, Some(link))));
+                        }
+                        Ok(VmmResponse::Error { error }) => LaunchError::Refused {
+                            hostname: hostname.to_owned(),
+                            request: "resume".into(),
+                            error,
+                        },
+                        Err(source) => LaunchError::Control {
+                            hostname: hostname.to_owned(),
+                            source,
+                        },
+                    }
+                }
+                Err(e) => e,
+            };
+            stop_slot(slot);
+            Err(failed)
+        }
+        .boxed()
+    }
+
+    fn discard_primed(&self, name: &str) {
+        let slot = self.pool().take_primed(name);
+        slot.into_iter().for_each(stop_slot);
     }
 
     fn adopt(&self, hostname: &str, instance: Instance) -> Option<Running> {
