@@ -21,8 +21,7 @@ use super::daemon::{no_commit, remove_file_logged, Daemon, FileStamp};
 use super::error::{chain, Error, Result};
 use super::plan;
 use super::snapshot::SnapshotFiles;
-use super::spares;
-use crate::db::CommitFilter;
+use crate::db::{CommitFilter, VmRecord};
 use crate::failpoint::{self, Failpoint};
 use crate::storage;
 
@@ -196,22 +195,23 @@ impl Daemon {
             }
         }
         let spare = if hot {
-            self.take_spare_disk(&c.id)
+            self.take_spare(&c.id, &group, new.policy.as_ref())
         } else {
             None
         };
-        let taken_spare = spare.clone();
         let this = self.clone();
         // The fork finishes even if the client goes away.
         let job = tokio::spawn(async move {
+            let mut recorded_as = None;
             let provisioned = this
-                .provision(&new, move |disk: &Path| {
-                    spares::fork_disk_from(spare, &commit_path, disk)
+                .provision(&new, |vm: &VmRecord| {
+                    recorded_as = Some(vm.hostname.clone());
+                    this.fork_disk_from(spare, &commit_path, vm)
                 })
                 .await;
-            if let (Err(_), Some(spare)) = (&provisioned, &taken_spare) {
-                // Taken, but no fork holds it (gone if it was renamed).
-                remove_file_logged(spare);
+            if let (Err(_), Some(hostname)) = (&provisioned, recorded_as) {
+                // No fork holds what it claimed.
+                this.release_claimed(&hostname);
             }
             provisioned
         });

@@ -127,10 +127,13 @@ pub struct Daemon {
     /// Serialises warm pool resizes: each reads the sizes wanted and
     /// applies them, so a later change is never undone by an earlier one.
     pub(super) pool_sizing: tokio::sync::Mutex<()>,
-    /// Networks and disks made ahead of hot forks (see `spares`).
+    /// Networks, disks and primed VMs made ahead of hot forks (see
+    /// `spares`).
     pub(super) spares: Mutex<SpareBook>,
     /// Serialises spare fills, as `pool_sizing` does pool resizes.
     pub(super) spare_sizing: tokio::sync::Mutex<()>,
+    /// Hot fork launches under way: the spares are refilled once none is.
+    pub(super) hot_launches: std::sync::atomic::AtomicUsize,
     /// Boot slots: at most this many VMs between launch and agent-ready.
     pub(super) boot_slots: Arc<tokio::sync::Semaphore>,
     /// Why removed VMs failed (forks that never came up), for waiters.
@@ -213,6 +216,7 @@ impl Daemon {
             pool_sizing: tokio::sync::Mutex::new(()),
             spares: Mutex::default(),
             spare_sizing: tokio::sync::Mutex::new(()),
+            hot_launches: std::sync::atomic::AtomicUsize::new(0),
             boot_slots: Arc::new(tokio::sync::Semaphore::new(boot_concurrency.max(1))),
         })
     }

@@ -14,6 +14,7 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use tine_proto::api::{CommitInfo, CommitMode};
@@ -22,11 +23,14 @@ use super::commit_record::{check_pool_size, info};
 use super::daemon::{no_commit, Daemon};
 use super::error::{chain, Error, Result};
 use super::snapshot::SnapshotFiles;
+use super::spare_book::SpareVm;
 use super::supervise::SetUp;
+use crate::config::HostGroup;
 use crate::db::{CommitRecord, VmRecord};
 use crate::failpoint::{self, Failpoint};
 use crate::launcher::pool::Shape;
-use crate::launcher::{Instance, RestoreSpec};
+use crate::launcher::{Instance, RestoreSpec, Running};
+use crate::network::VmNetwork;
 
 impl Daemon {
     /// The warm pool each shape of memory commit needs: the largest size
@@ -137,11 +141,12 @@ impl Daemon {
     }
 
     /// Launches an unborn hot fork (recorded `starting` without a process;
-    /// the caller holds its lock): network, a VMM restored from `files`
-    /// with the fork's own disk and TAP, the process recorded once
+    /// the caller holds its lock): the primed VM it claimed resumed with
+    /// its network handed over, or else a network and a VMM restored from
+    /// `files` with the fork's own disk and TAP; the process recorded once
     /// `disk_synced` says its disk reached stable storage (meanwhile the
-    /// restore runs), then its set-up supervised. `permit` is its boot
-    /// slot.
+    /// resume or restore runs), then its set-up supervised. `permit` is its
+    /// boot slot.
     pub(super) async fn launch_hot_fork(
         self: &Arc<Self>,
         hostname: &str,
@@ -149,12 +154,9 @@ impl Daemon {
         files: &SnapshotFiles,
         disk_synced: impl std::future::Future<Output = Result<()>>,
     ) -> Result<()> {
-        let launched = self
-            .resume_hot_fork(hostname, permit, files, disk_synced)
-            .await;
-        // What it took of the spares is made up now that it is launched.
-        self.refresh_spares();
-        launched
+        let _launching = Launching::new(self);
+        self.resume_hot_fork(hostname, permit, files, disk_synced)
+            .await
     }
 
     async fn resume_hot_fork(
@@ -166,41 +168,12 @@ impl Daemon {
     ) -> Result<()> {
         let vm: VmRecord = self.vm(hostname)?;
         let group = self.group(&vm.host_group)?.clone();
-        // A spare made ahead is already in quarantine; asserting it again
-        // costs one netlink query.
-        let network = match self.take_spare_network(&group, &vm)? {
-            Some(spare) => Some(spare),
-            None => self.attach_network(&group, &vm)?,
-        };
-        if let Some(n) = &network {
-            // Until its set-up gives the guest its own MAC and address, it
-            // is its source on the wire: nothing of it may get out.
-            self.network
-                .set_quarantine(n, true)
-                .map_err(|source| Error::Network {
-                    vm: hostname.to_owned(),
-                    source,
-                })?;
-        }
-        let spec = RestoreSpec {
-            hostname: hostname.to_owned(),
-            cpus: vm.cpus,
-            ram_mib: vm.ram_bytes >> 20,
-            state: files.state(),
-            memory: files.memory(),
-            paused: false,
-            disk: Some(PathBuf::from(&vm.disk)),
-            tap: network.map(|n| n.tap),
-        };
         self.take_forced(hostname);
-        let running = self
-            .launcher
-            .restore(&spec)
-            .await
-            .map_err(|source| Error::Launch {
-                what: format!("resume {hostname} from {}", files.dir.display()),
-                source,
-            })?;
+        let claimed = self.spare_book().unclaim(hostname);
+        let running = match claimed {
+            Some(primed) => self.resume_spare_vm(&group, &vm, primed, files).await?,
+            None => self.restore_hot_fork(&group, &vm, files, None).await?,
+        };
         if let Err(e) = disk_synced.await {
             self.launcher.kill(hostname, running.instance);
             return Err(e);
@@ -215,5 +188,116 @@ impl Daemon {
         tracing::info!(vm = hostname, pid, "resumed from a memory commit");
         self.supervise(hostname.to_owned(), running, permit, SetUp::HotFork);
         Ok(())
+    }
+
+    /// Resumes the primed VM fork `vm` claimed (its disk is the fork's
+    /// already): hands its network over and runs its vCPUs. If the hand-over
+    /// fails or its process had ended, the fork restores into another
+    /// process instead (with the network, when it was handed over).
+    async fn resume_spare_vm(
+        self: &Arc<Self>,
+        group: &HostGroup,
+        vm: &VmRecord,
+        primed: SpareVm,
+        files: &SnapshotFiles,
+    ) -> Result<Running> {
+        let network = match primed.network {
+            Some(spare) => match self.hand_over_network(vm, spare)? {
+                Some(taken) => Some(taken),
+                None => {
+                    // Its TAP is gone with the failed hand-over.
+                    self.launcher.discard_primed(&primed.process);
+                    return self.restore_hot_fork(group, vm, files, None).await;
+                }
+            },
+            None => None,
+        };
+        if let Some(n) = &network {
+            self.quarantine(&vm.hostname, n)?;
+        }
+        let resumed = self
+            .launcher
+            .resume_primed(&primed.process, &vm.hostname)
+            .await
+            .map_err(|source| Error::Launch {
+                what: format!("resume {} from a primed VM", vm.hostname),
+                source,
+            })?;
+        match resumed {
+            Some(running) => Ok(running),
+            None => self.restore_hot_fork(group, vm, files, network).await,
+        }
+    }
+
+    /// Restores the fork `vm` from `files` into a pre-started process, with
+    /// `network` (or a spare one, or one attached now).
+    async fn restore_hot_fork(
+        self: &Arc<Self>,
+        group: &HostGroup,
+        vm: &VmRecord,
+        files: &SnapshotFiles,
+        network: Option<VmNetwork>,
+    ) -> Result<Running> {
+        let network = match network {
+            Some(n) => Some(n),
+            None => match self.take_spare_network(group, vm)? {
+                Some(spare) => Some(spare),
+                None => self.attach_network(group, vm)?,
+            },
+        };
+        if let Some(n) = &network {
+            self.quarantine(&vm.hostname, n)?;
+        }
+        let spec = RestoreSpec {
+            hostname: vm.hostname.clone(),
+            cpus: vm.cpus,
+            ram_mib: vm.ram_bytes >> 20,
+            state: files.state(),
+            memory: files.memory(),
+            paused: false,
+            disk: Some(PathBuf::from(&vm.disk)),
+            tap: network.map(|n| n.tap),
+        };
+        self.launcher
+            .restore(&spec)
+            .await
+            .map_err(|source| Error::Launch {
+                what: format!("resume {} from {}", vm.hostname, files.dir.display()),
+                source,
+            })
+    }
+
+    /// Until its set-up gives the guest its own MAC and address, a hot
+    /// fork is its source on the wire: nothing of it may get out. A spare
+    /// made ahead is in quarantine already; asserting it again costs one
+    /// netlink query.
+    fn quarantine(&self, hostname: &str, network: &VmNetwork) -> Result<()> {
+        self.network
+            .set_quarantine(network, true)
+            .map_err(|source| Error::Network {
+                vm: hostname.to_owned(),
+                source,
+            })
+    }
+}
+
+/// Counts a hot fork launch under way; when the last one under way ends
+/// (whichever way), what the launches took of the spares is made up in the
+/// background (a refill during a burst of forks would take the CPU and the
+/// disk's syncs they need).
+struct Launching(Arc<Daemon>);
+
+impl Launching {
+    fn new(daemon: &Arc<Daemon>) -> Self {
+        daemon.hot_launches.fetch_add(1, Ordering::SeqCst);
+        Launching(daemon.clone())
+    }
+}
+
+impl Drop for Launching {
+    fn drop(&mut self) {
+        if self.0.hot_launches.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.0.refresh_spares();
+        }
     }
 }

@@ -151,8 +151,9 @@ impl Daemon {
                 )));
             }
             let base = PathBuf::from(&base.path);
-            this.provision(&new, move |disk: &Path| {
-                storage::create_disk(&base, disk, size).map_err(|e| Error::disk("create disk", e))
+            this.provision(&new, move |vm: &VmRecord| {
+                storage::create_disk(&base, Path::new(&vm.disk), size)
+                    .map_err(|e| Error::disk("create disk", e))
             })
             .await
         });
@@ -184,7 +185,7 @@ impl Daemon {
     pub(super) async fn provision(
         self: &Arc<Self>,
         new: &NewVm,
-        make_disk: impl FnOnce(&Path) -> Result<()>,
+        make_disk: impl FnOnce(&VmRecord) -> Result<()>,
     ) -> Result<String> {
         let data_dir = self.data_dir.clone();
         let vm = self.store.insert_vm_with(
@@ -200,7 +201,7 @@ impl Daemon {
                 let dir = VmPaths::new(&data_dir, &vm.hostname).dir;
                 let made = std::fs::create_dir_all(&dir)
                     .map_err(|e| Error::io("create VM folder", e))
-                    .and_then(|()| make_disk(Path::new(&vm.disk)));
+                    .and_then(|()| make_disk(vm));
                 if made.is_err() {
                     // Still under the store's lock: no other VM can have
                     // been given this hostname (and folder) yet.
@@ -258,7 +259,10 @@ impl Daemon {
             let disk = match this.store.find_vm(&h) {
                 Ok(Some(vm)) if vm.state == VmState::Starting && vm.pid.is_none() => vm.disk,
                 // Deleted or stopped while it waited.
-                Ok(_) => return,
+                Ok(_) => {
+                    this.release_claimed(&h);
+                    return;
+                }
                 Err(e) => {
                     tracing::error!(vm = %h, "cannot read its record to boot it: {}", chain(&e));
                     return;

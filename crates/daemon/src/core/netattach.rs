@@ -19,7 +19,17 @@ use crate::network::{DefaultAction, NetMode, NetworkConfig, PolicyOverride, VmNe
 
 /// The VM's override, if it has one that changes anything.
 pub(super) fn override_of(vm: &VmRecord) -> Option<PolicyOverride> {
-    match &vm.policy {
+    policy_override(vm.policy.as_ref())
+}
+
+/// Whether a VM that asked for `policy` gets its group's network as it
+/// is: neither `none` nor a policy of its own (it may then take a spare).
+pub(super) fn takes_group_network(policy: Option<&ForkNetwork>) -> bool {
+    policy != Some(&ForkNetwork::None) && policy_override(policy).is_none()
+}
+
+fn policy_override(policy: Option<&ForkNetwork>) -> Option<PolicyOverride> {
+    match policy {
         Some(ForkNetwork::Policy(p)) => Some(PolicyOverride {
             allow: p.allow.clone(),
             drop: p.drop.clone(),

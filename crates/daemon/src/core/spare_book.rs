@@ -1,6 +1,7 @@
-//! The book of spares (see `spares`): the networks and disks made ahead
-//! of hot forks that are ready, the networks being made, and the guest
-//! addresses they hold. Plain data; the daemon keeps it behind a lock.
+//! The book of spares (see `spares`): the networks, disks and primed VMs
+//! made ahead of hot forks that are ready, the networks being made, the
+//! primed VMs forks claimed and have yet to resume, and the guest
+//! addresses they all hold. Plain data; the daemon keeps it behind a lock.
 
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
@@ -8,7 +9,21 @@ use std::path::PathBuf;
 
 use crate::network::VmNetwork;
 
-/// Spares by owner: networks by host group, disks by memory commit.
+/// A memory commit's snapshot restored (paused) ahead of a hot fork,
+/// with the spare disk and spare network it was restored with.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SpareVm {
+    /// The launcher's name for its process.
+    pub process: String,
+    /// Its disk: a spare overlay on the commit's disk.
+    pub disk: PathBuf,
+    /// Its network, a spare of the commit's group (none when the group
+    /// has no NIC).
+    pub network: Option<VmNetwork>,
+}
+
+/// Spares by owner: networks by host group, disks and primed VMs by
+/// memory commit.
 #[derive(Debug, Default)]
 pub struct SpareBook {
     /// Ready networks per host group, oldest first.
@@ -17,6 +32,13 @@ pub struct SpareBook {
     making: Vec<VmNetwork>,
     /// Ready disks per memory commit, oldest first.
     disks: BTreeMap<String, Vec<PathBuf>>,
+    /// Primed VMs per memory commit, oldest first.
+    vms: BTreeMap<String, Vec<SpareVm>>,
+    /// Primed VMs taken by forks (by hostname) that have not resumed them
+    /// yet.
+    claimed: BTreeMap<String, SpareVm>,
+    /// The disks and networks of VMs being primed, with their commits.
+    priming: Vec<(String, PathBuf, Option<VmNetwork>)>,
 }
 
 /// Spares the book let go of: the caller removes them from the host.
@@ -26,17 +48,35 @@ pub struct Released {
     pub networks: Vec<VmNetwork>,
     /// Disk files to remove.
     pub disks: Vec<PathBuf>,
+    /// Primed VMs to stop (and their disks and networks to remove).
+    pub vms: Vec<SpareVm>,
+}
+
+impl Released {
+    /// Whether nothing was released.
+    pub fn is_empty(&self) -> bool {
+        self.networks.is_empty() && self.disks.is_empty() && self.vms.is_empty()
+    }
 }
 
 impl SpareBook {
     /// The guest addresses the spare networks of `group` hold, ready or
     /// being made: no VM may be given one.
     pub fn addresses(&self, group: &str) -> Vec<Ipv4Addr> {
+        let primed = self
+            .vms
+            .values()
+            .flatten()
+            .chain(self.claimed.values())
+            .filter_map(|v| v.network.as_ref())
+            .chain(self.priming.iter().filter_map(|(_, _, n)| n.as_ref()));
         self.networks
             .get(group)
             .into_iter()
             .flatten()
-            .chain(self.making.iter().filter(|n| n.group == group))
+            .chain(self.making.iter())
+            .chain(primed)
+            .filter(|n| n.group == group)
             .map(|n| n.address)
             .collect()
     }
@@ -61,10 +101,22 @@ impl SpareBook {
         }
     }
 
-    /// How many networks `group` has, ready or being made.
+    /// How many networks `group` has, ready, being made or held by a
+    /// primed VM.
     pub fn networks_of(&self, group: &str) -> usize {
         self.networks.get(group).map_or(0, Vec::len)
             + self.making.iter().filter(|n| n.group == group).count()
+            + self.primed_networks_of(group)
+    }
+
+    fn primed_networks_of(&self, group: &str) -> usize {
+        self.vms
+            .values()
+            .flatten()
+            .filter_map(|v| v.network.as_ref())
+            .chain(self.priming.iter().filter_map(|(_, _, n)| n.as_ref()))
+            .filter(|n| n.group == group)
+            .count()
     }
 
     /// Takes the oldest ready network of `group`.
@@ -78,9 +130,75 @@ impl SpareBook {
         self.disks.entry(commit.to_owned()).or_default().push(path);
     }
 
-    /// How many disks `commit` has ready.
+    /// How many disks `commit` has, ready or held by a primed VM.
     pub fn disks_of(&self, commit: &str) -> usize {
-        self.disks.get(commit).map_or(0, Vec::len)
+        self.disks.get(commit).map_or(0, Vec::len) + self.vms_of(commit)
+    }
+
+    /// How many primed VMs `commit` has, ready or being primed.
+    pub fn vms_of(&self, commit: &str) -> usize {
+        self.vms.get(commit).map_or(0, Vec::len)
+            + self.priming.iter().filter(|(c, _, _)| c == commit).count()
+    }
+
+    /// Takes the oldest ready disk of `commit` and, for a group with a NIC
+    /// (`group`), the oldest ready network of that group, for a VM to
+    /// prime; none (nothing taken) when either is missing.
+    pub fn begin_priming(
+        &mut self,
+        commit: &str,
+        group: Option<&str>,
+    ) -> Option<(PathBuf, Option<VmNetwork>)> {
+        let has_network = group.is_none_or(|g| self.networks.get(g).is_some_and(|n| !n.is_empty()));
+        if !has_network || self.disks.get(commit).is_none_or(Vec::is_empty) {
+            return None;
+        }
+        let disk = self.take_disk(commit)?;
+        let network = group.and_then(|g| self.take_network(g));
+        self.priming
+            .push((commit.to_owned(), disk.clone(), network.clone()));
+        Some((disk, network))
+    }
+
+    /// The priming of the VM on `disk` ended: with its process (the VM is
+    /// ready), or with none (its disk and network are ready again).
+    pub fn end_priming(&mut self, disk: &std::path::Path, process: Option<String>) {
+        let Some(at) = self.priming.iter().position(|(_, d, _)| d == disk) else {
+            return;
+        };
+        let (commit, disk, network) = self.priming.remove(at);
+        match process {
+            Some(process) => self.vms.entry(commit).or_default().push(SpareVm {
+                process,
+                disk,
+                network,
+            }),
+            None => {
+                self.disks.entry(commit).or_default().insert(0, disk);
+                if let Some(n) = network {
+                    self.networks
+                        .entry(n.group.clone())
+                        .or_default()
+                        .insert(0, n);
+                }
+            }
+        }
+    }
+
+    /// Takes the oldest primed VM of `commit`.
+    pub fn take_vm(&mut self, commit: &str) -> Option<SpareVm> {
+        let ready = self.vms.get_mut(commit)?;
+        (!ready.is_empty()).then(|| ready.remove(0))
+    }
+
+    /// Notes that fork `hostname` will resume `vm`.
+    pub fn claim(&mut self, hostname: &str, vm: SpareVm) {
+        self.claimed.insert(hostname.to_owned(), vm);
+    }
+
+    /// The primed VM fork `hostname` claimed, now its own.
+    pub fn unclaim(&mut self, hostname: &str) -> Option<SpareVm> {
+        self.claimed.remove(hostname)
     }
 
     /// Takes the oldest ready disk of `commit`.
@@ -89,9 +207,10 @@ impl SpareBook {
         (!ready.is_empty()).then(|| ready.remove(0))
     }
 
-    /// Keeps at most `networks[group]` ready networks per group and
-    /// `disks[commit]` ready disks per commit (none of what is not
-    /// named); returns the rest.
+    /// Keeps at most `networks[group]` networks per group and
+    /// `disks[commit]` primed VMs and disks per commit, counting those of
+    /// primed VMs (none of what is not named; loose spares go first,
+    /// newest first); returns the rest. Claimed VMs are the forks'.
     pub fn trim(
         &mut self,
         networks: &BTreeMap<String, u32>,
@@ -99,21 +218,55 @@ impl SpareBook {
     ) -> Released {
         fn keep<T>(
             all: &mut BTreeMap<String, Vec<T>>,
-            wanted: &BTreeMap<String, u32>,
+            wanted: impl Fn(&str) -> usize,
             out: &mut Vec<T>,
         ) {
             for (owner, ready) in all.iter_mut() {
-                let keep = wanted.get(owner).copied().unwrap_or(0) as usize;
+                let keep = wanted(owner);
                 while ready.len() > keep {
                     out.extend(ready.pop());
                 }
             }
             all.retain(|_, ready| !ready.is_empty());
         }
+        let wanted = |counts: &BTreeMap<String, u32>, owner: &str| {
+            counts.get(owner).copied().unwrap_or(0) as usize
+        };
         let mut released = Released::default();
-        keep(&mut self.networks, networks, &mut released.networks);
-        keep(&mut self.disks, disks, &mut released.disks);
+        keep(&mut self.vms, |c| wanted(disks, c), &mut released.vms);
+        let vms = std::mem::take(&mut self.vms);
+        let vms_of = |c: &str| vms.get(c).map_or(0, Vec::len);
+        keep(
+            &mut self.disks,
+            |c| wanted(disks, c).saturating_sub(vms_of(c)),
+            &mut released.disks,
+        );
+        self.vms = vms;
+        let primed: BTreeMap<String, usize> = self
+            .networks
+            .keys()
+            .map(|g| (g.clone(), self.primed_networks_of(g)))
+            .collect();
+        keep(
+            &mut self.networks,
+            |g| wanted(networks, g).saturating_sub(primed.get(g).copied().unwrap_or(0)),
+            &mut released.networks,
+        );
         released
+    }
+}
+
+#[cfg(test)]
+impl SpareBook {
+    fn return_network_for_test(&mut self, network: VmNetwork) {
+        self.networks
+            .entry(network.group.clone())
+            .or_default()
+            .push(network);
+    }
+
+    fn add_vm_for_test(&mut self, commit: &str, vm: SpareVm) {
+        self.vms.entry(commit.to_owned()).or_default().push(vm);
     }
 }
 
@@ -178,5 +331,50 @@ mod tests {
         let all = book.trim(&BTreeMap::new(), &BTreeMap::new());
         assert_eq!(all.networks.len(), 1);
         assert_eq!(book.networks_of("g"), 0);
+    }
+
+    #[test]
+    fn primed_vms_hold_their_disk_and_network_until_a_fork_resumes_them() {
+        let mut book = SpareBook::default();
+        let n = network("g", "spare-a", &[]);
+        book.making(n.clone());
+        book.made(&n.tap, true);
+        book.add_disk("c1", PathBuf::from("c1/a"));
+        assert!(book.begin_priming("c2", Some("g")).is_none(), "no disk");
+        assert!(
+            book.begin_priming("c1", Some("other")).is_none(),
+            "no network"
+        );
+        assert_eq!(book.disks_of("c1"), 1, "nothing taken");
+        let (disk, taken) = book.begin_priming("c1", Some("g")).expect("both ready");
+        assert_eq!(taken.as_ref(), Some(&n));
+        // Counted, and its address held, while it is primed.
+        assert_eq!((book.vms_of("c1"), book.disks_of("c1")), (1, 1));
+        assert_eq!(book.networks_of("g"), 1);
+        assert_eq!(book.addresses("g"), [n.address]);
+        book.end_priming(&disk, None);
+        assert_eq!(book.vms_of("c1"), 0, "a failed priming gives both back");
+        assert_eq!(book.take_network("g"), Some(n.clone()));
+        book.return_network_for_test(n.clone());
+        let (disk, _) = book.begin_priming("c1", Some("g")).expect("again");
+        book.end_priming(&disk, Some("p1".into()));
+        assert_eq!(book.vms_of("c1"), 1);
+        assert!(book.take_network("g").is_none() && book.take_disk("c1").is_none());
+        // Taken by a fork and claimed: its address is still held until
+        // the fork's record has it.
+        let vm = book.take_vm("c1").expect("primed");
+        assert_eq!(vm.process, "p1");
+        book.claim("fork-1", vm.clone());
+        assert_eq!(book.addresses("g"), [n.address]);
+        assert_eq!((book.vms_of("c1"), book.networks_of("g")), (0, 0));
+        assert_eq!(book.unclaim("fork-1"), Some(vm.clone()));
+        assert!(book.addresses("g").is_empty());
+        // Trimming releases primed VMs beyond the wanted count.
+        book.add_vm_for_test("c1", vm.clone());
+        let released = book.trim(&[("g".into(), 1)].into(), &[("c1".into(), 1)].into());
+        assert!(released.is_empty(), "{released:?}");
+        let released = book.trim(&BTreeMap::new(), &BTreeMap::new());
+        assert_eq!(released.vms, [vm]);
+        assert!(released.networks.is_empty() && released.disks.is_empty());
     }
 }

@@ -1,12 +1,21 @@
-//! Spares: what a hot fork needs besides a pre-started VMM, made ahead of
-//! it so that the fork's own path runs no `nft`, creates no TAP and writes
-//! no disk: per host group with a NIC, networks (TAP made, its rules in
-//! place, its address reserved, in quarantine), and per memory commit,
-//! overlay disks on the commit's disk (made and synced). A memory commit
-//! wants as many of each as its warm pool (its own `hot_fork_pool`, or its
-//! group's); a group as many networks as its largest such pool.
+//! Spares: a hot fork made ahead of it, so that the fork's own path only
+//! hands over what is ready and runs the vCPUs. Per host group with a NIC,
+//! networks (TAP made, its rules in place, its address reserved, in
+//! quarantine); per memory commit, overlay disks on the commit's disk
+//! (made and synced), and primed VMs: the commit's snapshot restored,
+//! paused, into a `tine-vmm` of its own with one of those disks and
+//! networks attached. A memory commit wants as many primed VMs as its warm
+//! pool (its own `hot_fork_pool`, or its group's); a group as many
+//! networks as its commits' pools together.
 //!
-//! A spare network is attached under a spare's own name (`spare-<hex>`, the
+//! A fork that would take its group's network as it is (no policy of its
+//! own, not `network: none`) claims a primed VM inside the transaction that
+//! records it (the VM's disk is renamed into the fork's folder), and its
+//! launch hands the network over and resumes the VM: no restore on its
+//! path. A fork that finds no primed VM takes a loose spare disk (and
+//! network), and restores into a pre-started process of the warm pool.
+//!
+//! A spare network is made under a spare's own name (`spare-<hex>`, the
 //! TAP's alias) and handed to a hot fork by
 //! [`crate::network::NetworkManager::hand_over`] together with the fork's
 //! network record, under the address allocation lock; a fork that asked
@@ -14,9 +23,9 @@
 //! the fork's folder inside the transaction that records the fork. A
 //! spare is nobody's until it is taken: a graceful exit removes the
 //! daemon's spares, and a restarted daemon removes an earlier one's
-//! (start-up reconciliation removes the TAPs and rules no VM owns and the
-//! spares folder). Each hot fork's launch ends with a refill in the
-//! background.
+//! (start-up reconciliation kills the untaken primed processes and removes
+//! the TAPs and rules no VM owns and the spares folder). When the last hot
+//! fork launch under way ends, a refill runs in the background.
 
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
@@ -27,11 +36,12 @@ use tine_proto::api::{CommitMode, ForkNetwork};
 
 use super::daemon::{remove_file_logged, Daemon};
 use super::error::{chain, Error, Result};
-use super::netattach::override_of;
-use super::spare_book::Released;
+use super::netattach::takes_group_network;
+use super::spare_book::{Released, SpareVm};
 use crate::config::HostGroup;
 use crate::db::{CommitFilter, CommitRecord, VmRecord};
 use crate::launcher::pool::new_slot_name;
+use crate::launcher::PrimeSpec;
 use crate::network::{NetMode, VmNetwork};
 use crate::storage;
 
@@ -40,12 +50,32 @@ use crate::storage;
 pub const SPARES_DIR: &str = "spares";
 
 /// What the spares should be.
-#[derive(Debug, Default)]
+#[derive(Default)]
 struct Wanted {
     /// Networks per host group.
     networks: BTreeMap<String, u32>,
-    /// Disks per memory commit, with the commit's disk.
+    /// Disks (and primed VMs) per memory commit, with the commit's disk.
     disks: BTreeMap<String, (PathBuf, u32)>,
+    /// The commits to prime VMs of.
+    commits: Vec<PooledCommit>,
+}
+
+/// What a hot fork took of its commit's spares.
+pub(super) enum TakenSpare {
+    /// A primed VM (the fork claims it once recorded).
+    Vm(Box<SpareVm>),
+    /// A loose disk.
+    Disk(PathBuf),
+}
+
+impl TakenSpare {
+    /// The disk the fork's folder gets by rename.
+    pub fn disk(&self) -> &Path {
+        match self {
+            TakenSpare::Vm(vm) => &vm.disk,
+            TakenSpare::Disk(disk) => disk,
+        }
+    }
 }
 
 /// A memory commit whose forks resume from a warm pool.
@@ -92,12 +122,12 @@ impl Daemon {
         let mut wanted = Wanted::default();
         for p in self.pooled_commits()? {
             if p.group.network.mode != NetMode::None {
-                let n = wanted.networks.entry(p.group.name.clone()).or_default();
-                *n = p.size.max(*n);
+                *wanted.networks.entry(p.group.name.clone()).or_default() += p.size;
             }
             wanted
                 .disks
                 .insert(p.commit.id.clone(), (PathBuf::from(&p.commit.disk), p.size));
+            wanted.commits.push(p);
         }
         Ok(wanted)
     }
@@ -143,14 +173,55 @@ impl Daemon {
                 }
             }
         }
+        for p in &wanted.commits {
+            self.prime_spare_vms(p).await;
+        }
     }
 
-    /// The same in the background (once a hot fork that took spares was
-    /// launched: a refill during its launch would compete with it for the
-    /// CPU and the disk's syncs).
+    /// Primes VMs of `p`'s commit until it has its pool's size, each on a
+    /// ready spare disk and (in a group with a NIC) network.
+    async fn prime_spare_vms(&self, p: &PooledCommit) {
+        let id = &p.commit.id;
+        let files = match self.memory_snapshot_of(&p.commit) {
+            Ok(files) => files,
+            Err(e) => {
+                tracing::warn!(commit = %id, "primes no VM: {}", chain(&e));
+                return;
+            }
+        };
+        let group = (p.group.network.mode != NetMode::None).then_some(p.group.name.as_str());
+        while self.spare_book().vms_of(id) < p.size as usize {
+            let Some((disk, network)) = self.spare_book().begin_priming(id, group) else {
+                return;
+            };
+            let spec = PrimeSpec {
+                cpus: p.commit.cpus,
+                ram_mib: p.commit.ram_bytes >> 20,
+                state: files.state(),
+                memory: files.memory(),
+                disk: disk.clone(),
+                tap: network.map(|n| n.tap),
+            };
+            match self.launcher.prime(&spec).await {
+                Ok(process) => self.spare_book().end_priming(&disk, Some(process)),
+                Err(e) => {
+                    self.spare_book().end_priming(&disk, None);
+                    tracing::warn!(commit = %id, "cannot prime a VM: {}", chain(&e));
+                    return;
+                }
+            }
+        }
+    }
+
+    /// The same in the background (once no hot fork is being launched: a
+    /// refill during a launch would compete with it for the CPU and the
+    /// disk's syncs). Called outside a runtime (one shutting down), there
+    /// is nobody to refill for.
     pub(super) fn refresh_spares(self: &Arc<Self>) {
-        let daemon = self.clone();
-        tokio::spawn(async move { daemon.fill_spares().await });
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let daemon = self.clone();
+            runtime.spawn(async move { daemon.fill_spares().await });
+        }
     }
 
     /// Removes every spare (the daemon is going away).
@@ -168,17 +239,22 @@ impl Daemon {
     }
 
     async fn remove_spares(self: &Arc<Self>, released: Released) {
-        if released.networks.is_empty() && released.disks.is_empty() {
+        if released.is_empty() {
             return;
         }
         let this = self.clone();
         let removed = tokio::task::spawn_blocking(move || {
-            for n in &released.networks {
+            for vm in &released.vms {
+                this.launcher.discard_primed(&vm.process);
+            }
+            let vms = released.vms.iter();
+            let networks = vms.clone().filter_map(|v| v.network.as_ref());
+            for n in released.networks.iter().chain(networks) {
                 if let Err(e) = this.network.detach(n) {
                     tracing::warn!(tap = %n.tap, "cannot remove a spare network: {e}");
                 }
             }
-            for d in &released.disks {
+            for d in released.disks.iter().chain(vms.map(|v| &v.disk)) {
                 remove_file_logged(d);
             }
         })
@@ -278,8 +354,8 @@ impl Daemon {
     }
 
     /// A spare network for a hot fork's first start, handed over and
-    /// recorded as the fork's (the launch refills the spares once it ends) (`None`: no spare fits, the fork attaches its
-    /// own). A fork with its own policy or without a NIC takes none.
+    /// recorded as the fork's (`None`: no spare fits, the fork attaches
+    /// its own). A fork with its own policy or without a NIC takes none.
     pub(super) fn take_spare_network(
         self: &Arc<Self>,
         group: &HostGroup,
@@ -287,16 +363,26 @@ impl Daemon {
     ) -> Result<Option<VmNetwork>> {
         if group.network.mode == NetMode::None
             || vm.network.is_some()
-            || vm.policy == Some(ForkNetwork::None)
-            || override_of(vm).is_some()
+            || !takes_group_network(vm.policy.as_ref())
         {
             return Ok(None);
         }
+        let Some(spare) = self.spare_book().take_network(&group.name) else {
+            return Ok(None);
+        };
+        self.hand_over_network(vm, spare)
+    }
+
+    /// Hands `spare` over to `vm` and records it as `vm`'s network (under
+    /// the address allocation lock); `None` when the hand-over failed (the
+    /// spare is removed; the VM attaches its own).
+    pub(super) fn hand_over_network(
+        &self,
+        vm: &VmRecord,
+        spare: VmNetwork,
+    ) -> Result<Option<VmNetwork>> {
         let taken = {
             let _one = self.allocate.lock().unwrap_or_else(|p| p.into_inner());
-            let Some(spare) = self.spare_book().take_network(&group.name) else {
-                return Ok(None);
-            };
             let taken = match self.network.hand_over(&spare, &vm.hostname) {
                 Ok(taken) => taken,
                 Err(e) => {
@@ -318,24 +404,79 @@ impl Daemon {
         Ok(Some(taken))
     }
 
-    /// A spare disk of memory commit `commit`, if one is ready; the caller
-    /// renames it into place ([`fork_disk_from`]).
-    pub(super) fn take_spare_disk(&self, commit: &str) -> Option<PathBuf> {
-        self.spare_book().take_disk(commit)
+    /// What a hot fork of `commit` asking for network `policy` takes of
+    /// its spares: a primed VM when the fork takes its group's network as
+    /// it is, else (or when none is ready) a loose disk; the caller renames
+    /// its disk into place ([`Daemon::fork_disk_from`]).
+    pub(super) fn take_spare(
+        &self,
+        commit: &str,
+        group: &HostGroup,
+        policy: Option<&ForkNetwork>,
+    ) -> Option<TakenSpare> {
+        let mut book = self.spare_book();
+        if group.network.mode == NetMode::None || takes_group_network(policy) {
+            if let Some(vm) = book.take_vm(commit) {
+                return Some(TakenSpare::Vm(Box::new(vm)));
+            }
+        }
+        book.take_disk(commit).map(TakenSpare::Disk)
     }
-}
 
-/// A fork's disk at `disk`: `spare` (an overlay made in advance on the
-/// same commit) renamed into place, or else a new overlay on `commit`.
-pub(super) fn fork_disk_from(spare: Option<PathBuf>, commit: &Path, disk: &Path) -> Result<()> {
-    if let Some(spare) = spare {
-        match std::fs::rename(&spare, disk) {
-            Ok(()) => return Ok(()),
-            Err(e) => {
-                tracing::warn!("cannot use the spare disk {}: {e}", spare.display());
-                remove_file_logged(&spare);
+    /// A fork's disk at `vm.disk`: the disk of `spare` (made in advance on
+    /// the same commit) renamed into place, or else a new overlay on
+    /// `commit`. A primed VM whose disk was renamed is claimed for the
+    /// fork; one that cannot be used is removed.
+    pub(super) fn fork_disk_from(
+        &self,
+        spare: Option<TakenSpare>,
+        commit: &Path,
+        vm: &VmRecord,
+    ) -> Result<()> {
+        let disk = Path::new(&vm.disk);
+        if let Some(spare) = spare {
+            match std::fs::rename(spare.disk(), disk) {
+                Ok(()) => {
+                    if let TakenSpare::Vm(primed) = spare {
+                        self.spare_book().claim(&vm.hostname, *primed);
+                    }
+                    return Ok(());
+                }
+                Err(e) => {
+                    tracing::warn!("cannot use the spare disk {}: {e}", spare.disk().display());
+                    self.release_taken(spare);
+                }
+            }
+        }
+        storage::fork_disk(commit, disk).map_err(|e| Error::disk("fork disk", e))
+    }
+
+    /// Removes a spare that was taken but that no fork holds.
+    fn release_taken(&self, spare: TakenSpare) {
+        match spare {
+            TakenSpare::Disk(disk) => remove_file_logged(&disk),
+            TakenSpare::Vm(vm) => {
+                self.release_primed(&vm);
+                remove_file_logged(&vm.disk);
             }
         }
     }
-    storage::fork_disk(commit, disk).map_err(|e| Error::disk("fork disk", e))
+
+    /// Stops the primed VM fork `hostname` claimed, if it has not resumed
+    /// it (the fork failed to be recorded, or was deleted before its
+    /// launch), and removes its network; its disk is the fork's.
+    pub(super) fn release_claimed(&self, hostname: &str) {
+        if let Some(vm) = self.spare_book().unclaim(hostname) {
+            self.release_primed(&vm);
+        }
+    }
+
+    fn release_primed(&self, vm: &SpareVm) {
+        self.launcher.discard_primed(&vm.process);
+        if let Some(n) = &vm.network {
+            if let Err(e) = self.network.detach(n) {
+                tracing::warn!(tap = %n.tap, "cannot remove a spare network: {e}");
+            }
+        }
+    }
 }

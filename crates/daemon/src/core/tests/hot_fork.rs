@@ -11,7 +11,7 @@ use tine_proto::vmm::Request as VmmRequest;
 use super::*;
 use crate::db::CommitFilter;
 use crate::failpoint::{self, Failpoint};
-use crate::launcher::RestoreSpec;
+use crate::launcher::{PrimeSpec, RestoreSpec};
 
 fn memory_commit() -> CommitRequest {
     CommitRequest {
@@ -21,12 +21,22 @@ fn memory_commit() -> CommitRequest {
     }
 }
 
-fn restores(b: &Bed, hostname: &str) -> Vec<RestoreSpec> {
+/// How a fork's guest was resumed.
+#[derive(Debug)]
+enum Resumed {
+    /// Restored into a process on its path.
+    Restore(RestoreSpec),
+    /// A VM primed ahead of it, taken over.
+    Primed(PrimeSpec),
+}
+
+fn resumes(b: &Bed, hostname: &str) -> Vec<Resumed> {
     b.fake
         .seen(hostname)
         .into_iter()
         .filter_map(|s| match s {
-            Seen::Restore(spec) => Some(spec),
+            Seen::Restore(spec) => Some(Resumed::Restore(spec)),
+            Seen::ResumePrimed(spec) => Some(Resumed::Primed(spec)),
             _ => None,
         })
         .collect()
@@ -145,8 +155,18 @@ async fn a_hot_fork_resumes_the_commits_memory_on_its_own_disk_with_every_fixup(
         .expect("commit")
         .commit_id;
     let files = b.daemon.memory_commit_files(&id);
+    // Two forks resume VMs primed ahead (a pool of 2), the third (no pool)
+    // is restored on its path.
+    b.daemon.set_commit_pool(&id, Some(2)).expect("pool");
+    b.daemon.fill_pools().await;
+    assert_eq!(b.fake.primed().len(), 2);
     let mut forks = Vec::new();
-    for _ in 0..2 {
+    for pool in [None, None, Some(0)] {
+        if let Some(size) = pool {
+            b.daemon.set_commit_pool(&id, Some(size)).expect("pool");
+            b.daemon.fill_pools().await;
+            assert!(b.fake.primed().is_empty(), "a pool of 0 primes none");
+        }
         let r = b
             .daemon
             .fork(&id, ForkRequest::default(), Wait::Agent, WAIT)
@@ -156,17 +176,30 @@ async fn a_hot_fork_resumes_the_commits_memory_on_its_own_disk_with_every_fixup(
         assert_eq!(r.child_status, VmState::Running);
         forks.push(r.hostname);
     }
-    for f in &forks {
-        // Restored from the commit's files, on its own disk: never booted.
-        let specs = restores(&b, f);
-        assert_eq!(specs.len(), 1, "{specs:?}");
-        assert_eq!(specs[0].state, files.state());
-        assert_eq!(specs[0].memory, files.memory());
+    for (i, f) in forks.iter().enumerate() {
+        // Resumed from the commit's files, on its own disk: never booted.
         let vm = b.daemon.vm(f).expect("fork");
-        assert_eq!(
-            specs[0].disk.as_ref().map(|d| d.display().to_string()),
-            Some(vm.disk.clone())
-        );
+        let resumed = resumes(&b, f);
+        assert_eq!(resumed.len(), 1, "{resumed:?}");
+        match (&resumed[0], i) {
+            (Resumed::Primed(spec), 0 | 1) => {
+                assert_eq!(spec.state, files.state());
+                assert_eq!(spec.memory, files.memory());
+                // Primed on a spare disk, now the fork's.
+                assert!(spec.disk.starts_with(b.daemon.spares_dir().join(&id)));
+                assert!(!spec.disk.exists(), "renamed into the fork's folder");
+                assert!(Path::new(&vm.disk).is_file());
+            }
+            (Resumed::Restore(spec), 2) => {
+                assert_eq!(spec.state, files.state());
+                assert_eq!(spec.memory, files.memory());
+                assert_eq!(
+                    spec.disk.as_ref().map(|d| d.display().to_string()),
+                    Some(vm.disk.clone())
+                );
+            }
+            (other, i) => panic!("fork {i} resumed by {other:?}"),
+        }
         assert!(!b.fake.seen(f).iter().any(|s| matches!(s, Seen::Boot(_))));
         assert_eq!(b.fake.memory_of(f), Some(memory), "the source's memory");
         let chain = tine_disk::backing_chain(Path::new(&vm.disk)).expect("chain");
@@ -536,6 +569,13 @@ async fn a_memory_commit_keeps_spare_disks_and_its_hot_forks_take_them() {
     b.daemon.fill_pools().await;
     let made = spare_disks(&b, &id);
     assert_eq!(made.len(), 2, "{made:?}");
+    // Each held by a VM primed on it.
+    let mut primed: Vec<_> = b.fake.primed().into_iter().map(|p| p.disk).collect();
+    primed.sort();
+    assert_eq!(
+        primed,
+        made.iter().map(|(p, _)| p.clone()).collect::<Vec<_>>()
+    );
     let commit_disk = b.daemon.commit_record(&id).expect("commit").disk;
     for (path, _) in &made {
         let chain = tine_disk::backing_chain(path).expect("chain");
@@ -584,6 +624,7 @@ async fn a_memory_commit_keeps_spare_disks_and_its_hot_forks_take_them() {
     b.daemon.set_commit_pool(&id, Some(0)).expect("no pool");
     b.daemon.fill_pools().await;
     assert!(spare_disks(&b, &id).is_empty());
+    assert!(b.fake.primed().is_empty(), "primed VMs stopped");
     assert!(!b.daemon.spares_dir().join(&id).exists(), "its folder too");
     b.daemon.set_commit_pool(&id, Some(1)).expect("pool of 1");
     b.daemon.fill_pools().await;
@@ -659,6 +700,12 @@ async fn a_hot_fork_takes_the_spare_network_and_no_other_vm_gets_its_address() {
         assert_eq!(addresses.len(), 1, "one spare network");
         addresses[0]
     };
+    // Held by the VM primed on it.
+    let primed = b.fake.primed();
+    assert_eq!(primed.len(), 1, "{primed:?}");
+    let primed_tap = primed[0].tap.clone().expect("primed with the spare's TAP");
+    assert!(primed_tap.starts_with("cs-spare-"), "{primed_tap}");
+    assert_eq!(link_up(&primed_tap), Some(false), "in quarantine");
     let spare_tap = {
         let fork_net = |h: &str| b.daemon.vm(h).expect("vm").network.expect("a network");
         assert_ne!(fork_net(&source).address, spare);
@@ -675,7 +722,12 @@ async fn a_hot_fork_takes_the_spare_network_and_no_other_vm_gets_its_address() {
             .hostname;
         let n = fork_net(&fork);
         assert_eq!(n.address, spare);
-        assert!(n.tap.starts_with("cs-spare-"), "{}", n.tap);
+        assert_eq!(n.tap, primed_tap, "the primed VM's TAP");
+        assert!(
+            matches!(&resumes(&b, &fork)[..], [Resumed::Primed(p)] if p.tap.as_ref() == Some(&n.tap)),
+            "{:?}",
+            resumes(&b, &fork)
+        );
         assert_eq!(n.hostname, fork);
         assert_eq!(n.mac, crate::network::vm_mac(&fork));
         assert_eq!(link_up(&n.tap), Some(true), "out of quarantine");
@@ -699,6 +751,11 @@ async fn a_hot_fork_takes_the_spare_network_and_no_other_vm_gets_its_address() {
             .await
             .expect("fork with its own policy")
             .hostname;
+        assert!(
+            matches!(&resumes(&b, &own)[..], [Resumed::Restore(r)] if r.tap.is_some()),
+            "restored with a TAP of its own: {:?}",
+            resumes(&b, &own)
+        );
         let own = fork_net(&own);
         assert_eq!(own.tap, format!("cs-{}", own.hostname));
         assert_eq!(own.drop, ["203.0.113.0/24"]);
@@ -715,6 +772,7 @@ async fn a_hot_fork_takes_the_spare_network_and_no_other_vm_gets_its_address() {
     assert_eq!(link_up(&spare_tap), None, "the fork's TAP went with it");
     b.daemon.drain_pools().await;
     assert!(b.daemon.spare_book().addresses("dev").is_empty());
+    assert!(b.fake.primed().is_empty(), "primed VMs stopped");
     let left = manager().teardown().expect("teardown");
     assert!(left.is_empty(), "left behind: {left:?}");
 }
