@@ -305,20 +305,30 @@ fn memory_commit(tag: &str) -> CommitRequest {
     }
 }
 
-/// The pid of the warm pool's one untaken tine-vmm under `data`, once
-/// there is one (the pool fills in the background).
-async fn pooled_pid(data: &std::path::Path) -> R<u32> {
+/// The pid of the one VM primed for the next hot fork under `data` (a
+/// tine-vmm in the pool's folder that restored the commit, paused: it has
+/// a serial log), once there is one (the spares fill in the background).
+async fn primed_pid(data: &std::path::Path) -> R<u32> {
     let deadline = Instant::now() + BOOT;
     loop {
-        let pooled: Vec<u32> = tine_daemon::process::find_processes(data)
+        let primed: Vec<u32> = tine_daemon::process::find_processes(data)
             .into_iter()
-            .filter(|(_, owner)| matches!(owner, tine_daemon::process::Owner::Pool(_)))
+            .filter_map(|(pid, owner)| match owner {
+                tine_daemon::process::Owner::Pool(slot) => Some((pid, slot)),
+                _ => None,
+            })
+            .filter(|(_, slot)| {
+                data.join(tine_daemon::process::POOL_DIR)
+                    .join(slot)
+                    .join("serial.log")
+                    .exists()
+            })
             .map(|(pid, _)| pid)
             .collect();
-        match pooled[..] {
+        match primed[..] {
             [pid] => return Ok(pid),
             [] if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(100)).await,
-            _ => return Err(fail(format!("pooled tine-vmm processes: {pooled:?}"))),
+            _ => return Err(fail(format!("primed tine-vmm processes: {primed:?}"))),
         }
     }
 }
@@ -465,8 +475,8 @@ fn checks(d: &mut Daemon) -> R {
         let mut forks = Vec::new();
         let mut hot_ms = Vec::new();
         for _ in 0..2 {
-            // The fork runs in the process the pool started ahead for it.
-            let pooled = pooled_pid(&data).await?;
+            // The fork runs in the process primed ahead for it.
+            let pooled = primed_pid(&data).await?;
             // And with the network made ahead for it, in quarantine.
             let spare = spare_tap().await?;
             let t = Instant::now();
@@ -481,7 +491,7 @@ fn checks(d: &mut Daemon) -> R {
             let vmm_pid = described.pid;
             if vmm_pid != Some(pooled) {
                 return Err(fail(format!(
-                    "{} runs in tine-vmm {vmm_pid:?}, not the pooled {pooled}",
+                    "{} runs in tine-vmm {vmm_pid:?}, not the primed {pooled}",
                     f.hostname
                 )));
             }
