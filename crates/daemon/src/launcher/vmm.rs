@@ -511,41 +511,55 @@ impl Launcher for VmmLauncher {
                 return Ok(None);
             }
             let paths = self.paths(hostname);
-            // Connected before its files move: the answer comes on this
-            // connection whatever the socket's name is by then.
-            let moved = match tokio::net::UnixStream::connect(&slot.paths.control).await {
-                Ok(io) => pool::prepare_vm_dir(&slot.paths, &paths)
-                    .and_then(|()| pool::move_primed(&slot.paths, &paths))
-                    .map(|()| io)
-                    .map_err(|e| LaunchError::Prepare {
-                        path: e.vm.clone(),
-                        source: std::io::Error::new(e.source.kind(), tine_proto::error_chain(&e)),
-                    }),
-                Err(source) => Err(LaunchError::Control {
-                    hostname: hostname.to_owned(),
-                    source,
+            // The resume goes out at once, and the files move while the
+            // process resumes (the answer comes on this connection whatever
+            // the socket's name is by then); both are done before the VM's
+            // run is handed back.
+            let io = match tokio::net::UnixStream::connect(&slot.paths.control).await {
+                Ok(io) => io,
+                Err(source) => {
+                    stop_slot(slot);
+                    return Err(LaunchError::Control {
+                        hostname: hostname.to_owned(),
+                        source,
+                    });
+                }
+            };
+            let moved = {
+                let (from, to) = (slot.paths.clone(), paths.clone());
+                tokio::task::spawn_blocking(move || {
+                    pool::prepare_vm_dir(&from, &to).and_then(|()| pool::move_primed(&from, &to))
+                })
+            };
+            let request = VmmRequest::Resume;
+            let answer = process::control_on(io, &request, answer_limit(&request)).await;
+            let moved = match moved.await {
+                Ok(moved) => moved.map_err(|e| LaunchError::Prepare {
+                    path: e.vm.clone(),
+                    source: std::io::Error::new(e.source.kind(), tine_proto::error_chain(&e)),
+                }),
+                Err(e) => Err(LaunchError::Prepare {
+                    path: paths.dir.clone(),
+                    source: std::io::Error::other(format!(
+                        "the move of the primed process ended: {e}"
+                    )),
                 }),
             };
-            let failed = match moved {
-                Ok(io) => {
-                    let request = VmmRequest::Resume;
-                    match process::control_on(io, &request, answer_limit(&request)).await {
-                        Ok(VmmResponse::Ok { .. }) => {
-                            let link = slot.paths.dir.clone();
-                            return Ok(Some(self.spawned(slot.child, paths, Some(link))));
-                        }
-                        Ok(VmmResponse::Error { error }) => LaunchError::Refused {
-                            hostname: hostname.to_owned(),
-                            request: "resume".into(),
-                            error,
-                        },
-                        Err(source) => LaunchError::Control {
-                            hostname: hostname.to_owned(),
-                            source,
-                        },
-                    }
+            let failed = match (answer, moved) {
+                (Ok(VmmResponse::Ok { .. }), Ok(())) => {
+                    let link = slot.paths.dir.clone();
+                    return Ok(Some(self.spawned(slot.child, paths, Some(link))));
                 }
-                Err(e) => e,
+                (Ok(VmmResponse::Error { error }), _) => LaunchError::Refused {
+                    hostname: hostname.to_owned(),
+                    request: "resume".into(),
+                    error,
+                },
+                (Err(source), _) => LaunchError::Control {
+                    hostname: hostname.to_owned(),
+                    source,
+                },
+                (Ok(VmmResponse::Ok { .. }), Err(e)) => e,
             };
             stop_slot(slot);
             Err(failed)
