@@ -1,14 +1,18 @@
 //! Hot forks through the daemon's core and its real launcher, on this
 //! host's KVM: a fork request in (`wait=none`) until the child's tine-vmm
-//! has restored the snapshot and its vCPU runs, at 1, 10 and 50 requests at
-//! once; first with every fork starting its own tine-vmm, then with a warm
-//! pool of pre-started ones (the host group's `hot_fork_pool`). Then the
-//! same in a group with an isolated network (needs root, `nft` and `ip`):
-//! without a pool each fork makes its TAP and nft rules on its path, with
-//! one it takes a spare network made ahead (and a spare disk). The bench's
-//! network objects have their own nft table and TAP prefix, on a link-local
-//! range; no packet is sent. Prints p50/p99 and their ratio; asserts
-//! nothing. Targets: p50 <= 2 ms, p99 <= 5 ms.
+//! has resumed the snapshot and its vCPU runs, at 1, 10 and 50 requests at
+//! once; first with every fork starting its own tine-vmm and restoring into
+//! it, then with a pool (the host group's `hot_fork_pool`): VMs primed
+//! ahead (the snapshot restored, paused, on a spare disk) that a fork
+//! resumes, and pre-started processes for forks that find none. Then the
+//! same in a group with an isolated network (needs root, `nft` and `ip`),
+//! forking a commit whose source had a NIC: without a pool each fork makes
+//! its TAP and nft rules on its path, with one it takes a primed VM with its
+//! spare network, which its launch hands over. The synthetic guest has no
+//! NIC device, so its tine-vmm opens no TAP: the rows measure the daemon's
+//! part. The bench's network objects have their own nft table and TAP
+//! prefix, on a link-local range; no packet is sent. Prints p50/p99 and
+//! their ratio; asserts nothing. Targets: p50 <= 2 ms, p99 <= 5 ms.
 //!
 //!   cargo bench -p tine-vmm --bench hot_fork_api   (TINE_BENCH_RUNS, default 100)
 //!
@@ -99,10 +103,14 @@ fn daemon(
 }
 
 /// A memory commit recorded by the daemon, its snapshot that of a
-/// synthetic guest: the commit's id.
-async fn synthetic_memory_commit(dir: &Path) -> anyhow::Result<String> {
+/// synthetic guest: the commit's id. Its source runs in a group with
+/// `network` (or none), so that its forks have a NIC as it had.
+async fn synthetic_memory_commit(
+    dir: &Path,
+    network: Option<NetworkConfig>,
+) -> anyhow::Result<String> {
     std::fs::write(dir.join("base.img"), vec![0u8; 1 << 20])?;
-    let d = daemon(dir, 0, None, Arc::new(FakeLauncher::new()))?;
+    let d = daemon(dir, 0, network, Arc::new(FakeLauncher::new()))?;
     let source = d
         .create_vm("b", CreateVmRequest::default(), Wait::Agent, WAIT, false)
         .await?
@@ -142,7 +150,7 @@ async fn row(
     let mut figures = Vec::new();
     for pool in [0u32, concurrent as u32] {
         let dir = tempfile::tempdir()?;
-        let commit = synthetic_memory_commit(dir.path()).await?;
+        let commit = synthetic_memory_commit(dir.path(), network.clone()).await?;
         let launcher = Arc::new(VmmLauncher::new(vmm.to_path_buf(), dir.path().join("data")));
         let d = daemon(dir.path(), pool, network.clone(), launcher)?;
         d.fill_pools().await;

@@ -195,7 +195,7 @@ impl Daemon {
             }
         }
         let spare = if hot {
-            self.take_spare(&c.id, &group, new.policy.as_ref())
+            self.take_spare(&c, new.policy.as_ref())
         } else {
             None
         };

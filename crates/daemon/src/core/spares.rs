@@ -88,6 +88,14 @@ pub(super) struct PooledCommit {
     pub size: u32,
 }
 
+impl PooledCommit {
+    /// Whether its forks have a NIC (its source had one; the group has a
+    /// network, or its forks are refused).
+    fn forks_have_nic(&self) -> bool {
+        self.commit.has_nic == Some(true) && self.group.network.mode != NetMode::None
+    }
+}
+
 impl Daemon {
     /// Where spare disks are made.
     pub(super) fn spares_dir(&self) -> PathBuf {
@@ -121,7 +129,7 @@ impl Daemon {
     fn wanted_spares(&self) -> Result<Wanted> {
         let mut wanted = Wanted::default();
         for p in self.pooled_commits()? {
-            if p.group.network.mode != NetMode::None {
+            if p.forks_have_nic() {
                 *wanted.networks.entry(p.group.name.clone()).or_default() += p.size;
             }
             wanted
@@ -189,7 +197,7 @@ impl Daemon {
                 return;
             }
         };
-        let group = (p.group.network.mode != NetMode::None).then_some(p.group.name.as_str());
+        let group = p.forks_have_nic().then_some(p.group.name.as_str());
         while self.spare_book().vms_of(id) < p.size as usize {
             let Some((disk, network)) = self.spare_book().begin_priming(id, group) else {
                 return;
@@ -405,22 +413,23 @@ impl Daemon {
     }
 
     /// What a hot fork of `commit` asking for network `policy` takes of
-    /// its spares: a primed VM when the fork takes its group's network as
-    /// it is, else (or when none is ready) a loose disk; the caller renames
-    /// its disk into place ([`Daemon::fork_disk_from`]).
+    /// its spares: a primed VM when it fits (the commit's source had no
+    /// NIC, so neither have its forks nor its primed VMs; or it had one and
+    /// the fork takes its group's network as it is), else (or when none is
+    /// ready) a loose disk; the caller renames its disk into place
+    /// ([`Daemon::fork_disk_from`]).
     pub(super) fn take_spare(
         &self,
-        commit: &str,
-        group: &HostGroup,
+        commit: &CommitRecord,
         policy: Option<&ForkNetwork>,
     ) -> Option<TakenSpare> {
         let mut book = self.spare_book();
-        if group.network.mode == NetMode::None || takes_group_network(policy) {
-            if let Some(vm) = book.take_vm(commit) {
+        if commit.has_nic != Some(true) || takes_group_network(policy) {
+            if let Some(vm) = book.take_vm(&commit.id) {
                 return Some(TakenSpare::Vm(Box::new(vm)));
             }
         }
-        book.take_disk(commit).map(TakenSpare::Disk)
+        book.take_disk(&commit.id).map(TakenSpare::Disk)
     }
 
     /// A fork's disk at `vm.disk`: the disk of `spare` (made in advance on

@@ -761,7 +761,57 @@ async fn a_hot_fork_takes_the_spare_network_and_no_other_vm_gets_its_address() {
         assert_eq!(own.drop, ["203.0.113.0/24"]);
         n.tap
     };
-    // The take is refilled: a new spare, down, with another address.
+    // A commit whose source had no NIC primes a VM without one and holds
+    // no spare network; its forks (which have none) take that VM.
+    let disk_commit = b.commit().await;
+    let bare = b
+        .daemon
+        .fork(
+            &disk_commit,
+            ForkRequest {
+                network: Some(tine_proto::api::ForkNetwork::None),
+                ..ForkRequest::default()
+            },
+            Wait::Agent,
+            WAIT,
+        )
+        .await
+        .expect("a fork without a NIC")
+        .hostname;
+    let bare_id = b
+        .daemon
+        .commit(
+            &bare,
+            CommitRequest {
+                hot_fork_pool: Some(1),
+                ..memory_commit()
+            },
+        )
+        .await
+        .expect("memory commit")
+        .commit_id;
+    b.daemon.fill_pools().await;
+    let bare_primed: Vec<_> = b
+        .fake
+        .primed()
+        .into_iter()
+        .filter(|p| p.tap.is_none())
+        .collect();
+    assert_eq!(bare_primed.len(), 1, "{:?}", b.fake.primed());
+    let bare_fork = b
+        .daemon
+        .fork(&bare_id, ForkRequest::default(), Wait::Agent, WAIT)
+        .await
+        .expect("hot fork without a NIC")
+        .hostname;
+    assert!(
+        matches!(&resumes(&b, &bare_fork)[..], [Resumed::Primed(p)] if p.tap.is_none()),
+        "{:?}",
+        resumes(&b, &bare_fork)
+    );
+    assert!(b.daemon.vm(&bare_fork).expect("fork").network.is_none());
+    // The take is refilled: a new spare, down, with another address (one:
+    // the commit without a NIC wants none).
     b.daemon.fill_pools().await;
     let refilled = b.daemon.spare_book().addresses("dev");
     assert_eq!(refilled.len(), 1);
