@@ -71,6 +71,22 @@ pub enum Request {
     Kill,
 }
 
+impl Request {
+    /// Its `op` on the wire, for messages.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Request::Status => "status",
+            Request::Pause => "pause",
+            Request::Resume => "resume",
+            Request::Snapshot { .. } => "snapshot",
+            Request::SwitchDisk { .. } => "switch_disk",
+            Request::Restore { .. } => "restore",
+            Request::Shutdown => "shutdown",
+            Request::Kill => "kill",
+        }
+    }
+}
+
 /// The answer to a [`Request`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "status", rename_all = "snake_case")]
@@ -362,5 +378,37 @@ mod tests {
         assert!(StopReason::Killed.is_clean() && StopReason::GuestReboot.is_clean());
         assert!(!StopReason::GuestCrash.is_clean());
         assert!(!StopReason::VmmError(String::new()).is_clean());
+    }
+
+    #[test]
+    fn a_requests_name_is_its_op_on_the_wire() {
+        let requests = [
+            Request::Status,
+            Request::Pause,
+            Request::Resume,
+            Request::Snapshot {
+                state_path: "s".into(),
+                mem_path: "m".into(),
+            },
+            Request::SwitchDisk {
+                drive: "drive0".into(),
+                path: "d".into(),
+            },
+            Request::Restore {
+                state_path: "s".into(),
+                mem_path: "m".into(),
+                paused: false,
+                vsock_uds: None,
+                drives: BTreeMap::new(),
+                taps: BTreeMap::new(),
+                serial_log: None,
+            },
+            Request::Shutdown,
+            Request::Kill,
+        ];
+        for r in requests {
+            let wire: serde_json::Value = serde_json::to_value(&r).expect("json");
+            assert_eq!(wire["op"], r.name());
+        }
     }
 }

@@ -48,6 +48,23 @@ fn wait_counter_above(vmm: &Vmm, value: u64) -> u64 {
     }
 }
 
+/// Restores the snapshot `state` + `mem` with no overrides, paused or
+/// running.
+fn restore(
+    state: &std::path::Path,
+    mem: &std::path::Path,
+    paused: bool,
+) -> Result<Vmm, tine_vmm::vmm::VmmError> {
+    Vmm::restore(
+        state,
+        mem,
+        None,
+        &ConsoleConfig::default(),
+        &RestoreOverrides::default(),
+        paused,
+    )
+}
+
 #[test]
 fn test_synthetic_port_write_powers_off_with_value() {
     let mut vmm = Vmm::boot(&raw_config(POWEROFF_7), &ConsoleConfig::default())
@@ -112,17 +129,7 @@ fn test_synthetic_snapshot_restores_into_isolated_children() {
     assert!(info.mem_bytes_written < 1 << 20, "memory file not sparse");
 
     let mut children: Vec<Vmm> = (0..3)
-        .map(|_| {
-            Vmm::restore(
-                &state,
-                &mem,
-                None,
-                &ConsoleConfig::default(),
-                &RestoreOverrides::default(),
-                true,
-            )
-            .expect("restore")
-        })
+        .map(|_| restore(&state, &mem, true).expect("restore"))
         .collect();
     for child in &children {
         assert_eq!(
@@ -310,15 +317,7 @@ fn test_synthetic_restore_of_a_format_1_state_file_runs() {
     assert_eq!(old.mem_size, saved.mem_size);
     assert_eq!(old.vcpus.len(), saved.vcpus.len());
     std::fs::write(&state, &v1).expect("write");
-    let child = Vmm::restore(
-        &state,
-        &mem,
-        None,
-        &ConsoleConfig::default(),
-        &RestoreOverrides::default(),
-        false,
-    )
-    .expect("restore of a version 1 state file");
+    let child = restore(&state, &mem, false).expect("restore of a version 1 state file");
     assert!(wait_counter_above(&child, before) > before);
 }
 
@@ -339,15 +338,7 @@ fn test_synthetic_a_vm_restored_paused_resumes_with_the_snapshots_clock() {
     // Restored paused, it waits a second before it runs (a VM primed ahead
     // of a fork); its kvmclock then goes on from the snapshot's, not from
     // the restore's.
-    let mut child = Vmm::restore(
-        &state,
-        &mem,
-        None,
-        &ConsoleConfig::default(),
-        &RestoreOverrides::default(),
-        true,
-    )
-    .expect("restore");
+    let mut child = restore(&state, &mem, true).expect("restore");
     std::thread::sleep(Duration::from_secs(1));
     child.resume().expect("resume");
     child.pause().expect("pause");

@@ -512,11 +512,7 @@ impl Launcher for FakeLauncher {
         async move {
             let primed = self.lock().primed.remove(name);
             let Some((spec, memory)) = primed else {
-                return Err(LaunchError::Refused {
-                    hostname: hostname.to_owned(),
-                    request: "resume".into(),
-                    error: format!("no primed process {name}"),
-                });
+                return Err(LaunchError::not_primed(hostname, name));
             };
             self.record(hostname, Seen::ResumePrimed(spec));
             self.boot_as(hostname, Some(memory)).map(Some)

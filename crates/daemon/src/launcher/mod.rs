@@ -250,6 +250,17 @@ pub enum LaunchError {
     },
 }
 
+impl LaunchError {
+    /// `resume_primed` of a name the launcher does not hold.
+    pub fn not_primed(hostname: &str, name: &str) -> Self {
+        LaunchError::Refused {
+            hostname: hostname.to_owned(),
+            request: "resume".into(),
+            error: format!("no primed process {name}"),
+        }
+    }
+}
+
 /// Runs VMs for the daemon. Every method names the VM by hostname; the
 /// launcher knows where its files are.
 pub trait Launcher: Send + Sync + std::fmt::Debug + 'static {

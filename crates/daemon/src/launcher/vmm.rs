@@ -151,9 +151,29 @@ impl VmmLauncher {
                 return None;
             }
         };
+        Some(
+            self.hand_over(hostname, slot, paths, io, request, pool::move_slot)
+                .await,
+        )
+    }
+
+    /// Sends `request` on `io`, the slot's control connection, and moves
+    /// the slot's files into the VM's folder with `move_files` meanwhile
+    /// (the answer comes on this connection whatever the socket's name is
+    /// by then): the slot's process, now the VM's run, once both are done;
+    /// otherwise it is stopped.
+    async fn hand_over(
+        &self,
+        hostname: &str,
+        slot: Slot,
+        paths: &VmPaths,
+        io: tokio::net::UnixStream,
+        request: &VmmRequest,
+        move_files: fn(&VmPaths, &VmPaths) -> Result<(), pool::HandOverError>,
+    ) -> Result<Running, LaunchError> {
         let moved = {
             let (from, to) = (slot.paths.clone(), paths.clone());
-            tokio::task::spawn_blocking(move || pool::move_slot(&from, &to))
+            tokio::task::spawn_blocking(move || move_files(&from, &to))
         };
         let answer = process::control_on(io, request, answer_limit(request)).await;
         let moved = match moved.await {
@@ -163,17 +183,17 @@ impl VmmLauncher {
             }),
             Err(e) => Err(LaunchError::Prepare {
                 path: paths.dir.clone(),
-                source: std::io::Error::other(format!("the move of the pooled process ended: {e}")),
+                source: std::io::Error::other(format!("the move of slot {} ended: {e}", slot.name)),
             }),
         };
         let failed = match (answer, moved) {
             (Ok(VmmResponse::Ok { .. }), Ok(())) => {
                 let link = slot.paths.dir.clone();
-                return Some(Ok(self.spawned(slot.child, paths.clone(), Some(link))));
+                return Ok(self.spawned(slot.child, paths.clone(), Some(link)));
             }
             (Ok(VmmResponse::Error { error }), _) => LaunchError::Refused {
                 hostname: hostname.to_owned(),
-                request: "restore".into(),
+                request: request.name().into(),
                 error,
             },
             (Err(source), _) => LaunchError::Control {
@@ -183,7 +203,7 @@ impl VmmLauncher {
             (Ok(VmmResponse::Ok { .. }), Err(e)) => e,
         };
         stop_slot(slot);
-        Some(Err(failed))
+        Err(failed)
     }
 
     /// Starts what the pool lacks, until it has what it wants; processes
@@ -499,11 +519,7 @@ impl Launcher for VmmLauncher {
     ) -> BoxFuture<'a, Result<Option<Running>, LaunchError>> {
         async move {
             let Some(mut slot) = self.pool().take_primed(name) else {
-                return Err(LaunchError::Refused {
-                    hostname: hostname.to_owned(),
-                    request: "resume".into(),
-                    error: format!("no primed process {name}"),
-                });
+                return Err(LaunchError::not_primed(hostname, name));
             };
             if !matches!(slot.child.try_wait(), Ok(None)) {
                 tracing::warn!(slot = %slot.name, "a primed tine-vmm had ended");
@@ -512,9 +528,7 @@ impl Launcher for VmmLauncher {
             }
             let paths = self.paths(hostname);
             // The resume goes out at once, and the files move while the
-            // process resumes (the answer comes on this connection whatever
-            // the socket's name is by then); both are done before the VM's
-            // run is handed back.
+            // process resumes.
             let io = match tokio::net::UnixStream::connect(&slot.paths.control).await {
                 Ok(io) => io,
                 Err(source) => {
@@ -525,44 +539,13 @@ impl Launcher for VmmLauncher {
                     });
                 }
             };
-            let moved = {
-                let (from, to) = (slot.paths.clone(), paths.clone());
-                tokio::task::spawn_blocking(move || {
-                    pool::prepare_vm_dir(&from, &to).and_then(|()| pool::move_primed(&from, &to))
-                })
-            };
-            let request = VmmRequest::Resume;
-            let answer = process::control_on(io, &request, answer_limit(&request)).await;
-            let moved = match moved.await {
-                Ok(moved) => moved.map_err(|e| LaunchError::Prepare {
-                    path: e.vm.clone(),
-                    source: std::io::Error::new(e.source.kind(), tine_proto::error_chain(&e)),
-                }),
-                Err(e) => Err(LaunchError::Prepare {
-                    path: paths.dir.clone(),
-                    source: std::io::Error::other(format!(
-                        "the move of the primed process ended: {e}"
-                    )),
-                }),
-            };
-            let failed = match (answer, moved) {
-                (Ok(VmmResponse::Ok { .. }), Ok(())) => {
-                    let link = slot.paths.dir.clone();
-                    return Ok(Some(self.spawned(slot.child, paths, Some(link))));
-                }
-                (Ok(VmmResponse::Error { error }), _) => LaunchError::Refused {
-                    hostname: hostname.to_owned(),
-                    request: "resume".into(),
-                    error,
-                },
-                (Err(source), _) => LaunchError::Control {
-                    hostname: hostname.to_owned(),
-                    source,
-                },
-                (Ok(VmmResponse::Ok { .. }), Err(e)) => e,
-            };
-            stop_slot(slot);
-            Err(failed)
+            let move_files: fn(&VmPaths, &VmPaths) -> Result<(), pool::HandOverError> =
+                |from, to| {
+                    pool::prepare_vm_dir(from, to).and_then(|()| pool::move_primed(from, to))
+                };
+            self.hand_over(hostname, slot, &paths, io, &VmmRequest::Resume, move_files)
+                .await
+                .map(Some)
         }
         .boxed()
     }
