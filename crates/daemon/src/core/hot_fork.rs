@@ -202,18 +202,25 @@ impl Daemon {
         files: &SnapshotFiles,
     ) -> Result<Running> {
         let network = match primed.network {
-            Some(spare) => match self.hand_over_network(vm, spare)? {
-                Some(taken) => Some(taken),
-                None => {
+            Some(spare) => match self.hand_over_network(vm, spare) {
+                Ok(Some(taken)) => Some(taken),
+                Ok(None) => {
                     // Its TAP is gone with the failed hand-over.
                     self.launcher.discard_primed(&primed.process);
                     return self.restore_hot_fork(group, vm, files, None).await;
+                }
+                Err(e) => {
+                    self.launcher.discard_primed(&primed.process);
+                    return Err(e);
                 }
             },
             None => None,
         };
         if let Some(n) = &network {
-            self.quarantine(&vm.hostname, n)?;
+            if let Err(e) = self.quarantine(&vm.hostname, n) {
+                self.launcher.discard_primed(&primed.process);
+                return Err(e);
+            }
         }
         let resumed = self
             .launcher

@@ -816,6 +816,46 @@ async fn a_hot_fork_takes_the_spare_network_and_no_other_vm_gets_its_address() {
     let refilled = b.daemon.spare_book().addresses("dev");
     assert_eq!(refilled.len(), 1);
     assert_ne!(refilled[0], spare);
+    // A primed VM whose TAP went away behind the daemon's back: the fork's
+    // hand-over fails, that VM is stopped, and the fork restores with a
+    // TAP of its own.
+    let primed_tap = b
+        .fake
+        .primed()
+        .into_iter()
+        .find_map(|p| p.tap)
+        .expect("a primed VM with a TAP");
+    let deleted = std::process::Command::new("ip")
+        .args(["link", "del", "dev", &primed_tap])
+        .status()
+        .expect("ip runs");
+    assert!(deleted.success());
+    let after_loss = b
+        .daemon
+        .fork(&id, ForkRequest::default(), Wait::Agent, WAIT)
+        .await
+        .expect("a hot fork whose primed VM lost its TAP")
+        .hostname;
+    let own_tap = b
+        .daemon
+        .vm(&after_loss)
+        .expect("vm")
+        .network
+        .expect("a network")
+        .tap;
+    assert_ne!(own_tap, primed_tap);
+    assert!(
+        matches!(&resumes(&b, &after_loss)[..], [Resumed::Restore(r)] if r.tap.as_ref() == Some(&own_tap)),
+        "{:?}",
+        resumes(&b, &after_loss)
+    );
+    assert!(
+        !b.fake
+            .primed()
+            .iter()
+            .any(|p| p.tap.as_ref() == Some(&primed_tap)),
+        "the primed VM is stopped"
+    );
     for vm in b.daemon.list(None, &Default::default()).expect("list") {
         b.daemon.delete(&vm.hostname).await.expect("delete");
     }
