@@ -194,7 +194,7 @@ impl Daemon {
                 self.remember_verified(&c.id, stamp);
             }
         }
-        let spare = if hot {
+        let mut spare = if hot {
             self.take_spare(&c, new.policy.as_ref())
         } else {
             None
@@ -206,12 +206,18 @@ impl Daemon {
             let provisioned = this
                 .provision(&new, |vm: &VmRecord| {
                     recorded_as = Some(vm.hostname.clone());
-                    this.fork_disk_from(spare, &commit_path, vm)
+                    this.fork_disk_from(spare.take(), &commit_path, vm)
                 })
                 .await;
-            if let (Err(_), Some(hostname)) = (&provisioned, recorded_as) {
-                // No fork holds what it claimed.
-                this.release_claimed(&hostname);
+            if provisioned.is_err() {
+                // Taken or claimed, but no fork holds it: a spare the
+                // record never reached, or the primed VM it claimed.
+                if let Some(unused) = spare {
+                    this.release_taken(unused);
+                }
+                if let Some(hostname) = recorded_as {
+                    this.release_claimed(&hostname);
+                }
             }
             provisioned
         });

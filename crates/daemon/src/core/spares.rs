@@ -461,7 +461,7 @@ impl Daemon {
     }
 
     /// Removes a spare that was taken but that no fork holds.
-    fn release_taken(&self, spare: TakenSpare) {
+    pub(super) fn release_taken(&self, spare: TakenSpare) {
         match spare {
             TakenSpare::Disk(disk) => remove_file_logged(&disk),
             TakenSpare::Vm(vm) => {

@@ -644,6 +644,39 @@ async fn a_memory_commit_keeps_spare_disks_and_its_hot_forks_take_them() {
     assert!(!restarted.spares_dir().exists());
 }
 
+#[tokio::test]
+async fn a_hot_fork_that_fails_before_its_record_gives_back_the_primed_vm_it_took() {
+    let b = bed(true);
+    let h = b.create(Wait::Agent).await;
+    let id = b
+        .daemon
+        .commit(
+            &h,
+            CommitRequest {
+                hot_fork_pool: Some(1),
+                ..memory_commit()
+            },
+        )
+        .await
+        .expect("commit")
+        .commit_id;
+    b.daemon.fill_pools().await;
+    assert_eq!(b.fake.primed().len(), 1);
+    // The fork's folder cannot be made: a file stands in its place (the
+    // group's next hostname after its source's).
+    assert_eq!(h, "dev-1");
+    let dir = b.daemon.paths("dev-2").dir;
+    std::fs::create_dir_all(dir.parent().expect("vms folder")).expect("vms folder");
+    std::fs::write(&dir, "not a folder").expect("file");
+    let failed = b
+        .daemon
+        .fork(&id, ForkRequest::default(), Wait::Agent, WAIT)
+        .await;
+    assert!(failed.is_err(), "{failed:?}");
+    assert!(b.fake.primed().is_empty(), "the primed VM taken is stopped");
+    assert!(spare_disks(&b, &id).is_empty(), "and its disk removed");
+}
+
 /// Whether the link `name` exists, and is up.
 fn link_up(name: &str) -> Option<bool> {
     let out = std::process::Command::new("ip")
