@@ -54,9 +54,8 @@ pub const SPARES_DIR: &str = "spares";
 struct Wanted {
     /// Networks per host group.
     networks: BTreeMap<String, u32>,
-    /// Disks (and primed VMs) per memory commit, with the commit's disk.
-    disks: BTreeMap<String, (PathBuf, u32)>,
-    /// The commits to prime VMs of.
+    /// The memory commits with a pool: each wants as many disks and
+    /// primed VMs as its pool's size.
     commits: Vec<PooledCommit>,
 }
 
@@ -132,9 +131,6 @@ impl Daemon {
             if p.forks_have_nic() {
                 *wanted.networks.entry(p.group.name.clone()).or_default() += p.size;
             }
-            wanted
-                .disks
-                .insert(p.commit.id.clone(), (PathBuf::from(&p.commit.disk), p.size));
             wanted.commits.push(p);
         }
         Ok(wanted)
@@ -153,17 +149,18 @@ impl Daemon {
             }
         };
         let disk_counts = wanted
-            .disks
+            .commits
             .iter()
-            .map(|(id, (_, n))| (id.clone(), *n))
+            .map(|p| (p.commit.id.clone(), p.size))
             .collect();
         let released = self.spare_book().trim(&wanted.networks, &disk_counts);
         self.remove_spares(released).await;
         self.remove_unwanted_spare_folders(&disk_counts);
-        for (id, (commit_disk, n)) in &wanted.disks {
+        for p in &wanted.commits {
+            let id = &p.commit.id;
             let have = self.spare_book().disks_of(id);
-            for _ in have..*n as usize {
-                match self.make_spare_disk(id, commit_disk).await {
+            for _ in have..p.size as usize {
+                match self.make_spare_disk(id, Path::new(&p.commit.disk)).await {
                     Ok(path) => self.spare_book().add_disk(id, path),
                     Err(e) => {
                         tracing::warn!(commit = %id, "cannot make a spare disk: {}", chain(&e));
