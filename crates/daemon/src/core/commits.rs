@@ -19,6 +19,7 @@ use tine_proto::api::{
 use super::commit_record::{check_request, info, new_commit_id, record_for};
 use super::daemon::{no_commit, remove_file_logged, Daemon, FileStamp};
 use super::error::{chain, Error, Result};
+use super::lifecycle::BootSlot;
 use super::plan;
 use super::snapshot::SnapshotFiles;
 use crate::db::{CommitFilter, VmRecord};
@@ -199,12 +200,13 @@ impl Daemon {
         } else {
             None
         };
+        let slot = if hot { BootSlot::Skip } else { BootSlot::Take };
         let this = self.clone();
         // The fork finishes even if the client goes away.
         let job = tokio::spawn(async move {
             let mut recorded_as = None;
             let provisioned = this
-                .provision(&new, |vm: &VmRecord| {
+                .provision(&new, slot, |vm: &VmRecord| {
                     recorded_as = Some(vm.hostname.clone());
                     this.fork_disk_from(spare.take(), &commit_path, vm)
                 })

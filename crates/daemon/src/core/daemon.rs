@@ -13,6 +13,7 @@ use tine_proto::api::{StopMode, VmState};
 use tokio::sync::watch;
 
 use super::error::{chain, Error, Result};
+use super::signals::VmSignals;
 use super::spare_book::SpareBook;
 use crate::config::{Config, HostGroup};
 use crate::db::{now_ms, CommitFilter, CommitRecord, ImageRecord, Store, VmRecord};
@@ -116,8 +117,9 @@ pub struct Daemon {
     /// the same free address.
     pub(super) allocate: Mutex<()>,
     started_ms: u64,
-    /// Bumped on every VM state change; waiters re-read the store.
-    changes: watch::Sender<u64>,
+    /// Signalled on every change of a VM's record or process; its waiters
+    /// re-read the store.
+    changes: VmSignals,
     /// Serialises life-cycle operations per VM.
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Serialises image imports (concurrent creates share one copy).
@@ -182,7 +184,6 @@ pub fn capped(reason: &str) -> String {
 impl Daemon {
     /// A daemon over `parts`.
     pub fn from_parts(parts: Parts) -> Arc<Self> {
-        let (changes, _) = watch::channel(0);
         let boot_concurrency = parts
             .config
             .boot_concurrency
@@ -203,7 +204,7 @@ impl Daemon {
             deadlines: parts.deadlines,
             allocate: Mutex::new(()),
             started_ms: now_ms(),
-            changes,
+            changes: VmSignals::default(),
             locks: Mutex::new(HashMap::new()),
             imports: Mutex::new(()),
             importing: Mutex::default(),
@@ -333,7 +334,7 @@ impl Daemon {
                 runs.remove(hostname);
             }
         }
-        self.notify();
+        self.notify(hostname);
     }
 
     /// Waits until the process of `instance` has ended; false when
@@ -345,7 +346,7 @@ impl Daemon {
         timeout: Duration,
     ) -> bool {
         let deadline = tokio::time::Instant::now() + timeout;
-        let mut rx = self.changes.subscribe();
+        let mut rx = self.changes.subscribe(hostname);
         loop {
             rx.borrow_and_update();
             let running = self
@@ -431,8 +432,14 @@ impl Daemon {
         Ok(self.store.list_commits(filter)?)
     }
 
-    pub(super) fn notify(&self) {
-        self.changes.send_modify(|n| *n = n.wrapping_add(1));
+    /// Wakes the waiters of `hostname` (its record or process changed).
+    pub(super) fn notify(&self, hostname: &str) {
+        self.changes.notify(hostname);
+    }
+
+    /// Wakes every waiter (a change that may touch any VM).
+    pub(super) fn notify_all(&self) {
+        self.changes.notify_all();
     }
 
     pub(super) async fn lock_vm(&self, hostname: &str) -> tokio::sync::OwnedMutexGuard<()> {
@@ -479,7 +486,7 @@ impl Daemon {
     }
 
     /// Waits until `hostname`'s record satisfies `done` (or its start
-    /// failed: an error says why).
+    /// failed: an error says why). Only changes of that VM wake it.
     pub(super) async fn wait_until(
         &self,
         hostname: &str,
@@ -487,7 +494,7 @@ impl Daemon {
         done: impl Fn(&VmRecord) -> bool,
     ) -> Result<VmRecord> {
         let deadline = tokio::time::Instant::now() + timeout;
-        let mut rx = self.changes.subscribe();
+        let mut rx = self.changes.subscribe(hostname);
         loop {
             rx.borrow_and_update();
             let vm = self.store.find_vm(hostname)?.ok_or_else(|| {
@@ -500,6 +507,12 @@ impl Daemon {
                     .unwrap_or_else(|| "no reason recorded".into());
                 Error::Failed(format!("{hostname} failed to start and was removed: {why}"))
             })?;
+            if vm.hostname != hostname {
+                // Called with a friendly name: its changes are signalled
+                // under the hostname.
+                let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+                return Box::pin(self.wait_until(&vm.hostname, left, done)).await;
+            }
             if done(&vm) {
                 return Ok(vm);
             }
@@ -531,7 +544,7 @@ impl Daemon {
     /// `timeout` passed first.
     pub(super) async fn wait_not_live(&self, hostname: &str, timeout: Duration) -> bool {
         let deadline = tokio::time::Instant::now() + timeout;
-        let mut rx = self.changes.subscribe();
+        let mut rx = self.changes.subscribe(hostname);
         loop {
             rx.borrow_and_update();
             match self.store.find_vm(hostname) {

@@ -146,7 +146,8 @@ impl Daemon {
     /// `files` with the fork's own disk and TAP; the process recorded once
     /// `disk_synced` says its disk reached stable storage (meanwhile the
     /// resume or restore runs), then its set-up supervised. `permit` is its
-    /// boot slot.
+    /// boot slot: none for a fork's first launch (`BootSlot::Skip`), one
+    /// when a restart queued it again.
     pub(super) async fn launch_hot_fork(
         self: &Arc<Self>,
         hostname: &str,
@@ -184,7 +185,7 @@ impl Daemon {
             self.launcher.kill(hostname, running.instance);
             return Err(e.into());
         }
-        self.notify();
+        self.notify(hostname);
         tracing::info!(vm = hostname, pid, "resumed from a memory commit");
         self.supervise(hostname.to_owned(), running, permit, SetUp::HotFork);
         Ok(())

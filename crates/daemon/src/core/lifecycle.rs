@@ -36,6 +36,18 @@ fn remove_dir_logged(dir: &Path) {
     }
 }
 
+/// Whether a launch waits for one of the `boot_concurrency` boot slots.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum BootSlot {
+    /// A boot, or a launch after a restart: it holds a slot until its
+    /// agent is ready, so a storm of boots does not starve every guest.
+    Take,
+    /// A hot fork's first launch: it boots nothing (its guest resumes where
+    /// the source was) and its set-up is a few agent calls, so a burst of
+    /// forks resumes at once instead of two at a time.
+    Skip,
+}
+
 impl Daemon {
     /// Describes a VM for the API.
     pub fn describe(&self, vm: &VmRecord) -> api::VmInfo {
@@ -151,7 +163,7 @@ impl Daemon {
                 )));
             }
             let base = PathBuf::from(&base.path);
-            this.provision(&new, move |vm: &VmRecord| {
+            this.provision(&new, BootSlot::Take, move |vm: &VmRecord| {
                 storage::create_disk(&base, Path::new(&vm.disk), size)
                     .map_err(|e| Error::disk("create disk", e))
             })
@@ -185,6 +197,7 @@ impl Daemon {
     pub(super) async fn provision(
         self: &Arc<Self>,
         new: &NewVm,
+        slot: BootSlot,
         make_disk: impl FnOnce(&VmRecord) -> Result<()>,
     ) -> Result<String> {
         let data_dir = self.data_dir.clone();
@@ -213,8 +226,8 @@ impl Daemon {
             },
         )?;
         failpoint::hit(Failpoint::ProvisionRecorded);
-        self.notify();
-        self.spawn_boot(&vm.hostname);
+        self.notify(&vm.hostname);
+        self.spawn_boot(&vm.hostname, slot);
         Ok(vm.hostname)
     }
 
@@ -231,7 +244,7 @@ impl Daemon {
             Err(e) => tracing::error!(vm = hostname, "cannot read its record: {}", chain(&e)),
         }
         self.forget_logged(hostname);
-        self.notify();
+        self.notify(hostname);
     }
 
     /// Queues the VM's boot: it is `starting` (without a process) at once,
@@ -240,21 +253,24 @@ impl Daemon {
     /// instead of starving every guest.
     pub(super) fn queue_boot(self: &Arc<Self>, hostname: &str) -> Result<()> {
         self.store.queue_start(hostname)?;
-        self.notify();
-        self.spawn_boot(hostname);
+        self.notify(hostname);
+        self.spawn_boot(hostname, BootSlot::Take);
         Ok(())
     }
 
     /// Launches a VM recorded `starting` without a process once a boot
-    /// slot is free, after its disk reached stable storage (a fork's disk
+    /// slot is free (`slot`), after its disk reached stable storage (a fork's disk
     /// is made without syncs: see `storage::fork_disk`); a hot fork's
     /// restore runs while the disk is synced, and its process is recorded
     /// once both are done.
-    fn spawn_boot(self: &Arc<Self>, hostname: &str) {
+    fn spawn_boot(self: &Arc<Self>, hostname: &str, slot: BootSlot) {
         let this = self.clone();
         let h = hostname.to_owned();
         tokio::spawn(async move {
-            let permit = this.boot_slots.clone().acquire_owned().await.ok();
+            let permit = match slot {
+                BootSlot::Take => this.boot_slots.clone().acquire_owned().await.ok(),
+                BootSlot::Skip => None,
+            };
             let _guard = this.lock_vm(&h).await;
             let disk = match this.store.find_vm(&h) {
                 Ok(Some(vm)) if vm.state == VmState::Starting && vm.pid.is_none() => vm.disk,
@@ -320,7 +336,7 @@ impl Daemon {
         } else {
             self.record_exit(hostname, VmState::Failed, reason, StopMode::Crashed);
         }
-        self.notify();
+        self.notify(hostname);
     }
 
     /// Stops a VM. Graceful: the agent is asked to power the guest off (it
@@ -380,7 +396,7 @@ impl Daemon {
                 } else {
                     self.forget(&hostname)?;
                 }
-                self.notify();
+                self.notify(&hostname);
                 return Ok(api::LifecycleResponse {
                     hostname,
                     state: VmState::Stopped,
@@ -396,7 +412,7 @@ impl Daemon {
                 VmState::Stopping,
                 None,
             )?;
-            self.notify();
+            self.notify(&hostname);
             vm
         };
         let mode = self.stop_process(&vm, poweroff, timeout).await;
@@ -598,7 +614,7 @@ impl Daemon {
         }
         self.release_network(&vm);
         self.forget(&vm.hostname)?;
-        self.notify();
+        self.notify(&vm.hostname);
         Ok(deleted(vm.hostname, vm.disk, began))
     }
 

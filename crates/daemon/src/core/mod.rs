@@ -4,7 +4,7 @@
 //! part of it runs in plain unit tests on the fake launcher.
 //!
 //! Modules, each on top of the ones before it: `error`, `plan` (requests
-//! checked against their group), `spare_book` (what is made ahead of hot
+//! checked against their group), `signals` (change signals per VM), `spare_book` (what is made ahead of hot
 //! forks), `daemon` (the state and what every part shares), `netattach`,
 //! `secrets` (host secrets and their sync into guests), `supervise`
 //! (launch, boot set-up, exit policy), `snapshot` (a VM's state and memory
@@ -24,6 +24,7 @@ mod netattach;
 mod plan;
 mod reconcile;
 mod secrets;
+mod signals;
 mod snapshot;
 mod spare_book;
 mod spares;

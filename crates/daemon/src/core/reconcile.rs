@@ -168,7 +168,7 @@ impl Daemon {
                 }
             }
         }
-        self.notify();
+        self.notify_all();
         Ok(report)
     }
 

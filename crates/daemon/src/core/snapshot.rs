@@ -232,7 +232,7 @@ impl Daemon {
                 _ => Error::Conflict(format!("{hostname} is no longer suspended")),
             });
         }
-        self.notify();
+        self.notify(hostname);
         failpoint::hit(Failpoint::RestoreRecorded);
         tracing::info!(vm = hostname, pid = instance.pid, "restored");
         self.supervise(hostname.to_owned(), running, None, SetUp::Resume);

@@ -143,7 +143,7 @@ impl Daemon {
             self.launcher.kill(hostname, running.instance);
             return Err(e.into());
         }
-        self.notify();
+        self.notify(hostname);
         failpoint::hit(Failpoint::BootRecorded);
         tracing::info!(vm = hostname, pid, "started");
         self.supervise(hostname.to_owned(), running, permit, SetUp::Boot);
@@ -176,7 +176,7 @@ impl Daemon {
                     Some(&super::daemon::capped(&reason)),
                 ) {
                     Ok(true) => {
-                        this.notify();
+                        this.notify(&h);
                         // The guest is of no use without its set-up.
                         this.launcher.kill(&h, instance);
                     }
@@ -296,7 +296,7 @@ impl Daemon {
         let boot_ms = now_ms().saturating_sub(started_ms);
         failpoint::hit(Failpoint::BootSetUp);
         self.store.set_running(hostname, boot_ms)?;
-        self.notify();
+        self.notify(hostname);
         let steps: Vec<String> = steps.iter().map(|(n, ms)| format!("{n} {ms} ms")).collect();
         tracing::info!(
             vm = hostname,
@@ -359,7 +359,7 @@ impl Daemon {
                 }
             }
         }
-        self.notify();
+        self.notify(hostname);
     }
 }
 

@@ -76,7 +76,7 @@ impl Daemon {
         {
             return Err(Error::Conflict(why_not_suspend(&self.vm(&hostname)?)));
         }
-        self.notify();
+        self.notify(&hostname);
         failpoint::hit(Failpoint::SuspendRecorded);
         let files = self.suspend_files(&hostname);
         let captured = async {
@@ -124,11 +124,11 @@ impl Daemon {
             }
         }
         self.forget_paused(&hostname);
-        self.notify();
+        self.notify(&hostname);
         failpoint::hit(Failpoint::SuspendRecordedSuspended);
         self.end_run(&hostname, instance).await;
         self.release_network(&vm);
-        self.notify();
+        self.notify(&hostname);
         tracing::info!(
             vm = %hostname,
             memory_bytes = captured.memory_bytes,
@@ -172,7 +172,7 @@ impl Daemon {
                 chain(&e)
             );
         }
-        self.notify();
+        self.notify(hostname);
     }
 
     /// Resumes a suspended VM with its memory. With [`Wait::Agent`] it
@@ -244,7 +244,7 @@ impl Daemon {
             self.release_network(vm);
             self.forget(&vm.hostname)?;
         }
-        self.notify();
+        self.notify(&vm.hostname);
         Ok(())
     }
 }

@@ -410,6 +410,40 @@ async fn delete_during_boot_stops_the_run_and_removes_everything() {
     assert!(!b.daemon.paths(&h).dir.exists());
 }
 
+#[tokio::test]
+async fn a_wait_by_friendly_name_wakes_when_that_vm_runs() {
+    // One boot slot, held by a guest whose agent never answers: the named
+    // VM waits in the queue until that one is deleted.
+    let b = bed_with(true, 1, Deadlines::default());
+    b.fake.set_guest("dev-1", Guest::Silent);
+    let first = b.create(Wait::None).await;
+    b.until("the first runs", |b| b.fake.is_running(&first))
+        .await;
+    let req = CreateVmRequest {
+        name: Some("web".into()),
+        ..CreateVmRequest::default()
+    };
+    let web = b
+        .daemon
+        .create_vm("dev", req, Wait::None, WAIT, false)
+        .await
+        .expect("create")
+        .hostname;
+    let waiting = {
+        let d = b.daemon.clone();
+        tokio::spawn(async move { d.wait_running("web", WAIT).await })
+    };
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert!(
+        !waiting.is_finished(),
+        "web cannot run before the slot frees"
+    );
+    assert_eq!(b.state(&web), Some(VmState::Starting));
+    b.daemon.delete(&first).await.expect("delete");
+    let vm = waiting.await.expect("task").expect("web runs");
+    assert_eq!((vm.hostname, vm.state), (web, VmState::Running));
+}
+
 #[test]
 fn reconcile_after_a_kill_adopts_relaunches_and_removes() {
     let dir = tempfile::tempdir().expect("tmp");

@@ -223,6 +223,35 @@ async fn a_hot_fork_resumes_the_commits_memory_on_its_own_disk_with_every_fixup(
 }
 
 #[tokio::test]
+async fn hot_forks_resume_without_waiting_for_a_boot_slot() {
+    // One boot slot, taken by a boot whose agent never answers.
+    let b = bed_with(true, 1, Deadlines::default());
+    let (_source, id) = b.memory_committed().await;
+    b.fake.set_guest("dev-2", Guest::Silent);
+    let booting = b.create(Wait::None).await;
+    assert_eq!(booting, "dev-2");
+    b.until("the boot runs", |b| b.fake.is_running(&booting))
+        .await;
+    // Hot forks resume and finish their set-up meanwhile.
+    for _ in 0..2 {
+        let r = b
+            .daemon
+            .fork(&id, ForkRequest::default(), Wait::Agent, WAIT)
+            .await
+            .expect("hot fork");
+        assert_eq!(r.child_status, VmState::Running);
+    }
+    // A second boot still waits its turn, and takes the slot once free.
+    let queued = b.create(Wait::None).await;
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert!(!b.fake.is_running(&queued), "a boot waits for the slot");
+    assert_eq!(b.state(&queued), Some(VmState::Starting));
+    b.daemon.delete(&booting).await.expect("delete");
+    let vm = b.daemon.wait_running(&queued, WAIT).await.expect("boots");
+    assert_eq!(vm.state, VmState::Running);
+}
+
+#[tokio::test]
 async fn a_hot_fork_refuses_another_shape_partial_fixups_and_a_missing_snapshot() {
     let b = bed(true);
     let (_, id) = b.memory_committed().await;
