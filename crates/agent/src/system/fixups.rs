@@ -5,7 +5,7 @@ use std::fs;
 use std::io;
 use std::path::Path;
 
-use super::fs::{under, write_atomic};
+use super::fs::{sync_filesystem, under, write_atomic_unsynced};
 use super::hostname::{valid_hostname, write_hostname_files};
 use super::ssh;
 
@@ -182,6 +182,16 @@ pub fn apply_fixups(req: &FixupRequest, root: &Path) -> FixupReport {
         rep.errors.extend(errs);
     }
 
+    // What the fix-ups wrote, renamed and removed reaches the disk in one
+    // flush, not one per file: a fork's first answer waits for it.
+    let wrote_files =
+        req.hostname.is_some() || req.machine_id || req.ssh_host_keys || rep.random_seed_removed;
+    if wrote_files {
+        if let Err(e) = sync_filesystem(root) {
+            rep.errors.push(format!("sync: syncfs failed: {e}"));
+        }
+    }
+
     rep
 }
 
@@ -264,7 +274,7 @@ pub(crate) fn new_machine_id() -> io::Result<String> {
 /// at it when that is a separate copy. Returns the id and non-fatal errors.
 fn write_machine_id(root: &Path) -> Result<(String, Vec<String>), String> {
     let id = new_machine_id().map_err(|e| format!("getrandom failed: {e}"))?;
-    write_atomic(
+    write_atomic_unsynced(
         &under(root, "/etc/machine-id"),
         format!("{id}\n").as_bytes(),
         0o444,

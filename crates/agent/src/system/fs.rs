@@ -11,6 +11,26 @@ use std::path::{Path, PathBuf};
 /// the rename fails because `path` is a mount point (systemd bind-mounts
 /// `/etc/machine-id`), the file is rewritten in place instead.
 pub(crate) fn write_atomic(path: &Path, data: &[u8], mode: u32) -> io::Result<()> {
+    replace(path, data, mode, true)
+}
+
+/// [`write_atomic`] without its syncs, for a caller that writes several
+/// files and then makes them durable at once with [`sync_filesystem`]: one
+/// flush of the disk instead of one per file. Until then a crash keeps the
+/// old file or the new one (a journaled file system writes a replaced
+/// file's data before it commits the rename), never a part.
+pub(crate) fn write_atomic_unsynced(path: &Path, data: &[u8], mode: u32) -> io::Result<()> {
+    replace(path, data, mode, false)
+}
+
+/// Writes back everything of the file system that holds `path` (data and
+/// directory entries), as `syncfs(2)`.
+pub(crate) fn sync_filesystem(path: &Path) -> io::Result<()> {
+    let f = fs::File::open(path)?;
+    nix::unistd::syncfs(&f).map_err(io::Error::from)
+}
+
+fn replace(path: &Path, data: &[u8], mode: u32, sync: bool) -> io::Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
     fs::create_dir_all(dir)?;
     let name = path
@@ -27,7 +47,10 @@ pub(crate) fn write_atomic(path: &Path, data: &[u8], mode: u32) -> io::Result<()
             .open(&tmp)?;
         f.write_all(data)?;
         f.set_permissions(fs::Permissions::from_mode(mode))?;
-        f.sync_all()
+        if sync {
+            f.sync_all()?;
+        }
+        Ok(())
     };
     if let Err(e) = write() {
         let _ = fs::remove_file(&tmp);
@@ -42,7 +65,10 @@ pub(crate) fn write_atomic(path: &Path, data: &[u8], mode: u32) -> io::Result<()
                 .truncate(true)
                 .open(path)?;
             f.write_all(data)?;
-            f.sync_all()
+            if sync {
+                f.sync_all()?;
+            }
+            Ok(())
         }
         Err(e) => {
             let _ = fs::remove_file(&tmp);
@@ -71,5 +97,20 @@ mod tests {
             fs::metadata(&p).expect("meta").permissions().mode() & 0o777,
             0o640
         );
+    }
+
+    #[test]
+    fn test_write_atomic_unsynced_replaces_and_leaves_no_temporary() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let p = dir.path().join("f");
+        write_atomic_unsynced(&p, b"one", 0o600).expect("write");
+        write_atomic_unsynced(&p, b"two", 0o644).expect("write");
+        sync_filesystem(dir.path()).expect("syncfs");
+        assert_eq!(fs::read(&p).expect("read"), b"two");
+        let names: Vec<_> = fs::read_dir(dir.path())
+            .expect("list")
+            .map(|e| e.expect("entry").file_name())
+            .collect();
+        assert_eq!(names, vec![std::ffi::OsString::from("f")]);
     }
 }

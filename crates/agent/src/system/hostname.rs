@@ -4,7 +4,7 @@ use std::fs;
 use std::io;
 use std::path::Path;
 
-use super::fs::{under, write_atomic};
+use super::fs::{under, write_atomic_unsynced};
 
 /// Whether `name` is a valid hostname: 1 to 64 characters, dot-separated
 /// labels of ASCII letters, digits and inner hyphens.
@@ -22,10 +22,11 @@ pub fn valid_hostname(name: &str) -> bool {
 }
 
 /// `/etc/hostname`, and `127.0.1.1 NAME [SHORT]` in `/etc/hosts` (Debian's
-/// convention), replacing any earlier `127.0.1.1` line.
+/// convention), replacing any earlier `127.0.1.1` line. Not synced: the
+/// fix-ups sync their file system once, init writes them again each boot.
 pub(crate) fn write_hostname_files(root: &Path, name: &str) -> Result<(), String> {
     let hostname = under(root, "/etc/hostname");
-    write_atomic(&hostname, format!("{name}\n").as_bytes(), 0o644)
+    write_atomic_unsynced(&hostname, format!("{name}\n").as_bytes(), 0o644)
         .map_err(|e| format!("cannot write /etc/hostname: {e}"))?;
     let hosts = under(root, "/etc/hosts");
     let old = match fs::read_to_string(&hosts) {
@@ -33,7 +34,7 @@ pub(crate) fn write_hostname_files(root: &Path, name: &str) -> Result<(), String
         Err(e) if e.kind() == io::ErrorKind::NotFound => String::new(),
         Err(e) => return Err(format!("cannot read /etc/hosts: {e}")),
     };
-    write_atomic(&hosts, hosts_with(&old, name).as_bytes(), 0o644)
+    write_atomic_unsynced(&hosts, hosts_with(&old, name).as_bytes(), 0o644)
         .map_err(|e| format!("cannot write /etc/hosts: {e}"))
 }
 
