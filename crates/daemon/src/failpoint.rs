@@ -23,7 +23,8 @@ pub enum Failpoint {
     /// The new VM is recorded `starting`, queued for a boot slot, with no
     /// process; a fork's disk is not synced yet.
     ProvisionRecorded,
-    /// A boot slot is taken and the disk synced; no process yet.
+    /// A boot slot is taken and the disk synced; no process yet (a boot;
+    /// a hot fork syncs its disk during its set-up).
     BootDiskSynced,
     /// Its tine-vmm runs, but no record names the process yet.
     BootSpawned,

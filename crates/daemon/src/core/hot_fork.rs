@@ -24,10 +24,9 @@ use super::daemon::{no_commit, Daemon};
 use super::error::{chain, Error, Result};
 use super::snapshot::SnapshotFiles;
 use super::spare_book::SpareVm;
-use super::supervise::SetUp;
+use super::supervise::{DiskSynced, SetUp};
 use crate::config::HostGroup;
 use crate::db::{CommitRecord, VmRecord};
-use crate::failpoint::{self, Failpoint};
 use crate::launcher::pool::Shape;
 use crate::launcher::{Instance, RestoreSpec, Running};
 use crate::network::VmNetwork;
@@ -143,9 +142,9 @@ impl Daemon {
     /// Launches an unborn hot fork (recorded `starting` without a process;
     /// the caller holds its lock): the primed VM it claimed resumed with
     /// its network handed over, or else a network and a VMM restored from
-    /// `files` with the fork's own disk and TAP; the process recorded once
-    /// `disk_synced` says its disk reached stable storage (meanwhile the
-    /// resume or restore runs), then its set-up supervised. `permit` is its
+    /// `files` with the fork's own disk and TAP; the process recorded, then
+    /// its set-up supervised, which ends once `disk_synced` says its disk
+    /// reached stable storage (the sync runs meanwhile). `permit` is its
     /// boot slot: none for a fork's first launch (`BootSlot::Skip`), one
     /// when a restart queued it again.
     pub(super) async fn launch_hot_fork(
@@ -153,7 +152,7 @@ impl Daemon {
         hostname: &str,
         permit: Option<tokio::sync::OwnedSemaphorePermit>,
         files: &SnapshotFiles,
-        disk_synced: impl std::future::Future<Output = Result<()>>,
+        disk_synced: DiskSynced,
     ) -> Result<()> {
         let _launching = Launching::new(self);
         self.resume_hot_fork(hostname, permit, files, disk_synced)
@@ -165,7 +164,7 @@ impl Daemon {
         hostname: &str,
         permit: Option<tokio::sync::OwnedSemaphorePermit>,
         files: &SnapshotFiles,
-        disk_synced: impl std::future::Future<Output = Result<()>>,
+        disk_synced: DiskSynced,
     ) -> Result<()> {
         let vm: VmRecord = self.vm(hostname)?;
         let group = self.group(&vm.host_group)?.clone();
@@ -175,11 +174,6 @@ impl Daemon {
             Some(primed) => self.resume_spare_vm(&group, &vm, primed, files).await?,
             None => self.restore_hot_fork(&group, &vm, files, None).await?,
         };
-        if let Err(e) = disk_synced.await {
-            self.launcher.kill(hostname, running.instance);
-            return Err(e);
-        }
-        failpoint::hit(Failpoint::BootDiskSynced);
         let Instance { pid, pid_start } = running.instance;
         if let Err(e) = self.store.set_process(hostname, pid, pid_start) {
             self.launcher.kill(hostname, running.instance);
@@ -187,7 +181,13 @@ impl Daemon {
         }
         self.notify(hostname);
         tracing::info!(vm = hostname, pid, "resumed from a memory commit");
-        self.supervise(hostname.to_owned(), running, permit, SetUp::HotFork);
+        self.supervise(
+            hostname.to_owned(),
+            running,
+            permit,
+            SetUp::HotFork,
+            Some(disk_synced),
+        );
         Ok(())
     }
 

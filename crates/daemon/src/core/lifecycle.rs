@@ -300,8 +300,12 @@ impl Daemon {
                 };
                 match snapshot {
                     // A restore does not need its disk on stable storage,
-                    // only the fork's record does: the two go on at once.
-                    Some(files) => this.launch_hot_fork(&h, permit, &files, disk_synced).await,
+                    // only a born fork does: the sync goes on while the
+                    // guest resumes and is set up.
+                    Some(files) => {
+                        this.launch_hot_fork(&h, permit, &files, Box::pin(disk_synced))
+                            .await
+                    }
                     None => {
                         disk_synced.await?;
                         failpoint::hit(Failpoint::BootDiskSynced);

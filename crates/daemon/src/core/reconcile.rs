@@ -123,7 +123,7 @@ impl Daemon {
                             Ok(Some(_)) => SetUp::HotFork,
                             _ => SetUp::Boot,
                         };
-                        self.supervise(vm.hostname.clone(), running, None, setup);
+                        self.supervise(vm.hostname.clone(), running, None, setup, None);
                         report.adopted.push(vm.hostname.clone());
                     } else {
                         self.run_lost_at_start(vm, &mut report).await?;
@@ -269,7 +269,7 @@ impl Daemon {
         self.store
             .transition(hostname, &[VmState::Suspending], VmState::Running, None)?;
         tracing::info!(vm = hostname, "undid its interrupted suspend; it runs on");
-        self.supervise(hostname.to_owned(), running, None, SetUp::Boot);
+        self.supervise(hostname.to_owned(), running, None, SetUp::Boot, None);
         report.adopted.push(hostname.to_owned());
         Ok(())
     }

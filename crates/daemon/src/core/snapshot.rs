@@ -235,7 +235,7 @@ impl Daemon {
         self.notify(hostname);
         failpoint::hit(Failpoint::RestoreRecorded);
         tracing::info!(vm = hostname, pid = instance.pid, "restored");
-        self.supervise(hostname.to_owned(), running, None, SetUp::Resume);
+        self.supervise(hostname.to_owned(), running, None, SetUp::Resume, None);
         Ok(instance)
     }
 

@@ -39,6 +39,13 @@ pub enum SetUp {
     HotFork,
 }
 
+/// What a hot fork's set-up waits for before the fork is `running`: its
+/// disk on stable storage. The sync runs while the guest resumes and is set
+/// up; until the fork is `running` it is unborn, and a power loss before
+/// then has it made again from its commit (`core::reconcile`).
+pub(super) type DiskSynced =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<()>> + Send>>;
+
 /// How a run ended: `forced` when the daemon killed it, `clean` when the
 /// VMM reported a power-off, reboot or requested kill, `requested` when the
 /// daemon had asked it to stop.
@@ -146,7 +153,7 @@ impl Daemon {
         self.notify(hostname);
         failpoint::hit(Failpoint::BootRecorded);
         tracing::info!(vm = hostname, pid, "started");
-        self.supervise(hostname.to_owned(), running, permit, SetUp::Boot);
+        self.supervise(hostname.to_owned(), running, permit, SetUp::Boot, None);
         Ok(())
     }
 
@@ -157,6 +164,7 @@ impl Daemon {
         running: Running,
         permit: Option<tokio::sync::OwnedSemaphorePermit>,
         setup: SetUp,
+        disk_synced: Option<DiskSynced>,
     ) {
         let this = self.clone();
         let h = hostname.clone();
@@ -166,7 +174,7 @@ impl Daemon {
             // The boot slot is free again when the set-up ends (or the run
             // ends and this task is aborted).
             let _permit = permit;
-            if let Err(e) = this.finish_boot(&h, setup).await {
+            if let Err(e) = this.finish_boot(&h, setup, disk_synced).await {
                 let reason = chain(&e);
                 tracing::warn!(vm = %h, "boot set-up: {reason}");
                 match this.store.transition(
@@ -196,7 +204,12 @@ impl Daemon {
 
     /// Waits for the agent, applies what `setup` says (fix-ups, network,
     /// first-boot userdata), then marks the VM running.
-    async fn finish_boot(&self, hostname: &str, setup: SetUp) -> Result<()> {
+    async fn finish_boot(
+        &self,
+        hostname: &str,
+        setup: SetUp,
+        disk_synced: Option<DiskSynced>,
+    ) -> Result<()> {
         let began = Instant::now();
         let vm = self.vm(hostname)?;
         let started_ms = vm.started_ms.unwrap_or_else(now_ms);
@@ -292,6 +305,10 @@ impl Daemon {
             if let Some(script) = &vm.userdata {
                 setup_call(step, "userdata", client.userdata_run(script)).await?;
             }
+        }
+        if let Some(synced) = disk_synced {
+            synced.await?;
+            step_done("disk sync");
         }
         let boot_ms = now_ms().saturating_sub(started_ms);
         failpoint::hit(Failpoint::BootSetUp);
