@@ -8,10 +8,34 @@ use std::time::{Duration, Instant};
 use tine_daemon::core::Daemon;
 use tine_proto::api::{ForkRequest, Wait};
 
-/// Milliseconds of each hot fork (`wait=none`) of `commit`, `concurrent`
-/// requests at once, about `runs` in all (at least `min_batches` batches).
-/// Every fork is deleted after its batch, and the warm pool is full again
-/// before the next one.
+/// What a row of hot forks measured.
+pub struct HotForkTimes {
+    /// Milliseconds of each fork, request in to answer.
+    pub ms: Vec<f64>,
+    /// CPU time (user and system, every thread) the bench's process used
+    /// while the batches ran, per fork: the daemon's core runs in it, the
+    /// VMM processes do not. With every fork of a batch under way at once,
+    /// this is what a host's cores must share.
+    pub cpu_ms_per_fork: f64,
+}
+
+/// CPU time (user and system) this process has used, in milliseconds.
+fn process_cpu_ms() -> f64 {
+    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage writes one `rusage` into the buffer it is given,
+    // which is that size and outlives the call; zeroed is a valid value.
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr()) };
+    assert_eq!(rc, 0, "getrusage: {}", std::io::Error::last_os_error());
+    // SAFETY: initialised above (zeroed, then written by getrusage).
+    let usage = unsafe { usage.assume_init() };
+    let ms = |t: libc::timeval| t.tv_sec as f64 * 1e3 + t.tv_usec as f64 / 1e3;
+    ms(usage.ru_utime) + ms(usage.ru_stime)
+}
+
+/// Each hot fork (`wait=none`) of `commit`, `concurrent` requests at once,
+/// about `runs` in all (at least `min_batches` batches). Every fork is
+/// deleted after its batch, and the warm pool is full again before the
+/// next one.
 pub async fn timed_hot_forks(
     d: &Arc<Daemon>,
     commit: &str,
@@ -19,9 +43,11 @@ pub async fn timed_hot_forks(
     runs: usize,
     min_batches: usize,
     wait: Duration,
-) -> anyhow::Result<Vec<f64>> {
+) -> anyhow::Result<HotForkTimes> {
     let mut ms = Vec::new();
+    let mut cpu_ms = 0.0;
     for _ in 0..(runs / concurrent).max(min_batches) {
+        let cpu_before = process_cpu_ms();
         let mut tasks = Vec::new();
         for _ in 0..concurrent {
             let (d, id) = (d.clone(), commit.to_owned());
@@ -37,10 +63,15 @@ pub async fn timed_hot_forks(
             ms.push(elapsed);
             made.push(f?.hostname);
         }
+        cpu_ms += process_cpu_ms() - cpu_before;
         for h in made {
             d.delete(&h).await?;
         }
         d.fill_pools().await;
     }
-    Ok(ms)
+    let cpu_ms_per_fork = cpu_ms / ms.len().max(1) as f64;
+    Ok(HotForkTimes {
+        ms,
+        cpu_ms_per_fork,
+    })
 }
