@@ -259,10 +259,10 @@ impl Daemon {
     }
 
     /// Launches a VM recorded `starting` without a process once a boot
-    /// slot is free (`slot`), after its disk reached stable storage (a fork's disk
-    /// is made without syncs: see `storage::fork_disk`); a hot fork's
-    /// restore runs while the disk is synced, and its process is recorded
-    /// once both are done.
+    /// slot is free (if `slot` says it takes one), after its disk reached
+    /// stable storage (a fork's disk is made without syncs: see
+    /// `storage::fork_disk`); a hot fork resumes at once, and its disk is
+    /// synced while it resumes and is set up (see `launch_hot_fork`).
     fn spawn_boot(self: &Arc<Self>, hostname: &str, slot: BootSlot) {
         let this = self.clone();
         let h = hostname.to_owned();
