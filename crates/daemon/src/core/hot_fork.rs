@@ -27,6 +27,7 @@ use super::spare_book::SpareVm;
 use super::supervise::{DiskSynced, SetUp};
 use crate::config::HostGroup;
 use crate::db::{CommitRecord, VmRecord};
+use crate::failpoint::{self, Failpoint};
 use crate::launcher::pool::Shape;
 use crate::launcher::{Instance, RestoreSpec, Running};
 use crate::network::VmNetwork;
@@ -122,10 +123,9 @@ impl Daemon {
         Ok(files)
     }
 
-    /// The snapshot `hostname` resumes instead of booting: some for an
-    /// unborn fork of a memory commit, none for any other VM.
-    pub(super) fn hot_fork_snapshot(&self, hostname: &str) -> Result<Option<SnapshotFiles>> {
-        let vm = self.vm(hostname)?;
+    /// The snapshot `vm` resumes instead of booting: some for an unborn
+    /// fork of a memory commit, none for any other VM.
+    pub(super) fn hot_fork_snapshot(&self, vm: &VmRecord) -> Result<Option<SnapshotFiles>> {
         let Some(parent) = vm
             .parent_commit_id
             .as_deref()
@@ -149,30 +149,29 @@ impl Daemon {
     /// when a restart queued it again.
     pub(super) async fn launch_hot_fork(
         self: &Arc<Self>,
-        hostname: &str,
+        vm: &VmRecord,
         permit: Option<tokio::sync::OwnedSemaphorePermit>,
         files: &SnapshotFiles,
         disk_synced: DiskSynced,
     ) -> Result<()> {
         let _launching = Launching::new(self);
-        self.resume_hot_fork(hostname, permit, files, disk_synced)
-            .await
+        self.resume_hot_fork(vm, permit, files, disk_synced).await
     }
 
     async fn resume_hot_fork(
         self: &Arc<Self>,
-        hostname: &str,
+        vm: &VmRecord,
         permit: Option<tokio::sync::OwnedSemaphorePermit>,
         files: &SnapshotFiles,
         disk_synced: DiskSynced,
     ) -> Result<()> {
-        let vm: VmRecord = self.vm(hostname)?;
+        let hostname = vm.hostname.as_str();
         let group = self.group(&vm.host_group)?.clone();
         self.take_forced(hostname);
         let claimed = self.spare_book().unclaim(hostname);
         let running = match claimed {
-            Some(primed) => self.resume_spare_vm(&group, &vm, primed, files).await?,
-            None => self.restore_hot_fork(&group, &vm, files, None).await?,
+            Some(primed) => self.resume_spare_vm(&group, vm, primed, files).await?,
+            None => self.restore_hot_fork(&group, vm, files, None).await?,
         };
         let Instance { pid, pid_start } = running.instance;
         if let Err(e) = self.store.set_process(hostname, pid, pid_start) {
@@ -180,6 +179,7 @@ impl Daemon {
             return Err(e.into());
         }
         self.notify(hostname);
+        failpoint::hit(Failpoint::BootRecorded);
         tracing::info!(vm = hostname, pid, "resumed from a memory commit");
         self.supervise(
             hostname.to_owned(),

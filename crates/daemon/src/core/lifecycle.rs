@@ -17,6 +17,7 @@ use super::daemon::Daemon;
 use super::error::{chain, Error, Result};
 use super::netattach::describe as describe_network;
 use super::plan;
+use super::supervise::DiskSynced;
 use crate::artifacts;
 use crate::db::{NewVm, VmRecord};
 use crate::failpoint::{self, Failpoint};
@@ -34,6 +35,22 @@ fn remove_dir_logged(dir: &Path) {
             tracing::warn!("cannot remove {}: {e}", dir.display());
         }
     }
+}
+
+/// Starts syncing `disk` (a new VM's overlay: the file and its folder)
+/// on a blocking thread; the future says when it is on stable storage.
+pub(super) fn sync_disk_soon(disk: &str) -> DiskSynced {
+    let disk = PathBuf::from(disk);
+    let syncing = tokio::task::spawn_blocking(move || storage::sync_disk(&disk));
+    Box::pin(async move {
+        syncing
+            .await
+            .map_err(|source| Error::Task {
+                what: "sync disk",
+                source,
+            })?
+            .map_err(|e| Error::disk("sync the new disk", e))
+    })
 }
 
 /// Whether a launch waits for one of the `boot_concurrency` boot slots.
@@ -272,8 +289,8 @@ impl Daemon {
                 BootSlot::Skip => None,
             };
             let _guard = this.lock_vm(&h).await;
-            let disk = match this.store.find_vm(&h) {
-                Ok(Some(vm)) if vm.state == VmState::Starting && vm.pid.is_none() => vm.disk,
+            let vm = match this.store.find_vm(&h) {
+                Ok(Some(vm)) if vm.state == VmState::Starting && vm.pid.is_none() => vm,
                 // Deleted or stopped while it waited.
                 Ok(_) => {
                     this.release_claimed(&h);
@@ -286,26 +303,13 @@ impl Daemon {
             };
             let launched = async {
                 // An unborn fork of a memory commit resumes it.
-                let snapshot = this.hot_fork_snapshot(&h)?;
-                let syncing =
-                    tokio::task::spawn_blocking(move || storage::sync_disk(Path::new(&disk)));
-                let disk_synced = async move {
-                    syncing
-                        .await
-                        .map_err(|source| Error::Task {
-                            what: "sync disk",
-                            source,
-                        })
-                        .and_then(|r| r.map_err(|e| Error::disk("sync disk before boot", e)))
-                };
+                let snapshot = this.hot_fork_snapshot(&vm)?;
+                let disk_synced = sync_disk_soon(&vm.disk);
                 match snapshot {
                     // A restore does not need its disk on stable storage,
                     // only a born fork does: the sync goes on while the
                     // guest resumes and is set up.
-                    Some(files) => {
-                        this.launch_hot_fork(&h, permit, &files, Box::pin(disk_synced))
-                            .await
-                    }
+                    Some(files) => this.launch_hot_fork(&vm, permit, &files, disk_synced).await,
                     None => {
                         disk_synced.await?;
                         failpoint::hit(Failpoint::BootDiskSynced);

@@ -14,6 +14,7 @@ use tine_proto::api::{CreateVmRequest, StopMode, VmState, Wait};
 
 use super::daemon::Daemon;
 use super::error::{chain, Error, Result};
+use super::lifecycle::sync_disk_soon;
 use super::supervise::SetUp;
 use crate::config::Reconcile;
 use crate::db::VmRecord;
@@ -118,12 +119,14 @@ impl Daemon {
                             )?;
                         }
                         // A hot fork whose set-up the old daemon did not
-                        // finish gets the hot fork's (out of quarantine).
-                        let setup = match self.hot_fork_snapshot(&vm.hostname) {
-                            Ok(Some(_)) => SetUp::HotFork,
-                            _ => SetUp::Boot,
+                        // finish gets the hot fork's (out of quarantine),
+                        // its disk synced again (the old daemon may have
+                        // died before its sync ended).
+                        let (setup, disk_synced) = match self.hot_fork_snapshot(vm) {
+                            Ok(Some(_)) => (SetUp::HotFork, Some(sync_disk_soon(&vm.disk))),
+                            _ => (SetUp::Boot, None),
                         };
-                        self.supervise(vm.hostname.clone(), running, None, setup, None);
+                        self.supervise(vm.hostname.clone(), running, None, setup, disk_synced);
                         report.adopted.push(vm.hostname.clone());
                     } else {
                         self.run_lost_at_start(vm, &mut report).await?;

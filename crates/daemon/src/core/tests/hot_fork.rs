@@ -674,6 +674,66 @@ async fn a_memory_commit_keeps_spare_disks_and_its_hot_forks_take_them() {
 }
 
 #[tokio::test]
+async fn a_restarted_daemon_finishes_the_set_up_of_a_hot_fork_it_adopts() {
+    // The first daemon stops for good once the fork's process is recorded
+    // (as a `kill -9` there would): its set-up and its disk's sync were
+    // under way.
+    let dir = tempfile::tempdir().expect("tmp");
+    let fake = FakeLauncher::new();
+    let cfg = config(dir.path(), true, 4);
+    let (reached_tx, reached) = mpsc::channel();
+    let (path, first_fake, first_cfg) = (dir.path().to_owned(), fake.clone(), cfg.clone());
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async move {
+            let first = open(&path, &first_fake, first_cfg, Deadlines::default());
+            let source = first
+                .create_vm("dev", CreateVmRequest::default(), Wait::Agent, WAIT, false)
+                .await
+                .expect("create")
+                .hostname;
+            let id = first
+                .commit(&source, memory_commit())
+                .await
+                .expect("commit")
+                .commit_id;
+            failpoint::freeze::arm(Failpoint::BootRecorded, reached_tx);
+            let done = first
+                .fork(&id, ForkRequest::default(), Wait::None, WAIT)
+                .await
+                .map(drop);
+            panic!("the crash point was not reached: {done:?}");
+        });
+    });
+    assert_eq!(
+        reached.recv_timeout(WAIT),
+        Ok(Failpoint::BootRecorded),
+        "the crash point"
+    );
+    let fork = "dev-2";
+    let b = Bed {
+        daemon: open(dir.path(), &fake, cfg, Deadlines::default()),
+        dir,
+        fake,
+    };
+    assert!(b.fixups_seen(fork).is_empty(), "no set-up yet");
+    let report = b.daemon.reconcile().await.expect("reconcile");
+    assert!(report.adopted.iter().any(|h| h == fork), "{report:?}");
+    // The hot fork's set-up (every identity fix-up) after its disk is
+    // synced again; it runs, never booted.
+    let vm = b.daemon.wait_running(fork, WAIT).await.expect("running");
+    assert!(!vm.is_unborn_fork());
+    let fixups = b.fixups_seen(fork);
+    assert_eq!(fixups.len(), 1, "{fixups:?}");
+    assert_eq!(fixups[0].hostname.as_deref(), Some(fork));
+    assert!(fixups[0].machine_id && fixups[0].ssh_host_keys);
+    assert!(!b.fake.seen(fork).iter().any(|s| matches!(s, Seen::Boot(_))));
+}
+
+#[tokio::test]
 async fn a_hot_fork_that_fails_before_its_record_gives_back_the_primed_vm_it_took() {
     let b = bed(true);
     let h = b.create(Wait::Agent).await;
