@@ -3,9 +3,9 @@
 
 use std::fs;
 use std::io;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
-use super::fs::{sync_filesystem, under, write_atomic_unsynced};
+use super::fs::{sync_paths, under, write_atomic_unsynced};
 use super::hostname::{valid_hostname, write_hostname_files};
 use super::ssh;
 
@@ -82,6 +82,9 @@ pub(crate) fn is_live_root(root: &Path) -> bool {
 pub fn apply_fixups(req: &FixupRequest, root: &Path) -> FixupReport {
     let live = is_live_root(root);
     let mut rep = FixupReport::default();
+    // Files written and removed, synced at the end.
+    let mut written = Vec::new();
+    let mut removed = Vec::new();
 
     if let Some(nanos) = req.clock_unix_nanos {
         if live {
@@ -126,7 +129,10 @@ pub fn apply_fixups(req: &FixupRequest, root: &Path) -> FixupReport {
         for seed in RANDOM_SEEDS {
             let p = under(root, seed);
             match fs::remove_file(&p) {
-                Ok(()) => rep.random_seed_removed = true,
+                Ok(()) => {
+                    rep.random_seed_removed = true;
+                    removed.push(p);
+                }
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {}
                 Err(e) => rep
                     .errors
@@ -151,9 +157,12 @@ pub fn apply_fixups(req: &FixupRequest, root: &Path) -> FixupReport {
                 rep.errors
                     .push("hostname: skipped sethostname: root is not /".to_string());
             }
-            if let Err(e) = write_hostname_files(root, name) {
-                rep.errors.push(format!("hostname: {e}"));
-                ok = false;
+            match write_hostname_files(root, name) {
+                Ok(()) => written.extend(["/etc/hostname", "/etc/hosts"].map(|p| under(root, p))),
+                Err(e) => {
+                    rep.errors.push(format!("hostname: {e}"));
+                    ok = false;
+                }
             }
             if ok {
                 rep.hostname = Some(name.clone());
@@ -164,6 +173,7 @@ pub fn apply_fixups(req: &FixupRequest, root: &Path) -> FixupReport {
     if req.machine_id {
         match write_machine_id(root) {
             Ok((id, errs)) => {
+                written.push(under(root, "/etc/machine-id"));
                 rep.machine_id = Some(id);
                 rep.errors.extend(errs);
             }
@@ -178,18 +188,24 @@ pub fn apply_fixups(req: &FixupRequest, root: &Path) -> FixupReport {
             .filter(|h| valid_hostname(h))
             .or_else(|| current_hostname(root, live));
         let (keys, errs) = ssh::regenerate_host_keys(root, comment.as_deref());
+        if !keys.is_empty() {
+            // ssh-keygen does not sync what it writes.
+            for key in ssh::host_keys(root, &mut Vec::new()) {
+                let private = under(root, &key);
+                let mut public = private.clone().into_os_string();
+                public.push(".pub");
+                let public = PathBuf::from(public);
+                written.extend([private, public].into_iter().filter(|p| p.is_file()));
+            }
+        }
         rep.ssh_host_keys = keys;
         rep.errors.extend(errs);
     }
 
-    // What the fix-ups wrote, renamed and removed reaches the disk in one
-    // flush, not one per file: a fork's first answer waits for it.
-    let wrote_files =
-        req.hostname.is_some() || req.machine_id || req.ssh_host_keys || rep.random_seed_removed;
-    if wrote_files {
-        if let Err(e) = sync_filesystem(root) {
-            rep.errors.push(format!("sync: syncfs failed: {e}"));
-        }
+    // What the fix-ups wrote, renamed and removed reaches the disk
+    // together, and nothing else of the guest's file system.
+    if let Err(e) = sync_paths(&written, &removed) {
+        rep.errors.push(format!("sync: {e}"));
     }
 
     rep
@@ -534,7 +550,11 @@ mod tests {
             ..Default::default()
         };
         let rep = apply_fixups(&req, root.path());
-        let ssh_errors: Vec<_> = rep.errors.iter().filter(|e| e.starts_with("ssh")).collect();
+        let ssh_errors: Vec<_> = rep
+            .errors
+            .iter()
+            .filter(|e| e.starts_with("ssh") || e.starts_with("sync"))
+            .collect();
         assert!(ssh_errors.is_empty(), "{ssh_errors:?}");
         assert_eq!(rep.ssh_host_keys.len(), 2, "{:?}", rep.ssh_host_keys);
         assert!(rep.ssh_host_keys[0].starts_with("ssh-ed25519 "));

@@ -15,19 +15,33 @@ pub(crate) fn write_atomic(path: &Path, data: &[u8], mode: u32) -> io::Result<()
 }
 
 /// [`write_atomic`] without its syncs, for a caller that writes several
-/// files and then makes them durable at once with [`sync_filesystem`]: one
-/// flush of the disk instead of one per file. Until then a crash keeps the
-/// old file or the new one (a journaled file system writes a replaced
-/// file's data before it commits the rename), never a part.
+/// files and then makes them durable together with [`sync_paths`]. Until
+/// then a crash keeps the old file or the new one (a journaled file system
+/// writes a replaced file's data before it commits the rename), never a
+/// part.
 pub(crate) fn write_atomic_unsynced(path: &Path, data: &[u8], mode: u32) -> io::Result<()> {
     replace(path, data, mode, false)
 }
 
-/// Writes back everything of the file system that holds `path` (data and
-/// directory entries), as `syncfs(2)`.
-pub(crate) fn sync_filesystem(path: &Path) -> io::Result<()> {
-    let f = fs::File::open(path)?;
-    nix::unistd::syncfs(&f).map_err(io::Error::from)
+/// Makes `files` (their data) and the entries of the folders holding them
+/// and `removed` durable: each file synced, then each folder once. Only
+/// these: not the rest of the file system (a forked guest's page cache may
+/// hold much that its own writeback will write later). On a journaled file
+/// system the first sync commits the journal, so the others cost little.
+pub(crate) fn sync_paths(files: &[PathBuf], removed: &[PathBuf]) -> io::Result<()> {
+    let mut dirs: Vec<&Path> = Vec::new();
+    for file in files {
+        fs::File::open(file)?.sync_all()?;
+    }
+    for path in files.iter().chain(removed) {
+        if let Some(dir) = path.parent().filter(|d| !dirs.contains(d)) {
+            dirs.push(dir);
+        }
+    }
+    for dir in dirs {
+        fs::File::open(dir)?.sync_all()?;
+    }
+    Ok(())
 }
 
 fn replace(path: &Path, data: &[u8], mode: u32, sync: bool) -> io::Result<()> {
@@ -105,7 +119,7 @@ mod tests {
         let p = dir.path().join("f");
         write_atomic_unsynced(&p, b"one", 0o600).expect("write");
         write_atomic_unsynced(&p, b"two", 0o644).expect("write");
-        sync_filesystem(dir.path()).expect("syncfs");
+        sync_paths(std::slice::from_ref(&p), &[dir.path().join("gone")]).expect("sync");
         assert_eq!(fs::read(&p).expect("read"), b"two");
         let names: Vec<_> = fs::read_dir(dir.path())
             .expect("list")
