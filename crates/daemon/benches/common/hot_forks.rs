@@ -10,7 +10,8 @@ use tine_proto::api::{ForkRequest, Wait};
 
 /// What a row of hot forks measured.
 pub struct HotForkTimes {
-    /// Milliseconds of each fork, request in to answer.
+    /// Milliseconds of each fork, from the instant its batch was sent to
+    /// its answer.
     pub ms: Vec<f64>,
     /// CPU time (user and system, every thread) the bench's process used
     /// while the batches ran, per fork: the daemon's core runs in it, the
@@ -48,13 +49,17 @@ pub async fn timed_hot_forks(
     let mut cpu_ms = 0.0;
     for _ in 0..(runs / concurrent).max(min_batches) {
         let cpu_before = process_cpu_ms();
+        // Every request of a batch is in at the same instant, as if they
+        // had all arrived at once: each one's clock starts here, not when
+        // the runtime first polls its task (a task that waits for the
+        // others' CPU has waited all the same).
+        let sent = Instant::now();
         let mut tasks = Vec::new();
         for _ in 0..concurrent {
             let (d, id) = (d.clone(), commit.to_owned());
             tasks.push(tokio::spawn(async move {
-                let t = Instant::now();
                 let f = d.fork(&id, ForkRequest::default(), Wait::None, wait).await;
-                (t.elapsed().as_secs_f64() * 1e3, f)
+                (sent.elapsed().as_secs_f64() * 1e3, f)
             }));
         }
         let mut made = Vec::new();
