@@ -19,7 +19,6 @@ use tine_proto::api::{
 use super::commit_record::{check_request, info, new_commit_id, record_for};
 use super::daemon::{no_commit, remove_file_logged, Daemon, FileStamp};
 use super::error::{chain, Error, Result};
-use super::lifecycle::BootSlot;
 use super::plan;
 use super::snapshot::SnapshotFiles;
 use crate::db::{CommitFilter, VmRecord};
@@ -170,9 +169,11 @@ impl Daemon {
         } else {
             plan::fork(&group, &c, &req, name_taken)?
         };
-        if hot {
-            self.memory_snapshot_of(&c)?;
-        }
+        let snapshot = if hot {
+            Some(self.memory_snapshot_of(&c)?)
+        } else {
+            None
+        };
         if req.secrets.is_some() {
             // Inherited grants are not checked: one whose secret was
             // deleted since is skipped when the fork boots.
@@ -200,18 +201,15 @@ impl Daemon {
         } else {
             None
         };
-        let slot = if hot { BootSlot::Skip } else { BootSlot::Take };
         let this = self.clone();
         // The fork finishes even if the client goes away.
         let job = tokio::spawn(async move {
             let mut recorded_as = None;
-            let provisioned = this
-                .provision(&new, slot, |vm: &VmRecord| {
-                    recorded_as = Some(vm.hostname.clone());
-                    this.fork_disk_from(spare.take(), &commit_path, vm)
-                })
-                .await;
-            if provisioned.is_err() {
+            let recorded = this.record_new(&new, |vm: &VmRecord| {
+                recorded_as = Some(vm.hostname.clone());
+                this.fork_disk_from(spare.take(), &commit_path, vm)
+            });
+            if recorded.is_err() {
                 // Taken or claimed, but no fork holds it: a spare the
                 // record never reached, or the primed VM it claimed.
                 if let Some(unused) = spare {
@@ -221,14 +219,24 @@ impl Daemon {
                     this.release_claimed(&hostname);
                 }
             }
-            provisioned
+            let vm = recorded?;
+            let hostname = vm.hostname.clone();
+            let launched = match snapshot {
+                // A hot fork resumes here and now, without a boot slot.
+                Some(files) => Some(this.launch_new_hot_fork(vm, &files).await?),
+                None => {
+                    this.spawn_boot(&hostname);
+                    None
+                }
+            };
+            Ok::<_, Error>((hostname, launched))
         });
-        let hostname = job.await.map_err(|source| Error::Task {
+        let (hostname, launched) = job.await.map_err(|source| Error::Task {
             what: "fork",
             source,
         })??;
-        let vm = match wait {
-            Wait::Agent => match self.wait_running(&hostname, timeout).await {
+        let vm = match (wait, launched) {
+            (Wait::Agent, _) => match self.wait_running(&hostname, timeout).await {
                 Ok(vm) => vm,
                 Err(e) if e.is_timeout() => return Err(e),
                 Err(e) => {
@@ -241,23 +249,8 @@ impl Daemon {
                 }
             },
             // A hot fork answers once its vCPUs run (its set-up goes on).
-            Wait::None if hot => {
-                match self
-                    .wait_until(&hostname, timeout, |vm| vm.pid.is_some())
-                    .await
-                {
-                    Ok(vm) => vm,
-                    Err(e) if e.is_timeout() => return Err(e),
-                    Err(e) => {
-                        self.discard(&hostname).await;
-                        return Err(Error::Failed(format!(
-                            "fork failed and was removed: {}",
-                            chain(&e)
-                        )));
-                    }
-                }
-            }
-            Wait::None => self.vm(&hostname)?,
+            (Wait::None, Some(resumed)) => resumed,
+            (Wait::None, None) => self.vm(&hostname)?,
         };
         Ok(api::ForkResponse {
             hostname: vm.hostname,

@@ -22,6 +22,7 @@ use tine_proto::api::{CommitInfo, CommitMode};
 use super::commit_record::{check_pool_size, info};
 use super::daemon::{no_commit, Daemon};
 use super::error::{chain, Error, Result};
+use super::lifecycle::sync_disk_soon;
 use super::snapshot::SnapshotFiles;
 use super::spare_book::SpareVm;
 use super::supervise::{DiskSynced, SetUp};
@@ -139,21 +140,58 @@ impl Daemon {
         }
     }
 
+    /// Launches the hot fork just recorded as `vm` in the caller's task
+    /// (its request's): it takes no boot slot (it boots nothing; its set-up
+    /// is a few agent calls, so a burst of forks resumes at once) and reads
+    /// its commit's snapshot from `files`, which the request checked.
+    /// Returns its record with the process it runs in; a fork that cannot
+    /// be launched is removed, and the error says why.
+    pub(super) async fn launch_new_hot_fork(
+        self: &Arc<Self>,
+        vm: VmRecord,
+        files: &SnapshotFiles,
+    ) -> Result<VmRecord> {
+        let hostname = vm.hostname.clone();
+        let _guard = self.lock_vm(&hostname).await;
+        // A delete may have come between the record and the lock.
+        let Some(vm) = self.still_unlaunched(&hostname) else {
+            return Err(Error::Failed(format!(
+                "{hostname} was deleted or stopped before it resumed"
+            )));
+        };
+        let disk_synced = sync_disk_soon(&vm.disk);
+        match self.launch_hot_fork(&vm, None, files, disk_synced).await {
+            Ok(Instance { pid, pid_start }) => Ok(VmRecord {
+                pid: Some(pid),
+                pid_start: Some(pid_start),
+                ..vm
+            }),
+            Err(e) => {
+                let reason = chain(&e);
+                tracing::warn!(vm = %hostname, "launch: {reason}");
+                self.launch_failed(&hostname, &reason);
+                Err(Error::Failed(format!(
+                    "fork failed and was removed: {reason}"
+                )))
+            }
+        }
+    }
+
     /// Launches an unborn hot fork (recorded `starting` without a process;
     /// the caller holds its lock): the primed VM it claimed resumed with
     /// its network handed over, or else a network and a VMM restored from
     /// `files` with the fork's own disk and TAP; the process recorded, then
     /// its set-up supervised, which ends once `disk_synced` says its disk
     /// reached stable storage (the sync runs meanwhile). `permit` is its
-    /// boot slot: none for a fork's first launch (`BootSlot::Skip`), one
-    /// when a restart queued it again.
+    /// boot slot: none for a fork's first launch, one when a restart queued
+    /// it again.
     pub(super) async fn launch_hot_fork(
         self: &Arc<Self>,
         vm: &VmRecord,
         permit: Option<tokio::sync::OwnedSemaphorePermit>,
         files: &SnapshotFiles,
         disk_synced: DiskSynced,
-    ) -> Result<()> {
+    ) -> Result<Instance> {
         let _launching = Launching::new(self);
         self.resume_hot_fork(vm, permit, files, disk_synced).await
     }
@@ -164,7 +202,7 @@ impl Daemon {
         permit: Option<tokio::sync::OwnedSemaphorePermit>,
         files: &SnapshotFiles,
         disk_synced: DiskSynced,
-    ) -> Result<()> {
+    ) -> Result<Instance> {
         let hostname = vm.hostname.as_str();
         let group = self.group(&vm.host_group)?.clone();
         self.take_forced(hostname);
@@ -173,7 +211,8 @@ impl Daemon {
             Some(primed) => self.resume_spare_vm(&group, vm, primed, files).await?,
             None => self.restore_hot_fork(&group, vm, files, None).await?,
         };
-        let Instance { pid, pid_start } = running.instance;
+        let instance = running.instance;
+        let Instance { pid, pid_start } = instance;
         if let Err(e) = self.store.set_process(hostname, pid, pid_start) {
             self.launcher.kill(hostname, running.instance);
             return Err(e.into());
@@ -188,7 +227,7 @@ impl Daemon {
             SetUp::HotFork,
             Some(disk_synced),
         );
-        Ok(())
+        Ok(instance)
     }
 
     /// Resumes the primed VM fork `vm` claimed (its disk is the fork's

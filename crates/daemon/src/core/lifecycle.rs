@@ -53,18 +53,6 @@ pub(super) fn sync_disk_soon(disk: &str) -> DiskSynced {
     })
 }
 
-/// Whether a launch waits for one of the `boot_concurrency` boot slots.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum BootSlot {
-    /// A boot, or a launch after a restart: it holds a slot until its
-    /// agent is ready, so a storm of boots does not starve every guest.
-    Take,
-    /// A hot fork's first launch: it boots nothing (its guest resumes where
-    /// the source was) and its set-up is a few agent calls, so a burst of
-    /// forks resumes at once instead of two at a time.
-    Skip,
-}
-
 impl Daemon {
     /// Describes a VM for the API.
     pub fn describe(&self, vm: &VmRecord) -> api::VmInfo {
@@ -180,7 +168,7 @@ impl Daemon {
                 )));
             }
             let base = PathBuf::from(&base.path);
-            this.provision(&new, BootSlot::Take, move |vm: &VmRecord| {
+            this.provision(&new, move |vm: &VmRecord| {
                 storage::create_disk(&base, Path::new(&vm.disk), size)
                     .map_err(|e| Error::disk("create disk", e))
             })
@@ -207,16 +195,27 @@ impl Daemon {
     }
 
     /// Records a new VM and makes its folder and disk with `make_disk` in
-    /// one transaction (see `Store::insert_vm_with`), then queues its boot;
-    /// on any failure it leaves nothing behind (no record, files or
-    /// network). `make_disk` runs with the store locked: it writes a few
-    /// KiB (an overlay), never a copy of an image.
+    /// one transaction (see [`Daemon::record_new`]), then queues its boot.
     pub(super) async fn provision(
         self: &Arc<Self>,
         new: &NewVm,
-        slot: BootSlot,
         make_disk: impl FnOnce(&VmRecord) -> Result<()>,
     ) -> Result<String> {
+        let vm = self.record_new(new, make_disk)?;
+        self.spawn_boot(&vm.hostname);
+        Ok(vm.hostname)
+    }
+
+    /// Records a new VM `starting` and makes its folder and disk with
+    /// `make_disk` in one transaction (see `Store::insert_vm_with`); on any
+    /// failure it leaves nothing behind (no record, files or network).
+    /// `make_disk` runs with the store locked: it writes a few KiB (an
+    /// overlay), never a copy of an image.
+    pub(super) fn record_new(
+        &self,
+        new: &NewVm,
+        make_disk: impl FnOnce(&VmRecord) -> Result<()>,
+    ) -> Result<VmRecord> {
         let data_dir = self.data_dir.clone();
         let vm = self.store.insert_vm_with(
             new,
@@ -244,8 +243,7 @@ impl Daemon {
         )?;
         failpoint::hit(Failpoint::ProvisionRecorded);
         self.notify(&vm.hostname);
-        self.spawn_boot(&vm.hostname, slot);
-        Ok(vm.hostname)
+        Ok(vm)
     }
 
     /// Removes every trace of a VM (record, files, network).
@@ -271,35 +269,27 @@ impl Daemon {
     pub(super) fn queue_boot(self: &Arc<Self>, hostname: &str) -> Result<()> {
         self.store.queue_start(hostname)?;
         self.notify(hostname);
-        self.spawn_boot(hostname, BootSlot::Take);
+        self.spawn_boot(hostname);
         Ok(())
     }
 
-    /// Launches a VM recorded `starting` without a process once a boot
-    /// slot is free (if `slot` says it takes one), after its disk reached
-    /// stable storage (a fork's disk is made without syncs: see
-    /// `storage::fork_disk`); a hot fork resumes at once, and its disk is
-    /// synced while it resumes and is set up (see `launch_hot_fork`).
-    fn spawn_boot(self: &Arc<Self>, hostname: &str, slot: BootSlot) {
+    /// Launches a VM recorded `starting` without a process once one of the
+    /// `boot_concurrency` boot slots is free (a storm of boots does not
+    /// starve every guest; the slot is held until its agent is ready),
+    /// after its disk reached stable storage (a fork's disk is made
+    /// without syncs: see `storage::fork_disk`). An unborn hot fork queued
+    /// here (again, by a restarted daemon) resumes instead, its disk
+    /// synced while it resumes and is set up (see `launch_hot_fork`). A
+    /// hot fork's first launch does not come here: it takes no slot and
+    /// runs in its request's own task (see `Daemon::launch_new_hot_fork`).
+    pub(super) fn spawn_boot(self: &Arc<Self>, hostname: &str) {
         let this = self.clone();
         let h = hostname.to_owned();
         tokio::spawn(async move {
-            let permit = match slot {
-                BootSlot::Take => this.boot_slots.clone().acquire_owned().await.ok(),
-                BootSlot::Skip => None,
-            };
+            let permit = this.boot_slots.clone().acquire_owned().await.ok();
             let _guard = this.lock_vm(&h).await;
-            let vm = match this.store.find_vm(&h) {
-                Ok(Some(vm)) if vm.state == VmState::Starting && vm.pid.is_none() => vm,
-                // Deleted or stopped while it waited.
-                Ok(_) => {
-                    this.release_claimed(&h);
-                    return;
-                }
-                Err(e) => {
-                    tracing::error!(vm = %h, "cannot read its record to boot it: {}", chain(&e));
-                    return;
-                }
+            let Some(vm) = this.still_unlaunched(&h) else {
+                return;
             };
             let launched = async {
                 // An unborn fork of a memory commit resumes it.
@@ -309,7 +299,10 @@ impl Daemon {
                     // A restore does not need its disk on stable storage,
                     // only a born fork does: the sync goes on while the
                     // guest resumes and is set up.
-                    Some(files) => this.launch_hot_fork(&vm, permit, &files, disk_synced).await,
+                    Some(files) => this
+                        .launch_hot_fork(&vm, permit, &files, disk_synced)
+                        .await
+                        .map(drop),
                     None => {
                         disk_synced.await?;
                         failpoint::hit(Failpoint::BootDiskSynced);
@@ -326,9 +319,30 @@ impl Daemon {
         });
     }
 
+    /// The record of `hostname` (whose lock the caller holds) if it still
+    /// waits for its launch: `starting` without a process. Deleted or
+    /// stopped while it waited: none, and a primed VM it claimed goes back.
+    pub(super) fn still_unlaunched(&self, hostname: &str) -> Option<VmRecord> {
+        match self.store.find_vm(hostname) {
+            Ok(Some(vm)) if vm.state == VmState::Starting && vm.pid.is_none() => Some(vm),
+            Ok(_) => {
+                self.release_claimed(hostname);
+                None
+            }
+            Err(e) => {
+                tracing::error!(
+                    vm = hostname,
+                    "cannot read its record to launch it: {}",
+                    chain(&e)
+                );
+                None
+            }
+        }
+    }
+
     /// A queued VM could not be launched: a fork is removed (its waiter
     /// learns why), any other VM is recorded as failed with the reason.
-    fn launch_failed(&self, hostname: &str, reason: &str) {
+    pub(super) fn launch_failed(&self, hostname: &str, reason: &str) {
         let vm = match self.store.find_vm(hostname) {
             Ok(Some(vm)) => vm,
             Ok(None) => return,
