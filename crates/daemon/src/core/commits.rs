@@ -219,11 +219,10 @@ impl Daemon {
                     this.release_claimed(&hostname);
                 }
             }
-            let vm = recorded?;
-            let hostname = vm.hostname.clone();
+            let hostname = recorded?.hostname;
             let launched = match snapshot {
                 // A hot fork resumes here and now, without a boot slot.
-                Some(files) => Some(this.launch_new_hot_fork(vm, &files).await?),
+                Some(files) => Some(this.launch_new_hot_fork(&hostname, &files).await?),
                 None => {
                     this.spawn_boot(&hostname);
                     None

@@ -140,21 +140,20 @@ impl Daemon {
         }
     }
 
-    /// Launches the hot fork just recorded as `vm` in the caller's task
-    /// (its request's): it takes no boot slot (it boots nothing; its set-up
-    /// is a few agent calls, so a burst of forks resumes at once) and reads
-    /// its commit's snapshot from `files`, which the request checked.
-    /// Returns its record with the process it runs in; a fork that cannot
-    /// be launched is removed, and the error says why.
+    /// Launches the hot fork just recorded as `hostname` in the caller's
+    /// task (its request's): it takes no boot slot (it boots nothing; its
+    /// set-up is a few agent calls, so a burst of forks resumes at once)
+    /// and reads its commit's snapshot from `files`, which the request
+    /// checked. Returns its record with the process it runs in; a fork that
+    /// cannot be launched is removed, and the error says why.
     pub(super) async fn launch_new_hot_fork(
         self: &Arc<Self>,
-        vm: VmRecord,
+        hostname: &str,
         files: &SnapshotFiles,
     ) -> Result<VmRecord> {
-        let hostname = vm.hostname.clone();
-        let _guard = self.lock_vm(&hostname).await;
+        let _guard = self.lock_vm(hostname).await;
         // A delete may have come between the record and the lock.
-        let Some(vm) = self.still_unlaunched(&hostname) else {
+        let Some(vm) = self.still_unlaunched(hostname)? else {
             return Err(Error::Failed(format!(
                 "{hostname} was deleted or stopped before it resumed"
             )));
@@ -167,9 +166,7 @@ impl Daemon {
                 ..vm
             }),
             Err(e) => {
-                let reason = chain(&e);
-                tracing::warn!(vm = %hostname, "launch: {reason}");
-                self.launch_failed(&hostname, &reason);
+                let reason = self.launch_failed(hostname, &e);
                 Err(Error::Failed(format!(
                     "fork failed and was removed: {reason}"
                 )))
@@ -214,7 +211,7 @@ impl Daemon {
         let instance = running.instance;
         let Instance { pid, pid_start } = instance;
         if let Err(e) = self.store.set_process(hostname, pid, pid_start) {
-            self.launcher.kill(hostname, running.instance);
+            self.launcher.kill(hostname, instance);
             return Err(e.into());
         }
         self.notify(hostname);

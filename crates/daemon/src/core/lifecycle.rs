@@ -288,8 +288,13 @@ impl Daemon {
         tokio::spawn(async move {
             let permit = this.boot_slots.clone().acquire_owned().await.ok();
             let _guard = this.lock_vm(&h).await;
-            let Some(vm) = this.still_unlaunched(&h) else {
-                return;
+            let vm = match this.still_unlaunched(&h) {
+                Ok(Some(vm)) => vm,
+                Ok(None) => return,
+                Err(e) => {
+                    tracing::error!(vm = %h, "cannot read its record to launch it: {}", chain(&e));
+                    return;
+                }
             };
             let launched = async {
                 // An unborn fork of a memory commit resumes it.
@@ -312,9 +317,7 @@ impl Daemon {
             }
             .await;
             if let Err(e) = launched {
-                let reason = chain(&e);
-                tracing::warn!(vm = %h, "launch: {reason}");
-                this.launch_failed(&h, &reason);
+                this.launch_failed(&h, &e);
             }
         });
     }
@@ -322,43 +325,37 @@ impl Daemon {
     /// The record of `hostname` (whose lock the caller holds) if it still
     /// waits for its launch: `starting` without a process. Deleted or
     /// stopped while it waited: none, and a primed VM it claimed goes back.
-    pub(super) fn still_unlaunched(&self, hostname: &str) -> Option<VmRecord> {
-        match self.store.find_vm(hostname) {
-            Ok(Some(vm)) if vm.state == VmState::Starting && vm.pid.is_none() => Some(vm),
-            Ok(_) => {
+    pub(super) fn still_unlaunched(&self, hostname: &str) -> Result<Option<VmRecord>> {
+        match self.store.find_vm(hostname)? {
+            Some(vm) if vm.state == VmState::Starting && vm.pid.is_none() => Ok(Some(vm)),
+            _ => {
                 self.release_claimed(hostname);
-                None
-            }
-            Err(e) => {
-                tracing::error!(
-                    vm = hostname,
-                    "cannot read its record to launch it: {}",
-                    chain(&e)
-                );
-                None
+                Ok(None)
             }
         }
     }
 
-    /// A queued VM could not be launched: a fork is removed (its waiter
-    /// learns why), any other VM is recorded as failed with the reason.
-    pub(super) fn launch_failed(&self, hostname: &str, reason: &str) {
-        let vm = match self.store.find_vm(hostname) {
-            Ok(Some(vm)) => vm,
-            Ok(None) => return,
-            Err(e) => {
-                tracing::error!(vm = hostname, "cannot read its record: {}", chain(&e));
-                return;
+    /// A queued VM could not be launched (`error` says why): a fork is
+    /// removed (its waiter learns why), any other VM is recorded as failed
+    /// with the reason. Returns the reason.
+    pub(super) fn launch_failed(&self, hostname: &str, error: &Error) -> String {
+        let reason = chain(error);
+        tracing::warn!(vm = hostname, "launch: {reason}");
+        match self.store.find_vm(hostname) {
+            Ok(Some(vm)) => {
+                self.release_network(&vm);
+                if vm.is_unborn_fork() {
+                    self.remember_failure(hostname, &reason);
+                    self.forget_logged(hostname);
+                } else {
+                    self.record_exit(hostname, VmState::Failed, &reason, StopMode::Crashed);
+                }
+                self.notify(hostname);
             }
-        };
-        self.release_network(&vm);
-        if vm.is_unborn_fork() {
-            self.remember_failure(hostname, reason);
-            self.forget_logged(hostname);
-        } else {
-            self.record_exit(hostname, VmState::Failed, reason, StopMode::Crashed);
+            Ok(None) => {}
+            Err(e) => tracing::error!(vm = hostname, "cannot read its record: {}", chain(&e)),
         }
-        self.notify(hostname);
+        reason
     }
 
     /// Stops a VM. Graceful: the agent is asked to power the guest off (it
