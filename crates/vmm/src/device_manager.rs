@@ -551,13 +551,19 @@ impl EventLoopHandle {
         })
     }
 
+    /// Sends `command` to the loop. A pause is waited for (once it returns
+    /// no device touches guest memory); a resume is not (nothing waits on
+    /// it, and a fork's resume is on its path).
     fn request(&self, command: LoopCommand) {
+        let acknowledged = matches!(command, LoopCommand::Pause);
         if self.commands.send(command).is_ok() {
             if let Err(e) = self.wake.write(1) {
                 eprintln!("cannot wake the device event loop: {e}");
             }
-            if let Err(e) = self.acks.recv_timeout(Duration::from_secs(5)) {
-                eprintln!("the device event loop did not take a request: {e}");
+            if acknowledged {
+                if let Err(e) = self.acks.recv_timeout(Duration::from_secs(5)) {
+                    eprintln!("the device event loop did not take a request: {e}");
+                }
             }
         }
     }
@@ -611,18 +617,13 @@ impl EventLoop {
         while let Ok(command) = self.commands.try_recv() {
             match command {
                 LoopCommand::Stop => return false,
-                LoopCommand::Resume => {
-                    let _ = self.acks.send(());
-                }
+                LoopCommand::Resume => {}
                 LoopCommand::Pause => {
                     let _ = self.acks.send(());
                     // Parked: wait for Resume or Stop.
                     loop {
                         match self.commands.recv() {
-                            Ok(LoopCommand::Resume) => {
-                                let _ = self.acks.send(());
-                                break;
-                            }
+                            Ok(LoopCommand::Resume) => break,
                             Ok(LoopCommand::Pause) => {
                                 let _ = self.acks.send(());
                             }

@@ -341,9 +341,11 @@ pub struct PreparedVm {
 }
 
 impl PreparedVm {
-    /// Creates the KVM VM (irqchip, PIT) and `num_vcpus` vCPUs.
+    /// Creates the KVM VM (irqchip, PIT) and `num_vcpus` vCPUs, and warms
+    /// up what a restore reads its state file with (`format::warm_up`).
     pub fn new(num_vcpus: u8) -> Result<Self, VmmError> {
         check_vcpus(num_vcpus)?;
+        crate::snapshot::format::warm_up();
         let vm = Vm::new()?;
         let cpuid_base = cpuid::supported_cpuid(&vm.kvm)?;
         let mut vcpus = Vec::with_capacity(num_vcpus as usize);
@@ -711,9 +713,15 @@ impl Vmm {
                     eprintln!("tine-vmm: KVM_KVMCLOCK_CTRL on vCPU {}: {e}", vcpu.index);
                 }
             }
-            handles.push(VcpuHandle::start(vcpu, ctx.clone(), true)?);
+            // A restore that runs the guest starts each vCPU running: its
+            // state is set, and a start parked then resumed costs two more
+            // hand-overs to the vCPU thread on the fork's path.
+            handles.push(VcpuHandle::start(vcpu, ctx.clone(), paused)?);
         }
-        let mut vmm = Self {
+        // The device event loop runs from its start; the clock is set
+        // again on resume only for a VM restored paused (its clock stood
+        // still meanwhile).
+        Ok(Self {
             cpu_fingerprint: current_fp,
             vm,
             ram,
@@ -723,14 +731,14 @@ impl Vmm {
             i8042: legacy.i8042,
             devices,
             vmgenid,
-            state: RunState::Paused,
+            state: if paused {
+                RunState::Paused
+            } else {
+                RunState::Running
+            },
             boot: state.boot,
             restored_clock: paused.then_some(state.vm.clock),
-        };
-        if !paused {
-            vmm.resume()?;
-        }
-        Ok(vmm)
+        })
     }
 
     /// The VM's run state.

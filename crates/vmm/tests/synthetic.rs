@@ -87,6 +87,37 @@ fn test_synthetic_pause_stops_progress_and_resume_continues() {
     vmm.kill();
 }
 
+/// A resume does not wait for the vCPU thread to take it, so a pause can
+/// come before the thread ran at all: the pause must still park the vCPU
+/// (the guest holds still), and each resume must let it run again.
+#[test]
+fn test_synthetic_a_pause_right_after_a_resume_parks_the_vcpu() {
+    let mut vmm = Vmm::boot(&raw_config(COUNTER_LOOP), &ConsoleConfig::default()).expect("boot");
+    wait_counter_above(&vmm, 0);
+    for round in 0..200u32 {
+        vmm.pause()
+            .unwrap_or_else(|e| panic!("round {round}: pause: {e}"));
+        let paused_at = counter(&vmm);
+        std::thread::sleep(Duration::from_micros(200));
+        assert_eq!(
+            counter(&vmm),
+            paused_at,
+            "round {round}: guest ran while paused"
+        );
+        vmm.resume()
+            .unwrap_or_else(|e| panic!("round {round}: resume: {e}"));
+        if round % 10 == 0 {
+            wait_counter_above(&vmm, paused_at);
+        }
+    }
+    vmm.pause().expect("pause");
+    let paused_at = counter(&vmm);
+    vmm.resume().expect("resume");
+    wait_counter_above(&vmm, paused_at);
+    assert_eq!(vmm.run_state(), RunState::Running);
+    vmm.kill();
+}
+
 /// A kill ends a guest that never exits on its own, at any moment: right
 /// after boot (the vCPU thread may not have entered `KVM_RUN` yet) or while
 /// it spins. A kick that lands outside `KVM_RUN` used to be lost and the

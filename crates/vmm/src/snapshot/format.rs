@@ -126,6 +126,15 @@ pub fn read<T: DeserializeOwned>(input: &mut impl Read) -> Result<T, FormatError
     decode(&read_bytes(input)?)
 }
 
+/// Does ahead what the first state file read in a process would do on a
+/// restore's path: the CRC's CPU feature detection (a few `CPUID`s, each a
+/// VM exit of several microseconds on a nested host) and the heap's growth
+/// to a state file's size. Worth about 0.1 ms of a pre-started restore.
+pub fn warm_up() {
+    let buffer = vec![0u8; 64 << 10];
+    std::hint::black_box(crc32fast::hash(std::hint::black_box(&buffer)));
+}
+
 /// Reads a state file's bytes, no more than the largest valid file holds.
 pub fn read_bytes(input: &mut impl Read) -> Result<Vec<u8>, FormatError> {
     let mut bytes = Vec::new();

@@ -313,7 +313,6 @@ enum Command {
 
 enum Response {
     Paused,
-    Resumed,
     State(Box<VcpuState>),
     Error(String),
 }
@@ -436,12 +435,15 @@ impl VcpuHandle {
         }
     }
 
-    /// Lets a paused vCPU run again.
+    /// Lets a paused vCPU run again, without waiting for its thread to
+    /// take it (a fork's resume is on its path). Only this clears the
+    /// pause flag: a [`VcpuHandle::pause`] that comes before the thread
+    /// took the resume sets it again, and the thread parks once more.
     pub fn resume(&self) -> Result<(), VcpuError> {
+        self.pause.store(false, Ordering::SeqCst);
         self.commands
             .send(Command::Resume)
-            .map_err(|_| VcpuError::Gone(self.index))?;
-        self.expect(|r| matches!(r, Response::Resumed)).map(|_| ())
+            .map_err(|_| VcpuError::Gone(self.index))
     }
 
     /// Saves the state of a paused vCPU.
@@ -548,11 +550,9 @@ fn run_loop(
             let _ = responses.send(Response::Paused);
             loop {
                 match commands.recv() {
-                    Ok(Command::Resume) => {
-                        pause.store(false, Ordering::SeqCst);
-                        let _ = responses.send(Response::Resumed);
-                        break;
-                    }
+                    // The flag says whether to run: a pause may have
+                    // come after this resume.
+                    Ok(Command::Resume) => break,
                     Ok(Command::SaveState) => {
                         let answer = match vcpu.save_state() {
                             Ok(state) => Response::State(Box::new(state)),
