@@ -107,6 +107,69 @@ fn test_process_control_socket_lifecycle() {
     assert!(!socket.exists(), "control socket left behind");
 }
 
+/// How often the main thread of process `pid` has gone to sleep.
+fn main_thread_sleeps(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("voluntary_ctxt_switches")
+}
+
+/// The control loop sleeps until a request comes: requests sent together
+/// are each answered, a client that sends nothing does not hold up another
+/// one, and an idle pre-started process does not wake.
+#[test]
+fn test_process_control_loop_serves_every_request_and_idles() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let socket = dir.path().join("idle.sock");
+    let mut child = Command::new(binary())
+        .args(["--prestart", "--control-socket"])
+        .arg(&socket)
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    assert!(first_line(&mut child).contains("\"ready\""));
+    let _silent = UnixStream::connect(&socket).expect("connect a client that sends nothing");
+    let mut stream = BufReader::new(UnixStream::connect(&socket).expect("connect"));
+    stream
+        .get_mut()
+        .write_all(b"{\"op\":\"status\"}\n{\"op\":\"pause\"}\n{\"op\":\"resume\"}\n")
+        .expect("send three requests at once");
+    stream
+        .get_ref()
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    let mut answers = Vec::new();
+    for _ in 0..3 {
+        let mut answer = String::new();
+        stream
+            .read_line(&mut answer)
+            .expect("each request answered");
+        answers.push(serde_json::from_str::<serde_json::Value>(&answer).expect("json"));
+    }
+    for answer in &answers {
+        assert_eq!(answer["status"], "error", "{answers:?}");
+        assert!(
+            answer["error"]
+                .as_str()
+                .is_some_and(|e| e.contains("no VM yet")),
+            "{answers:?}"
+        );
+    }
+
+    let before = main_thread_sleeps(child.id());
+    std::thread::sleep(Duration::from_secs(2));
+    let woke = main_thread_sleeps(child.id()) - before;
+    assert_eq!(
+        woke, 0,
+        "an idle pre-started tine-vmm woke {woke} times in 2 s"
+    );
+    assert_eq!(request(&mut stream, r#"{"op":"kill"}"#)["status"], "ok");
+    assert!(child.wait().expect("wait").success());
+}
+
 #[test]
 fn test_process_prestart_then_restore() {
     let dir = tempfile::tempdir().expect("tmp");
