@@ -31,7 +31,7 @@
 
 mod common;
 
-use common::{percentile, vmm_binary, HALT_LOOP};
+use common::{answer_ms, percentile, restore_request, vmm_binary, HALT_LOOP};
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::fd::AsRawFd;
@@ -221,12 +221,8 @@ fn all_at_once(fleet: &mut Fleet, request: &str) -> Result<(Vec<f64>, Vec<f64>, 
             if !answer.contains("\"ok\"") {
                 return Err(format!("fork {i} answered {}", answer.trim()));
             }
-            let us = serde_json::from_str::<serde_json::Value>(&answer)
-                .ok()
-                .and_then(|v| v.get("duration_us")?.as_f64())
-                .unwrap_or(f64::NAN);
             client_ms.push(now);
-            server_ms.push(us / 1e3);
+            server_ms.push(answer_ms(&answer));
             pending -= 1;
         }
     }
@@ -234,9 +230,9 @@ fn all_at_once(fleet: &mut Fleet, request: &str) -> Result<(Vec<f64>, Vec<f64>, 
 }
 
 /// Pre-starts up to `wanted` processes (fewer when this host runs out of
-/// descriptors or memory: the fleet and why it stopped), not timed against
-/// the target: a pool's processes are started well before they are claimed.
-fn prestart_fleet(binary: &Path, dir: &Path, wanted: usize, mib: u64) -> (Fleet, Option<String>) {
+/// descriptors or memory: it says why), not timed against the target: a
+/// pool's processes are started well before they are claimed.
+fn prestart_fleet(binary: &Path, dir: &Path, wanted: usize, mib: u64) -> Fleet {
     let fd_limit = raise_fd_limit();
     let mut fleet = Fleet::default();
     let mut stopped_why = None;
@@ -271,6 +267,9 @@ fn prestart_fleet(binary: &Path, dir: &Path, wanted: usize, mib: u64) -> (Fleet,
         prestart_ms.push(t.elapsed().as_secs_f64() * 1e3);
     }
     let n = fleet.forks.len();
+    if let Some(why) = &stopped_why {
+        println!("  stopped at {n}: {why}");
+    }
     if n > 0 {
         let (p50, p99) = p50_p99(prestart_ms);
         println!(
@@ -279,7 +278,7 @@ fn prestart_fleet(binary: &Path, dir: &Path, wanted: usize, mib: u64) -> (Fleet,
         );
     }
     std::thread::sleep(Duration::from_millis(200));
-    (fleet, stopped_why)
+    fleet
 }
 
 fn met(total_ms: f64) -> &'static str {
@@ -307,13 +306,6 @@ fn main() {
     parent.snapshot(&state, &mem).expect("snapshot");
     parent.kill();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let restore = |paused: bool| {
-        serde_json::json!({
-            "op": "restore", "state_path": state, "mem_path": mem, "paused": paused
-        })
-        .to_string()
-            + "\n"
-    };
 
     let available_before = mem_available_kib();
     println!(
@@ -322,21 +314,19 @@ fn main() {
         available_before >> 10
     );
     println!("from pre-started processes (restore and run):");
-    let (mut fleet, stopped_why) = prestart_fleet(&binary, dir.path(), wanted, mib);
+    let mut fleet = prestart_fleet(&binary, dir.path(), wanted, mib);
     let n = fleet.forks.len();
-    if let Some(why) = &stopped_why {
-        println!("  stopped at {n}: {why}");
-    }
     if n == 0 {
         return;
     }
-    let (_, server_ms, restore_ms) = match all_at_once(&mut fleet, &restore(false)) {
-        Ok(r) => r,
-        Err(why) => {
-            println!("restore of {n} forks failed: {why}");
-            return;
-        }
-    };
+    let (_, server_ms, restore_ms) =
+        match all_at_once(&mut fleet, &restore_request(&state, &mem, false)) {
+            Ok(r) => r,
+            Err(why) => {
+                println!("restore of {n} forks failed: {why}");
+                return;
+            }
+        };
     let available_running = mem_available_kib();
     let (s50, s99) = p50_p99(server_ms);
     println!(
@@ -387,15 +377,12 @@ fn main() {
     drop(fleet);
 
     println!("from primed VMs (the snapshot restored ahead, vCPUs parked; resume):");
-    let (mut fleet, stopped_why) = prestart_fleet(&binary, dir.path(), n, mib);
+    let mut fleet = prestart_fleet(&binary, dir.path(), n, mib);
     let primed_n = fleet.forks.len();
-    if let Some(why) = &stopped_why {
-        println!("  stopped at {primed_n}: {why}");
-    }
     if primed_n == 0 {
         return;
     }
-    if let Err(why) = all_at_once(&mut fleet, &restore(true)) {
+    if let Err(why) = all_at_once(&mut fleet, &restore_request(&state, &mem, true)) {
         println!("  priming {primed_n} VMs failed: {why}");
         return;
     }

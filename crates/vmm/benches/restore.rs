@@ -48,7 +48,7 @@
 
 mod common;
 
-use common::{percentile, vmm_binary, COUNTER_LOOP};
+use common::{answer_ms, percentile, restore_request, vmm_binary, COUNTER_LOOP};
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
@@ -188,11 +188,7 @@ fn ask(control: &mut BufReader<UnixStream>, request: &str) -> (f64, f64) {
         "{} failed: {answer}",
         request.trim()
     );
-    let server_us = serde_json::from_str::<serde_json::Value>(&answer)
-        .ok()
-        .and_then(|v| v.get("duration_us")?.as_f64())
-        .unwrap_or(f64::NAN);
-    (client, server_us / 1e3)
+    (client, answer_ms(&answer))
 }
 
 fn main() {
@@ -334,39 +330,30 @@ fn main() {
     }
     // Warm: a process pre-started as a pool's is (VM, vCPU, guest RAM
     // registered), given a restore request: request to answer.
-    let mut proc_warm = Vec::new();
-    let mut proc_warm_server = Vec::new();
+    let (mut proc_warm, mut proc_warm_server) = (Vec::new(), Vec::new());
     // Primed: what the daemon's pool of a memory commit holds, the
     // snapshot restored (vCPU parked) into a pre-started process ahead of
     // any fork; a fork resumes it: resume request to answer.
-    let mut primed = Vec::new();
-    let mut primed_server = Vec::new();
-    let restore_request = |paused: bool| {
-        serde_json::json!({
-            "op": "restore", "state_path": state, "mem_path": mem, "paused": paused
-        })
-        .to_string()
-            + "\n"
-    };
+    let (mut primed, mut primed_server) = (Vec::new(), Vec::new());
     for i in 0..process_runs * 2 {
         let socket = dir.path().join(format!("ctl{i}.sock"));
         let (mut child, mut control) = prestarted(&binary, &socket);
-        let is_primed = i % 2 == 1;
-        let (client, server) = if is_primed {
-            let (_, _) = ask(&mut control, &restore_request(true));
+        let ((client, server), rows) = if i % 2 == 1 {
+            ask(&mut control, &restore_request(&state, &mem, true));
             // A pool primes its VMs well before a fork claims one.
             std::thread::sleep(Duration::from_millis(50));
-            ask(&mut control, "{\"op\":\"resume\"}\n")
+            (
+                ask(&mut control, "{\"op\":\"resume\"}\n"),
+                (&mut primed, &mut primed_server),
+            )
         } else {
-            ask(&mut control, &restore_request(false))
+            (
+                ask(&mut control, &restore_request(&state, &mem, false)),
+                (&mut proc_warm, &mut proc_warm_server),
+            )
         };
-        if is_primed {
-            primed.push(client);
-            primed_server.push(server);
-        } else {
-            proc_warm.push(client);
-            proc_warm_server.push(server);
-        }
+        rows.0.push(client);
+        rows.1.push(server);
         let _ = child.kill();
         let _ = child.wait();
     }

@@ -350,6 +350,7 @@ fn main() -> anyhow::Result<()> {
             Some(mib) => PreparedVm::with_memory(args.vcpus, mib << 20),
             None => PreparedVm::new(args.vcpus),
         };
+        tine_vmm::snapshot::format::warm_up();
         Machine::Prepared(Some(prepared.context("cannot pre-start the VM")?))
     } else if let Some(state) = &args.restore {
         let mem = args
@@ -411,14 +412,14 @@ fn main() -> anyhow::Result<()> {
                 revents: 0,
             });
         }
-        if let Some(l) = &listener {
+        let listener_at = listener.as_ref().map(|l| {
             fds.push(libc::pollfd {
                 fd: l.as_raw_fd(),
                 events: libc::POLLIN,
                 revents: 0,
             });
-        }
-        let listener_at = fds.len().checked_sub(1).filter(|_| listener.is_some());
+            fds.len() - 1
+        });
         let clients_at = fds.len();
         for c in &clients {
             fds.push(libc::pollfd {
@@ -451,8 +452,9 @@ fn main() -> anyhow::Result<()> {
             .collect();
         let connecting = listener
             .as_ref()
-            .filter(|_| listener_at.is_some_and(|at| fds[at].revents != 0));
-        if let Some(l) = connecting {
+            .zip(listener_at)
+            .filter(|(_, at)| fds[*at].revents != 0);
+        if let Some((l, _)) = connecting {
             while let Ok((stream, _)) = l.accept() {
                 // A client whose requests cannot be read without blocking
                 // the VMM's loop is not served.

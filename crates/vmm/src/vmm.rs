@@ -341,11 +341,9 @@ pub struct PreparedVm {
 }
 
 impl PreparedVm {
-    /// Creates the KVM VM (irqchip, PIT) and `num_vcpus` vCPUs, and warms
-    /// up what a restore reads its state file with (`format::warm_up`).
+    /// Creates the KVM VM (irqchip, PIT) and `num_vcpus` vCPUs.
     pub fn new(num_vcpus: u8) -> Result<Self, VmmError> {
         check_vcpus(num_vcpus)?;
-        crate::snapshot::format::warm_up();
         let vm = Vm::new()?;
         let cpuid_base = cpuid::supported_cpuid(&vm.kvm)?;
         let mut vcpus = Vec::with_capacity(num_vcpus as usize);

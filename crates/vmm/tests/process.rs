@@ -32,6 +32,17 @@ fn request(stream: &mut BufReader<UnixStream>, line: &str) -> serde_json::Value 
     serde_json::from_str(&answer).expect("json answer")
 }
 
+/// Asserts `answer` is an error whose message says `because`.
+fn assert_refused(answer: &serde_json::Value, because: &str) {
+    assert_eq!(answer["status"], "error", "{answer}");
+    assert!(
+        answer["error"]
+            .as_str()
+            .is_some_and(|e| e.contains(because)),
+        "{answer}"
+    );
+}
+
 fn snapshot_files(dir: &std::path::Path) -> (std::path::PathBuf, std::path::PathBuf) {
     let state = dir.join("vm.state");
     let mem = dir.join("vm.mem");
@@ -67,11 +78,7 @@ fn test_process_control_socket_lifecycle() {
     let status = request(&mut stream, r#"{"op":"status"}"#);
     assert_eq!(status["state"], "running");
     let bad = request(&mut stream, "this is not json");
-    assert_eq!(bad["status"], "error");
-    assert!(bad["error"]
-        .as_str()
-        .unwrap_or_default()
-        .contains("malformed"));
+    assert_refused(&bad, "malformed");
     let early = request(
         &mut stream,
         &serde_json::json!({"op":"snapshot","state_path":dir.path().join("s2"),"mem_path":dir.path().join("m2")}).to_string(),
@@ -150,13 +157,7 @@ fn test_process_control_loop_serves_every_request_and_idles() {
         answers.push(serde_json::from_str::<serde_json::Value>(&answer).expect("json"));
     }
     for answer in &answers {
-        assert_eq!(answer["status"], "error", "{answers:?}");
-        assert!(
-            answer["error"]
-                .as_str()
-                .is_some_and(|e| e.contains("no VM yet")),
-            "{answers:?}"
-        );
+        assert_refused(answer, "no VM yet");
     }
 
     let before = main_thread_sleeps(child.id());
@@ -214,13 +215,7 @@ fn test_process_prestart_then_restore() {
         &mut stream,
         &serde_json::json!({"op":"restore","state_path":state,"mem_path":mem}).to_string(),
     );
-    assert_eq!(refused["status"], "error", "{refused}");
-    assert!(
-        refused["error"]
-            .as_str()
-            .is_some_and(|e| e.contains("reserved 64 MiB, the snapshot needs 32 MiB")),
-        "{refused}"
-    );
+    assert_refused(&refused, "reserved 64 MiB, the snapshot needs 32 MiB");
     let _ = child.kill();
     let _ = child.wait();
 }

@@ -15,6 +15,25 @@ pub const COUNTER_LOOP: &[u8] = &[0x48, 0xff, 0x04, 0x25, 0x00, 0x00, 0x20, 0x00
 /// vCPU halted, holding no host CPU.
 pub const HALT_LOOP: &[u8] = &[0xf4, 0xeb, 0xfd];
 
+/// A `tine-vmm` control request that restores the snapshot `state` +
+/// `mem`, its vCPUs running or `paused`, as one line.
+pub fn restore_request(state: &Path, mem: &Path, paused: bool) -> String {
+    serde_json::json!({
+        "op": "restore", "state_path": state, "mem_path": mem, "paused": paused
+    })
+    .to_string()
+        + "\n"
+}
+
+/// The time a `tine-vmm` control answer says its request took, in ms (NaN
+/// when the answer has none).
+pub fn answer_ms(answer: &str) -> f64 {
+    serde_json::from_str::<serde_json::Value>(answer)
+        .ok()
+        .and_then(|v| v.get("duration_us")?.as_f64())
+        .map_or(f64::NAN, |us| us / 1e3)
+}
+
 /// The `p` quantile (0..=1) of `sorted`; NaN when it is empty.
 pub fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
