@@ -57,6 +57,10 @@ impl VmPaths {
     }
 }
 
+/// A VM's disk in its folder (and a spare disk in the spare's folder,
+/// which becomes a fork's folder by rename).
+pub const DISK_FILE: &str = "disk.qcow2";
+
 /// The warm pool's folder in the data directory: `pool/<slot>/` holds a
 /// pre-started process's files until a VM takes it.
 pub const POOL_DIR: &str = "pool";

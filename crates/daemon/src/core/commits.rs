@@ -19,6 +19,7 @@ use tine_proto::api::{
 use super::commit_record::{check_request, info, new_commit_id, record_for};
 use super::daemon::{no_commit, remove_file_logged, Daemon, FileStamp};
 use super::error::{chain, Error, Result};
+use super::lifecycle::NewFolder;
 use super::plan;
 use super::snapshot::SnapshotFiles;
 use crate::db::{CommitFilter, VmRecord};
@@ -205,9 +206,11 @@ impl Daemon {
         // The fork finishes even if the client goes away.
         let job = tokio::spawn(async move {
             let mut recorded_as = None;
-            let recorded = this.record_new(&new, |vm: &VmRecord| {
+            let mut folder = NewFolder::Made;
+            let recorded = this.record_new(&new, |vm: &VmRecord, dir: &Path| {
                 recorded_as = Some(vm.hostname.clone());
-                this.fork_disk_from(spare.take(), &commit_path, vm)
+                folder = this.fork_disk_from(spare.take(), &commit_path, vm, dir)?;
+                Ok(())
             });
             if recorded.is_err() {
                 // Taken or claimed, but no fork holds it: a spare the
@@ -222,7 +225,7 @@ impl Daemon {
             let hostname = recorded?.hostname;
             let launched = match snapshot {
                 // A hot fork resumes here and now, without a boot slot.
-                Some(files) => Some(this.launch_new_hot_fork(&hostname, &files).await?),
+                Some(files) => Some(this.launch_new_hot_fork(&hostname, &files, folder).await?),
                 None => {
                     this.spawn_boot(&hostname);
                     None

@@ -12,6 +12,7 @@ use tine_proto::agent::AGENT_VSOCK_PORT;
 use tine_proto::api::{StopMode, VmState};
 use tokio::sync::watch;
 
+use super::dir_sync::DirSync;
 use super::error::{chain, Error, Result};
 use super::signals::VmSignals;
 use super::spare_book::SpareBook;
@@ -138,6 +139,9 @@ pub struct Daemon {
     pub(super) hot_launches: std::sync::atomic::AtomicUsize,
     /// Boot slots: at most this many VMs between launch and agent-ready.
     pub(super) boot_slots: Arc<tokio::sync::Semaphore>,
+    /// Syncs of the `vms` folder, shared by the new VMs that wait for
+    /// their folder's name in it to reach stable storage.
+    pub(super) vms_dir_sync: Arc<DirSync>,
     /// Why removed VMs failed (forks that never came up), for waiters.
     failures: Mutex<HashMap<String, String>>,
     /// VMs being stopped without the guest's help, with the reason their
@@ -194,6 +198,7 @@ impl Daemon {
                     .unwrap_or(1)
             });
         Arc::new(Daemon {
+            vms_dir_sync: Arc::new(DirSync::new(parts.data_dir.join("vms"))),
             config: parts.config,
             data_dir: parts.data_dir,
             store: parts.store,

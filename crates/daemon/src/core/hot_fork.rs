@@ -22,7 +22,7 @@ use tine_proto::api::{CommitInfo, CommitMode};
 use super::commit_record::{check_pool_size, info};
 use super::daemon::{no_commit, Daemon};
 use super::error::{chain, Error, Result};
-use super::lifecycle::sync_disk_soon;
+use super::lifecycle::NewFolder;
 use super::snapshot::SnapshotFiles;
 use super::spare_book::SpareVm;
 use super::supervise::{DiskSynced, SetUp};
@@ -144,12 +144,14 @@ impl Daemon {
     /// task (its request's): it takes no boot slot (it boots nothing; its
     /// set-up is a few agent calls, so a burst of forks resumes at once)
     /// and reads its commit's snapshot from `files`, which the request
-    /// checked. Returns its record with the process it runs in; a fork that
+    /// checked; `folder` says how its folder was made (what its disk sync
+    /// has left to do). Returns its record with the process it runs in; a fork that
     /// cannot be launched is removed, and the error says why.
     pub(super) async fn launch_new_hot_fork(
         self: &Arc<Self>,
         hostname: &str,
         files: &SnapshotFiles,
+        folder: NewFolder,
     ) -> Result<VmRecord> {
         let _guard = self.lock_vm(hostname).await;
         // A delete may have come between the record and the lock.
@@ -158,7 +160,7 @@ impl Daemon {
                 "{hostname} was deleted or stopped before it resumed"
             )));
         };
-        let disk_synced = sync_disk_soon(&vm.disk);
+        let disk_synced = self.sync_disk_soon(&vm.disk, folder);
         match self.launch_hot_fork(&vm, None, files, disk_synced).await {
             Ok(Instance { pid, pid_start }) => Ok(VmRecord {
                 pid: Some(pid),

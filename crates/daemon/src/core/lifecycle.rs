@@ -22,14 +22,14 @@ use crate::artifacts;
 use crate::db::{NewVm, VmRecord};
 use crate::failpoint::{self, Failpoint};
 use crate::launcher::{Instance, LauncherExt};
-use crate::process::VmPaths;
+use crate::process::{VmPaths, DISK_FILE};
 use crate::storage;
 
 /// How long a graceful shutdown waits before killing.
 pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// Removes a folder and what it holds, logging a failure.
-fn remove_dir_logged(dir: &Path) {
+pub(super) fn remove_dir_logged(dir: &Path) {
     if let Err(e) = std::fs::remove_dir_all(dir) {
         if e.kind() != std::io::ErrorKind::NotFound {
             tracing::warn!("cannot remove {}: {e}", dir.display());
@@ -37,20 +37,47 @@ fn remove_dir_logged(dir: &Path) {
     }
 }
 
-/// Starts syncing `disk` (a new VM's overlay: the file and its folder)
-/// on a blocking thread; the future says when it is on stable storage.
-pub(super) fn sync_disk_soon(disk: &str) -> DiskSynced {
-    let disk = PathBuf::from(disk);
-    let syncing = tokio::task::spawn_blocking(move || storage::sync_disk(&disk));
-    Box::pin(async move {
-        syncing
-            .await
-            .map_err(|source| Error::Task {
+/// How a new VM's folder came to be, which says what of it still has to
+/// reach stable storage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum NewFolder {
+    /// Made on the VM's path: its disk file and its folder are new.
+    Made,
+    /// A spare's folder, made and synced ahead, renamed into `vms/`: only
+    /// its name there is new.
+    Renamed,
+}
+
+impl Daemon {
+    /// Starts syncing a new VM's disk on other threads (`folder` says
+    /// what is new: see [`NewFolder`]); the future says when the disk and
+    /// its folder's name are on stable storage. New VMs share their syncs
+    /// of `vms/`: a burst of forks costs one or two, not one each.
+    pub(super) fn sync_disk_soon(&self, disk: &str, folder: NewFolder) -> DiskSynced {
+        let disk = PathBuf::from(disk);
+        let vms_dir = self.vms_dir_sync.clone();
+        let syncing = tokio::spawn(async move {
+            if folder == NewFolder::Made {
+                tokio::task::spawn_blocking(move || storage::sync_disk(&disk))
+                    .await
+                    .map_err(|source| Error::Task {
+                        what: "sync disk",
+                        source,
+                    })?
+                    .map_err(|e| Error::disk("sync the new disk", e))?;
+            }
+            vms_dir
+                .sync()
+                .await
+                .map_err(|e| Error::io("sync the VM's folder into vms/", e))
+        });
+        Box::pin(async move {
+            syncing.await.map_err(|source| Error::Task {
                 what: "sync disk",
                 source,
             })?
-            .map_err(|e| Error::disk("sync the new disk", e))
-    })
+        })
+    }
 }
 
 impl Daemon {
@@ -201,20 +228,24 @@ impl Daemon {
         new: &NewVm,
         make_disk: impl FnOnce(&VmRecord) -> Result<()>,
     ) -> Result<String> {
-        let vm = self.record_new(new, make_disk)?;
+        let vm = self.record_new(new, |vm, dir| {
+            std::fs::create_dir_all(dir).map_err(|e| Error::io("create VM folder", e))?;
+            make_disk(vm)
+        })?;
         self.spawn_boot(&vm.hostname);
         Ok(vm.hostname)
     }
 
-    /// Records a new VM `starting` and makes its folder and disk with
-    /// `make_disk` in one transaction (see `Store::insert_vm_with`); on any
+    /// Records a new VM `starting` and has `make_folder` put its folder
+    /// (the path it is given, which does not exist yet) with its disk in
+    /// place, in one transaction (see `Store::insert_vm_with`); on any
     /// failure it leaves nothing behind (no record, files or network).
-    /// `make_disk` runs with the store locked: it writes a few KiB (an
-    /// overlay), never a copy of an image.
+    /// `make_folder` runs with the store locked: it writes a few KiB (an
+    /// overlay) or renames a spare's folder, never copies an image.
     pub(super) fn record_new(
         &self,
         new: &NewVm,
-        make_disk: impl FnOnce(&VmRecord) -> Result<()>,
+        make_folder: impl FnOnce(&VmRecord, &Path) -> Result<()>,
     ) -> Result<VmRecord> {
         let data_dir = self.data_dir.clone();
         let vm = self.store.insert_vm_with(
@@ -222,21 +253,18 @@ impl Daemon {
             |h| {
                 VmPaths::new(&data_dir, h)
                     .dir
-                    .join("disk.qcow2")
+                    .join(DISK_FILE)
                     .display()
                     .to_string()
             },
             |vm| {
                 let dir = VmPaths::new(&data_dir, &vm.hostname).dir;
-                let made = std::fs::create_dir_all(&dir)
-                    .map_err(|e| Error::io("create VM folder", e))
-                    .and_then(|()| make_disk(vm));
-                if made.is_err() {
+                if let Err(e) = make_folder(vm, &dir) {
                     // Still under the store's lock: no other VM can have
                     // been given this hostname (and folder) yet.
                     remove_dir_logged(&dir);
+                    return Err(e);
                 }
-                made?;
                 failpoint::hit(Failpoint::ProvisionDiskMade);
                 Ok::<(), Error>(())
             },
@@ -299,7 +327,7 @@ impl Daemon {
             let launched = async {
                 // An unborn fork of a memory commit resumes it.
                 let snapshot = this.hot_fork_snapshot(&vm)?;
-                let disk_synced = sync_disk_soon(&vm.disk);
+                let disk_synced = this.sync_disk_soon(&vm.disk, NewFolder::Made);
                 match snapshot {
                     // A restore does not need its disk on stable storage,
                     // only a born fork does: the sync goes on while the

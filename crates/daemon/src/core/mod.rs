@@ -3,7 +3,8 @@
 //! network. It runs VMs through a [`crate::launcher::Launcher`], so every
 //! part of it runs in plain unit tests on the fake launcher.
 //!
-//! Modules, each on top of the ones before it: `error`, `plan` (requests
+//! Modules, each on top of the ones before it: `error`, `dir_sync` (one
+//! directory `fsync` shared by a burst of callers), `plan` (requests
 //! checked against their group), `signals` (change signals per VM), `spare_book` (what is made ahead of hot
 //! forks), `daemon` (the state and what every part shares), `netattach`,
 //! `secrets` (host secrets and their sync into guests), `supervise`
@@ -15,6 +16,7 @@
 mod commit_record;
 mod commits;
 mod daemon;
+mod dir_sync;
 mod error;
 mod hot_fork;
 mod images;

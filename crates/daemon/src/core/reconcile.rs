@@ -14,7 +14,7 @@ use tine_proto::api::{CreateVmRequest, StopMode, VmState, Wait};
 
 use super::daemon::Daemon;
 use super::error::{chain, Error, Result};
-use super::lifecycle::sync_disk_soon;
+use super::lifecycle::NewFolder;
 use super::supervise::SetUp;
 use crate::config::Reconcile;
 use crate::db::VmRecord;
@@ -123,7 +123,10 @@ impl Daemon {
                         // its disk synced again (the old daemon may have
                         // died before its sync ended).
                         let (setup, disk_synced) = match self.hot_fork_snapshot(vm) {
-                            Ok(Some(_)) => (SetUp::HotFork, Some(sync_disk_soon(&vm.disk))),
+                            Ok(Some(_)) => (
+                                SetUp::HotFork,
+                                Some(self.sync_disk_soon(&vm.disk, NewFolder::Made)),
+                            ),
                             _ => (SetUp::Boot, None),
                         };
                         self.supervise(vm.hostname.clone(), running, None, setup, disk_synced);

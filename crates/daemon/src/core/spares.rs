@@ -10,17 +10,18 @@
 //!
 //! A fork that would take its group's network as it is (no policy of its
 //! own, not `network: none`) claims a primed VM inside the transaction that
-//! records it (the VM's disk is renamed into the fork's folder), and its
-//! launch hands the network over and resumes the VM: no restore on its
-//! path. A fork that finds no primed VM takes a loose spare disk (and
+//! records it (the folder of the VM's disk becomes the fork's folder by one
+//! rename), and its launch hands the network over and resumes the VM: no
+//! restore on its path. A fork that finds no primed VM takes a loose spare disk (and
 //! network), and restores into a pre-started process of the warm pool.
 //!
 //! A spare network is made under a spare's own name (`spare-<hex>`, the
 //! TAP's alias) and handed to a hot fork by
 //! [`crate::network::NetworkManager::hand_over`] together with the fork's
 //! network record, under the address allocation lock; a fork that asked
-//! for its own policy or no NIC gets none. A spare disk is renamed into
-//! the fork's folder inside the transaction that records the fork. A
+//! for its own policy or no NIC gets none. A spare disk's folder is
+//! renamed to the fork's folder inside the transaction that records the
+//! fork. A
 //! spare is nobody's until it is taken: a graceful exit removes the
 //! daemon's spares, and a restarted daemon removes an earlier one's
 //! (start-up reconciliation kills the untaken primed processes and removes
@@ -36,6 +37,7 @@ use tine_proto::api::{CommitMode, ForkNetwork};
 
 use super::daemon::{remove_file_logged, Daemon};
 use super::error::{chain, Error, Result};
+use super::lifecycle::{remove_dir_logged, NewFolder};
 use super::netattach::takes_group_network;
 use super::spare_book::{Released, SpareVm};
 use crate::config::HostGroup;
@@ -43,6 +45,7 @@ use crate::db::{CommitFilter, CommitRecord, VmRecord};
 use crate::launcher::pool::new_slot_name;
 use crate::launcher::PrimeSpec;
 use crate::network::{NetMode, VmNetwork};
+use crate::process::DISK_FILE;
 use crate::storage;
 
 /// The folder of spare disks in the data directory, one folder per memory
@@ -67,8 +70,16 @@ pub(super) enum TakenSpare {
     Disk(PathBuf),
 }
 
+/// Removes a spare disk and the folder made for it, logging a failure.
+fn remove_spare_disk(disk: &Path) {
+    match disk.parent() {
+        Some(folder) => remove_dir_logged(folder),
+        None => remove_file_logged(disk),
+    }
+}
+
 impl TakenSpare {
-    /// The disk the fork's folder gets by rename.
+    /// The disk whose folder becomes the fork's folder by rename.
     pub fn disk(&self) -> &Path {
         match self {
             TakenSpare::Vm(vm) => &vm.disk,
@@ -260,7 +271,7 @@ impl Daemon {
                 }
             }
             for d in released.disks.iter().chain(vms.map(|v| &v.disk)) {
-                remove_file_logged(d);
+                remove_spare_disk(d);
             }
         })
         .await;
@@ -284,17 +295,28 @@ impl Daemon {
         }
     }
 
+    /// A spare disk for `commit`, in a folder of its own that a fork takes
+    /// as its folder by one rename: the folder, its disk and its name in
+    /// the commit's spares folder are on stable storage when this returns,
+    /// so that the fork has only its new name to sync.
     async fn make_spare_disk(&self, commit: &str, commit_disk: &Path) -> Result<PathBuf> {
-        let dir = self.spares_dir().join(commit);
-        let path = dir.join(format!("{}.qcow2", new_slot_name()));
+        let commit_dir = self.spares_dir().join(commit);
+        let dir = commit_dir.join(new_slot_name());
+        let path = dir.join(DISK_FILE);
         let commit_disk = commit_disk.to_path_buf();
         tokio::task::spawn_blocking(move || {
-            std::fs::create_dir_all(&dir).map_err(|e| Error::io("create the spares folder", e))?;
-            let made =
-                storage::fork_disk(&commit_disk, &path).and_then(|()| storage::sync_disk(&path));
+            std::fs::create_dir_all(&dir).map_err(|e| Error::io("create a spare's folder", e))?;
+            let made = storage::fork_disk(&commit_disk, &path)
+                .and_then(|()| storage::sync_disk(&path))
+                .map_err(|e| Error::disk("make a spare disk", e))
+                .and_then(|()| {
+                    std::fs::File::open(&commit_dir)
+                        .and_then(|d| d.sync_all())
+                        .map_err(|e| Error::io("sync the spares folder", e))
+                });
             if let Err(e) = made {
-                remove_file_logged(&path);
-                return Err(Error::disk("make a spare disk", e));
+                remove_spare_disk(&path);
+                return Err(e);
             }
             Ok(path)
         })
@@ -429,24 +451,29 @@ impl Daemon {
         book.take_disk(&commit.id).map(TakenSpare::Disk)
     }
 
-    /// A fork's disk at `vm.disk`: the disk of `spare` (made in advance on
-    /// the same commit) renamed into place, or else a new overlay on
-    /// `commit`. A primed VM whose disk was renamed is claimed for the
-    /// fork; one that cannot be used is removed.
+    /// A fork's folder `dir` with its disk: the folder of `spare` (made in
+    /// advance on the same commit, its disk named as a VM's) renamed into
+    /// place, or else a new folder with a new overlay on `commit`. A primed
+    /// VM whose folder was renamed is claimed for the fork; one that cannot
+    /// be used is removed. Returns which of the two it did.
     pub(super) fn fork_disk_from(
         &self,
         spare: Option<TakenSpare>,
         commit: &Path,
         vm: &VmRecord,
-    ) -> Result<()> {
-        let disk = Path::new(&vm.disk);
+        dir: &Path,
+    ) -> Result<NewFolder> {
         if let Some(spare) = spare {
-            match std::fs::rename(spare.disk(), disk) {
+            let renamed = match spare.disk().parent() {
+                Some(folder) => std::fs::rename(folder, dir),
+                None => Err(std::io::Error::other("a spare disk outside any folder")),
+            };
+            match renamed {
                 Ok(()) => {
                     if let TakenSpare::Vm(primed) = spare {
                         self.spare_book().claim(&vm.hostname, *primed);
                     }
-                    return Ok(());
+                    return Ok(NewFolder::Renamed);
                 }
                 Err(e) => {
                     tracing::warn!("cannot use the spare disk {}: {e}", spare.disk().display());
@@ -454,16 +481,18 @@ impl Daemon {
                 }
             }
         }
-        storage::fork_disk(commit, disk).map_err(|e| Error::disk("fork disk", e))
+        std::fs::create_dir_all(dir).map_err(|e| Error::io("create VM folder", e))?;
+        storage::fork_disk(commit, Path::new(&vm.disk)).map_err(|e| Error::disk("fork disk", e))?;
+        Ok(NewFolder::Made)
     }
 
     /// Removes a spare that was taken but that no fork holds.
     pub(super) fn release_taken(&self, spare: TakenSpare) {
         match spare {
-            TakenSpare::Disk(disk) => remove_file_logged(&disk),
+            TakenSpare::Disk(disk) => remove_spare_disk(&disk),
             TakenSpare::Vm(vm) => {
                 self.release_primed(&vm);
-                remove_file_logged(&vm.disk);
+                remove_spare_disk(&vm.disk);
             }
         }
     }

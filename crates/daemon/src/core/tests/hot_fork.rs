@@ -565,15 +565,20 @@ async fn a_warm_pool_size_is_refused_by_name_where_it_means_nothing() {
     assert_eq!(kept.hot_fork_pool, None);
 }
 
-/// The spare disks made for memory commit `id`, sorted, with their inodes.
-fn spare_disks(b: &Bed, id: &str) -> Vec<(std::path::PathBuf, u64)> {
+/// The spare disks made for memory commit `id` (each in a folder of its
+/// own), sorted, with their inodes and their folders' inodes.
+fn spare_disks(b: &Bed, id: &str) -> Vec<(std::path::PathBuf, u64, u64)> {
     use std::os::unix::fs::MetadataExt;
     let Ok(entries) = std::fs::read_dir(b.daemon.spares_dir().join(id)) else {
         return Vec::new();
     };
     let mut out: Vec<_> = entries
         .flatten()
-        .map(|e| (e.path(), e.metadata().expect("stat").ino()))
+        .map(|e| {
+            let disk = e.path().join(crate::process::DISK_FILE);
+            let ino = std::fs::metadata(&disk).expect("a spare's disk").ino();
+            (disk, ino, e.metadata().expect("stat").ino())
+        })
         .collect();
     out.sort();
     out
@@ -603,10 +608,10 @@ async fn a_memory_commit_keeps_spare_disks_and_its_hot_forks_take_them() {
     primed.sort();
     assert_eq!(
         primed,
-        made.iter().map(|(p, _)| p.clone()).collect::<Vec<_>>()
+        made.iter().map(|(p, _, _)| p.clone()).collect::<Vec<_>>()
     );
     let commit_disk = b.daemon.commit_record(&id).expect("commit").disk;
-    for (path, _) in &made {
+    for (path, _, _) in &made {
         let chain = tine_disk::backing_chain(path).expect("chain");
         assert!(
             chain.iter().any(|i| i.path == Path::new(&commit_disk)),
@@ -614,8 +619,8 @@ async fn a_memory_commit_keeps_spare_disks_and_its_hot_forks_take_them() {
         );
     }
 
-    // A hot fork's disk is one of them, renamed into its folder (the same
-    // file), and the spares are made up again.
+    // A hot fork's folder is one of theirs, renamed (the same folder and
+    // disk), and the spares are made up again.
     let fork = b
         .daemon
         .fork(&id, ForkRequest::default(), Wait::Agent, WAIT)
@@ -623,11 +628,19 @@ async fn a_memory_commit_keeps_spare_disks_and_its_hot_forks_take_them() {
         .expect("fork")
         .hostname;
     let disk = b.daemon.vm(&fork).expect("fork").disk;
-    let inode = {
+    let (inode, folder_inode) = {
         use std::os::unix::fs::MetadataExt;
-        std::fs::metadata(&disk).expect("disk").ino()
+        let folder = Path::new(&disk).parent().expect("a folder");
+        (
+            std::fs::metadata(&disk).expect("disk").ino(),
+            std::fs::metadata(folder).expect("folder").ino(),
+        )
     };
-    assert!(made.iter().any(|(_, i)| *i == inode), "not a spare");
+    assert!(
+        made.iter()
+            .any(|(_, i, f)| (*i, *f) == (inode, folder_inode)),
+        "not a spare's folder"
+    );
     b.daemon.fill_pools().await;
     let refilled = spare_disks(&b, &id);
     assert_eq!(refilled.len(), 2);
@@ -636,7 +649,7 @@ async fn a_memory_commit_keeps_spare_disks_and_its_hot_forks_take_them() {
         1,
         "one old spare left, one new: {made:?} -> {refilled:?}"
     );
-    assert!(refilled.iter().all(|(_, i)| *i != inode));
+    assert!(refilled.iter().all(|(_, i, _)| *i != inode));
 
     // A disk commit's fork takes none.
     let disk_commit = b.commit().await;
