@@ -169,7 +169,8 @@ fn control_sockets() -> Vec<(u32, PathBuf)> {
 
 /// The VM folder a process with control socket `sock` runs for: the folder
 /// named on its command line, or, for a pool slot a VM took, the folder the
-/// slot's link points to. `None` for a slot nobody took.
+/// slot's link points to (for a primed slot, the folder it was primed
+/// into, which is no VM's). `None` for a slot nobody took.
 fn vm_dir_of(sock: &Path) -> Option<PathBuf> {
     let dir = sock.parent()?;
     match std::fs::read_link(dir) {
@@ -223,8 +224,9 @@ pub fn find_processes(data_dir: &Path) -> Vec<(u32, Owner)> {
                 Some(dir) if dir.parent() == Some(vms.as_path()) => {
                     out.extend(name(&dir).map(|h| (pid, Owner::Vm(h))))
                 }
-                Some(_) => {}
-                None => out.extend(name(folder).map(|slot| (pid, Owner::Pool(slot)))),
+                // Not taken, or primed: its link leads to the folder a fork
+                // would take (or to where that folder was).
+                _ => out.extend(name(folder).map(|slot| (pid, Owner::Pool(slot)))),
             }
         }
     }

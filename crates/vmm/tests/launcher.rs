@@ -223,22 +223,36 @@ async fn a_primed_vm_waits_paused_until_a_vm_takes_it_over() {
     let data_dir = dir.path().join("data");
     let vmm: PathBuf = env!("CARGO_BIN_EXE_tine-vmm").into();
     let launcher = VmmLauncher::new(vmm.clone(), data_dir.clone());
-    let disk = |name: &str| {
-        let path = dir.path().join(name);
-        std::fs::write(&path, vec![0u8; 1 << 20]).expect("disk");
-        path
+    // A spare: its disk in the folder a VM takes by rename.
+    let spare = |name: &str| {
+        let folder = dir.path().join(name);
+        std::fs::create_dir(&folder).expect("spare folder");
+        let disk = folder.join("disk.raw");
+        std::fs::write(&disk, vec![0u8; 1 << 20]).expect("disk");
+        (disk, folder)
     };
+    let (disk, folder) = spare("spare-1");
     let spec = PrimeSpec {
         cpus: 1,
         ram_mib: 32,
         state,
         memory,
-        disk: disk("spare-1.raw"),
+        disk,
+        folder: folder.clone(),
         tap: None,
     };
     let name = launcher.prime(&spec).await.expect("prime");
     let primed = pool_pids(&data_dir);
     assert_eq!(primed.len(), 1, "its process waits in the pool's folder");
+    // Its files moved into the spare's folder, which the slot links to.
+    for file in ["control.sock", "vmm.log", "serial.log"] {
+        assert!(
+            folder.join(file).exists(),
+            "{file} is in the spare's folder"
+        );
+    }
+    let slot = data_dir.join(POOL_DIR).join(&name);
+    assert_eq!(std::fs::read_link(&slot).expect("a link"), folder);
     let instance = tine_daemon::launcher::Instance {
         pid: primed[0],
         pid_start: tine_daemon::process::start_time(primed[0]).expect("start time"),
@@ -251,17 +265,18 @@ async fn a_primed_vm_waits_paused_until_a_vm_takes_it_over() {
     let again = VmmLauncher::new(vmm.clone(), data_dir.clone());
     assert_eq!(again.strays().len(), 1);
 
-    // Taken over: its files are the VM's, its guest runs.
+    // Taken over: the VM's folder is the spare's, renamed, and its guest
+    // runs.
+    let vm_dir = data_dir.join("vms").join("t-1");
+    std::fs::create_dir_all(data_dir.join("vms")).expect("vms folder");
+    std::fs::rename(&folder, &vm_dir).expect("take the spare's folder");
     let running = launcher
         .resume_primed(&name, "t-1")
         .await
         .expect("resume")
         .expect("its process runs");
     assert_eq!(running.instance, instance, "the primed process");
-    let vm_dir = data_dir.join("vms").join("t-1");
-    for file in ["control.sock", "vmm.log", "serial.log"] {
-        assert!(vm_dir.join(file).exists(), "{file} is in the VM's folder");
-    }
+    assert_eq!(std::fs::read_link(&slot).expect("a link"), vm_dir);
     let mut copied = 0;
     for _ in 0..200 {
         copied = copied_pages(instance);
@@ -283,9 +298,13 @@ async fn a_primed_vm_waits_paused_until_a_vm_takes_it_over() {
 
     // One nobody takes is stopped, and its folder removed.
     let other = launcher
-        .prime(&PrimeSpec {
-            disk: disk("spare-2.raw"),
-            ..spec.clone()
+        .prime(&{
+            let (disk, folder) = spare("spare-2");
+            PrimeSpec {
+                disk,
+                folder,
+                ..spec.clone()
+            }
         })
         .await
         .expect("prime");
@@ -296,9 +315,13 @@ async fn a_primed_vm_waits_paused_until_a_vm_takes_it_over() {
 
     // One whose process ended meanwhile is none: the VM restores instead.
     let dead = launcher
-        .prime(&PrimeSpec {
-            disk: disk("spare-3.raw"),
-            ..spec
+        .prime(&{
+            let (disk, folder) = spare("spare-3");
+            PrimeSpec {
+                disk,
+                folder,
+                ..spec
+            }
         })
         .await
         .expect("prime");

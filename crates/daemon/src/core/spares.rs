@@ -70,11 +70,20 @@ pub(super) enum TakenSpare {
     Disk(PathBuf),
 }
 
-/// Removes a spare disk and the folder made for it, logging a failure.
+/// The folder made for a spare disk (see [`Daemon::make_spare_disk`]),
+/// which a fork takes as its own.
+fn spare_folder(disk: &Path) -> std::io::Result<&Path> {
+    disk.parent()
+        .filter(|f| !f.as_os_str().is_empty())
+        .ok_or_else(|| std::io::Error::other("a spare disk outside any folder"))
+}
+
+/// Removes a spare disk and the folder made for it (with the files of a
+/// VM primed on it), logging a failure.
 fn remove_spare_disk(disk: &Path) {
-    match disk.parent() {
-        Some(folder) => remove_dir_logged(folder),
-        None => remove_file_logged(disk),
+    match spare_folder(disk) {
+        Ok(folder) => remove_dir_logged(folder),
+        Err(_) => remove_file_logged(disk),
     }
 }
 
@@ -210,12 +219,21 @@ impl Daemon {
             let Some((disk, network)) = self.spare_book().begin_priming(id, group) else {
                 return;
             };
+            let folder = match spare_folder(&disk) {
+                Ok(folder) => folder.to_path_buf(),
+                Err(e) => {
+                    self.spare_book().end_priming(&disk, None);
+                    tracing::warn!(commit = %id, disk = %disk.display(), "cannot prime a VM: {e}");
+                    return;
+                }
+            };
             let spec = PrimeSpec {
                 cpus: p.commit.cpus,
                 ram_mib: p.commit.ram_bytes >> 20,
                 state: files.state(),
                 memory: files.memory(),
                 disk: disk.clone(),
+                folder,
                 tap: network.map(|n| n.tap),
             };
             match self.launcher.prime(&spec).await {
@@ -464,11 +482,7 @@ impl Daemon {
         dir: &Path,
     ) -> Result<NewFolder> {
         if let Some(spare) = spare {
-            let renamed = match spare.disk().parent() {
-                Some(folder) => std::fs::rename(folder, dir),
-                None => Err(std::io::Error::other("a spare disk outside any folder")),
-            };
-            match renamed {
+            match spare_folder(spare.disk()).and_then(|folder| std::fs::rename(folder, dir)) {
                 Ok(()) => {
                     if let TakenSpare::Vm(primed) = spare {
                         self.spare_book().claim(&vm.hostname, *primed);

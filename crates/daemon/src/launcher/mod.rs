@@ -94,9 +94,12 @@ pub struct PrimeSpec {
     pub state: PathBuf,
     /// The snapshot's memory file (mapped copy-on-write).
     pub memory: PathBuf,
-    /// The root disk (`drive0`): a spare overlay the fork's folder will
-    /// get by rename.
+    /// The root disk (`drive0`): a spare overlay, in `folder`.
     pub disk: PathBuf,
+    /// The folder that becomes the fork's folder by one rename: once the
+    /// snapshot is restored, the process's sockets and logs move into it,
+    /// so that the rename moves them too.
+    pub folder: PathBuf,
     /// The TAP for the NIC (`net0`), when the fork will have one.
     pub tap: Option<String>,
 }
@@ -270,16 +273,17 @@ pub trait Launcher: Send + Sync + std::fmt::Debug + 'static {
     /// Starts a process ahead of time and restores a snapshot into it.
     fn restore<'a>(&'a self, spec: &'a RestoreSpec) -> BoxFuture<'a, Result<Running, LaunchError>>;
 
-    /// Restores `spec` paused into a process of its own, ahead of any VM;
-    /// returns the name [`Launcher::resume_primed`] takes it by. Nothing
-    /// of it runs until then; a restarted daemon finds it a stray.
+    /// Restores `spec` paused into a process of its own, ahead of any VM,
+    /// and moves its sockets and logs into `spec.folder`; returns the name
+    /// [`Launcher::resume_primed`] takes it by. Nothing of it runs until
+    /// then; a restarted daemon finds it a stray.
     fn prime<'a>(&'a self, spec: &'a PrimeSpec) -> BoxFuture<'a, Result<String, LaunchError>>;
 
-    /// Hands the primed process `name` to `hostname` (its sockets and logs
-    /// move into the VM's folder; the disk and TAP it holds are the VM's
-    /// from now on) and runs its vCPUs. `None` when that process had ended
-    /// while it waited: its guest never ran, so its disk and TAP are as
-    /// they were made. A failure stops the process.
+    /// Hands the primed process `name` to `hostname`, whose folder is the
+    /// one it was primed with, renamed (its sockets, logs, disk and TAP
+    /// are the VM's from now on), and runs its vCPUs. `None` when that
+    /// process had ended while it waited: its guest never ran, so its disk
+    /// and TAP are as they were made. A failure stops the process.
     fn resume_primed<'a>(
         &'a self,
         name: &'a str,

@@ -240,8 +240,8 @@ pub fn move_slot(slot: &VmPaths, vm: &VmPaths) -> Result<(), HandOverError> {
     Ok(())
 }
 
-/// Moves a primed process's files into the VM's folder (prepared by
-/// [`prepare_vm_dir`]): its vsock socket and serial log (an open listener
+/// Moves a primed process's files into the folder a fork will take by
+/// rename (it exists): its vsock socket and serial log (an open listener
 /// and an open file keep working under their new names), then what
 /// [`move_slot`] moves. Guest-initiated vsock connections, which the
 /// process makes next to the socket's first name, reach the VM's folder
@@ -260,6 +260,16 @@ pub fn move_primed(slot: &VmPaths, vm: &VmPaths) -> Result<(), HandOverError> {
         }
     }
     move_slot(slot, vm)
+}
+
+/// Points a primed slot's link (to the folder it was primed into) at the
+/// VM's folder, which is that folder renamed: what [`move_primed`] moved
+/// there came with it.
+pub fn relink_slot(slot: &VmPaths, vm: &VmPaths) -> Result<(), HandOverError> {
+    let fail = |step| hand_over_error(slot, vm, step);
+    std::fs::remove_file(&slot.dir).map_err(fail("remove the slot's link"))?;
+    std::os::unix::fs::symlink(&vm.dir, &slot.dir).map_err(fail("link the slot to the VM"))?;
+    Ok(())
 }
 
 /// Removes what `pool_dir` holds that is neither in `keep` nor named by a

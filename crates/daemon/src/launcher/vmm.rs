@@ -176,16 +176,7 @@ impl VmmLauncher {
             tokio::task::spawn_blocking(move || move_files(&from, &to))
         };
         let answer = process::control_on(io, request, answer_limit(request)).await;
-        let moved = match moved.await {
-            Ok(moved) => moved.map_err(|e| LaunchError::Prepare {
-                path: e.vm.clone(),
-                source: std::io::Error::new(e.source.kind(), tine_proto::error_chain(&e)),
-            }),
-            Err(e) => Err(LaunchError::Prepare {
-                path: paths.dir.clone(),
-                source: std::io::Error::other(format!("the move of slot {} ended: {e}", slot.name)),
-            }),
-        };
+        let moved = files_moved(moved.await, &paths.dir, &slot.name);
         let failed = match (answer, moved) {
             (Ok(VmmResponse::Ok { .. }), Ok(())) => {
                 let link = slot.paths.dir.clone();
@@ -318,7 +309,17 @@ impl VmmLauncher {
         };
         let hostname = format!("{POOL_DIR}/{name}");
         let failed = match process::control(&slot.paths, &request, answer_limit(&request)).await {
-            Ok(VmmResponse::Ok { .. }) => return Ok(slot),
+            Ok(VmmResponse::Ok { .. }) => {
+                // Its files go into the folder a fork will take by rename,
+                // so that they move with it; the slot links there.
+                let (from, to) = (slot.paths.clone(), VmPaths::in_dir(spec.folder.clone()));
+                let moved =
+                    tokio::task::spawn_blocking(move || pool::move_primed(&from, &to)).await;
+                match files_moved(moved, &spec.folder, name) {
+                    Ok(()) => return Ok(slot),
+                    Err(e) => e,
+                }
+            }
             Ok(VmmResponse::Error { error }) => LaunchError::Refused {
                 hostname,
                 request: "restore".into(),
@@ -341,6 +342,25 @@ impl VmmLauncher {
                 }
             })?;
         Ok(self.spawned(child, paths.clone(), None))
+    }
+}
+
+/// The outcome of a blocking task that moved slot `slot`'s files to
+/// `folder`, as a launch error when they did not all move.
+fn files_moved(
+    moved: Result<Result<(), pool::HandOverError>, tokio::task::JoinError>,
+    folder: &Path,
+    slot: &str,
+) -> Result<(), LaunchError> {
+    match moved {
+        Ok(moved) => moved.map_err(|e| LaunchError::Prepare {
+            path: e.vm.clone(),
+            source: std::io::Error::new(e.source.kind(), tine_proto::error_chain(&e)),
+        }),
+        Err(e) => Err(LaunchError::Prepare {
+            path: folder.to_path_buf(),
+            source: std::io::Error::other(format!("the move of slot {slot} ended: {e}")),
+        }),
     }
 }
 
@@ -526,10 +546,12 @@ impl Launcher for VmmLauncher {
                 stop_slot(slot);
                 return Ok(None);
             }
+            // The fork took the folder the process was primed into: its
+            // files are in the VM's folder already.
             let paths = self.paths(hostname);
-            // The resume goes out at once, and the files move while the
-            // process resumes.
-            let io = match tokio::net::UnixStream::connect(&slot.paths.control).await {
+            // The resume goes out at once, and the slot's link is pointed
+            // at the VM's folder while the process resumes.
+            let io = match tokio::net::UnixStream::connect(&paths.control).await {
                 Ok(io) => io,
                 Err(source) => {
                     stop_slot(slot);
@@ -539,13 +561,16 @@ impl Launcher for VmmLauncher {
                     });
                 }
             };
-            let move_files: fn(&VmPaths, &VmPaths) -> Result<(), pool::HandOverError> =
-                |from, to| {
-                    pool::prepare_vm_dir(from, to).and_then(|()| pool::move_primed(from, to))
-                };
-            self.hand_over(hostname, slot, &paths, io, &VmmRequest::Resume, move_files)
-                .await
-                .map(Some)
+            self.hand_over(
+                hostname,
+                slot,
+                &paths,
+                io,
+                &VmmRequest::Resume,
+                pool::relink_slot,
+            )
+            .await
+            .map(Some)
         }
         .boxed()
     }
