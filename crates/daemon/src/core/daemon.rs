@@ -167,6 +167,21 @@ pub(super) fn remove_file_logged(path: &std::path::Path) {
     }
 }
 
+/// Syncs a disk and its folder (`storage::sync_disk`) on a blocking
+/// thread; `what` says what the sync was for in an error.
+pub(super) async fn sync_disk_off_thread(
+    disk: std::path::PathBuf,
+    what: impl Into<String>,
+) -> Result<()> {
+    tokio::task::spawn_blocking(move || crate::storage::sync_disk(&disk))
+        .await
+        .map_err(|source| Error::Task {
+            what: "sync disk",
+            source,
+        })?
+        .map_err(|e| Error::disk(what, e))
+}
+
 /// A file's inode, size and modification time.
 pub(super) type FileStamp = (u64, u64, i64, i64);
 

@@ -13,7 +13,7 @@ use tine_proto::agent::ShutdownAction as AgentShutdown;
 use tine_proto::api::{self, CreateVmRequest, ShutdownAction, StopMode, VmState, Wait};
 use tine_proto::vmm::Request as VmmRequest;
 
-use super::daemon::Daemon;
+use super::daemon::{sync_disk_off_thread, Daemon};
 use super::error::{chain, Error, Result};
 use super::netattach::describe as describe_network;
 use super::plan;
@@ -58,13 +58,7 @@ impl Daemon {
         let vms_dir = self.vms_dir_sync.clone();
         let syncing = tokio::spawn(async move {
             if folder == NewFolder::Made {
-                tokio::task::spawn_blocking(move || storage::sync_disk(&disk))
-                    .await
-                    .map_err(|source| Error::Task {
-                        what: "sync disk",
-                        source,
-                    })?
-                    .map_err(|e| Error::disk("sync the new disk", e))?;
+                sync_disk_off_thread(disk, "sync the new disk").await?;
             }
             vms_dir
                 .sync()

@@ -20,13 +20,12 @@ use std::time::{Duration, Instant};
 
 use tine_proto::api::{self, StopMode, VmState, Wait};
 
-use super::daemon::Daemon;
+use super::daemon::{sync_disk_off_thread, Daemon};
 use super::error::{chain, Error, Result};
 use super::snapshot::SnapshotFiles;
 use crate::db::VmRecord;
 use crate::failpoint::{self, Failpoint};
 use crate::launcher::{Instance, LauncherExt};
-use crate::storage;
 
 /// Why a state refuses a suspend, for the error message.
 fn why_not_suspend(vm: &VmRecord) -> String {
@@ -94,13 +93,7 @@ impl Daemon {
             // The VMM flushed the disk before the snapshot; this makes sure
             // it reached stable storage before the VM counts as suspended.
             let disk = std::path::PathBuf::from(&vm.disk);
-            tokio::task::spawn_blocking(move || storage::sync_disk(&disk))
-                .await
-                .map_err(|source| Error::Task {
-                    what: "sync disk",
-                    source,
-                })?
-                .map_err(|e| Error::disk(format!("sync the disk of {hostname}"), e))?;
+            sync_disk_off_thread(disk, format!("sync the disk of {hostname}")).await?;
             Ok::<_, Error>(captured)
         }
         .await;
