@@ -270,6 +270,9 @@ async fn a_primed_vm_waits_paused_until_a_vm_takes_it_over() {
     let vm_dir = data_dir.join("vms").join("t-1");
     std::fs::create_dir_all(data_dir.join("vms")).expect("vms folder");
     std::fs::rename(&folder, &vm_dir).expect("take the spare's folder");
+    // A daemon restarted before the launch finds it a stray still: the
+    // fork is unborn, and is restored again from its commit.
+    assert_eq!(again.strays().len(), 1, "{:?}", again.strays());
     let running = launcher
         .resume_primed(&name, "t-1")
         .await
