@@ -260,9 +260,72 @@ pub fn find_vmm_processes(data_dir: &Path) -> Vec<(u32, String)> {
         .collect()
 }
 
-/// Waits until a process that is not our child exits (polling, as the
-/// daemon cannot reap it).
+/// A pidfd of `pid` (Linux 5.3 and later): it becomes readable once the
+/// process has ended, whether or not it is our child.
+fn pidfd(pid: u32) -> std::io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    let pid = libc::pid_t::try_from(pid).map_err(std::io::Error::other)?;
+    // SAFETY: pidfd_open takes a pid and flags (none) and returns a new
+    // descriptor or -1; no memory is passed to the kernel.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let fd = std::os::fd::RawFd::try_from(fd).map_err(std::io::Error::other)?;
+    // SAFETY: the kernel just returned this descriptor, which nothing else
+    // owns.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+}
+
+/// Returns once the process behind `fd` (a pidfd) has ended, holding no
+/// thread meanwhile.
+async fn ended(fd: std::os::fd::OwnedFd) -> std::io::Result<()> {
+    // SAFETY: the AsyncFd owns `fd`, an OwnedFd: the descriptor stays open
+    // and names the same pidfd until the AsyncFd is dropped.
+    let fd = unsafe {
+        tokio::io::unix::AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE)
+    }?;
+    let _ready = fd.readable().await?;
+    Ok(())
+}
+
+/// Reaps `child` once it ends. A process's pidfd says when, so no thread
+/// waits while it runs: a daemon runs as many VMs as the host holds, and a
+/// blocked `wait` each would take every one of the runtime's blocking
+/// threads (512), which disk syncs and file moves need too. Where pidfds
+/// are missing, a blocking thread waits.
+pub async fn wait_child(mut child: Child) -> std::io::Result<std::process::ExitStatus> {
+    match pidfd(child.id()) {
+        Ok(fd) => {
+            ended(fd).await?;
+            child.wait()
+        }
+        Err(e) => {
+            tracing::debug!(
+                pid = child.id(),
+                "no pidfd ({e}): a thread waits for the process"
+            );
+            tokio::task::spawn_blocking(move || child.wait())
+                .await
+                .map_err(std::io::Error::other)?
+        }
+    }
+}
+
+/// Waits until a process that is not our child exits: through its pidfd,
+/// or else by polling (the daemon cannot reap it).
 pub async fn wait_adopted(pid: u32, pid_start: u64) {
+    if let Ok(fd) = pidfd(pid) {
+        // The descriptor is of whichever process has this pid now: the
+        // adopted one if its start time still matches.
+        if start_time(pid) != Some(pid_start) {
+            return;
+        }
+        match ended(fd).await {
+            Ok(()) => return,
+            Err(e) => tracing::debug!(pid, "cannot wait on its pidfd ({e}): polling"),
+        }
+    }
     loop {
         match start_time(pid) {
             Some(t) if t == pid_start => {
@@ -434,6 +497,69 @@ pub fn kill_if_ours(pid: u32, pid_start: u64, paths: &VmPaths) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Children that wait in `wait_child` hold none of the runtime's
+    /// blocking threads: with only one, other blocking work still runs
+    /// while three children are waited for. With a blocked `wait` each (as
+    /// before), the check below timed out.
+    #[test]
+    fn waiting_for_children_holds_no_blocking_thread() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .max_blocking_threads(1)
+            .build()
+            .expect("runtime");
+        rt.block_on(async {
+            let children: Vec<Child> = (0..3)
+                .map(|_| Command::new("sleep").arg("60").spawn().expect("sleep runs"))
+                .collect();
+            let pids: Vec<u32> = children.iter().map(Child::id).collect();
+            let waits: Vec<_> = children
+                .into_iter()
+                .map(|c| tokio::spawn(wait_child(c)))
+                .collect();
+            tokio::task::yield_now().await;
+            let other =
+                tokio::time::timeout(Duration::from_secs(20), tokio::task::spawn_blocking(|| 42))
+                    .await
+                    .expect("the blocking pool is free while children are waited for");
+            assert_eq!(other.expect("task"), 42);
+            for pid in &pids {
+                nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(*pid as i32),
+                    nix::sys::signal::Signal::SIGKILL,
+                )
+                .expect("kill");
+            }
+            for w in waits {
+                let status = w.await.expect("task").expect("reaped");
+                use std::os::unix::process::ExitStatusExt;
+                assert_eq!(status.signal(), Some(libc::SIGKILL), "{status}");
+            }
+            for pid in pids {
+                assert!(start_time(pid).is_none(), "{pid} reaped, not a zombie");
+            }
+        });
+    }
+
+    /// `wait_adopted` returns when the process ends, and at once for a
+    /// pid whose start time is not the adopted process's.
+    #[tokio::test]
+    async fn waiting_for_an_adopted_process_ends_with_it() {
+        let mut child = Command::new("sleep").arg("60").spawn().expect("sleep runs");
+        let pid = child.id();
+        let started = start_time(pid).expect("start time");
+        wait_adopted(pid, started + 1).await;
+        let waiting = tokio::spawn(wait_adopted(pid, started));
+        tokio::task::yield_now().await;
+        assert!(!waiting.is_finished(), "it runs");
+        child.kill().expect("kill");
+        tokio::time::timeout(Duration::from_secs(20), waiting)
+            .await
+            .expect("returns once the process ended")
+            .expect("task");
+        child.wait().expect("reap");
+    }
 
     /// A stand-in control socket that reads one request line and then
     /// answers `answer` (or nothing).

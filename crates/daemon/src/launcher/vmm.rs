@@ -95,14 +95,10 @@ impl VmmLauncher {
             pid_start: process::start_time(pid).unwrap_or(0),
         };
         let exit = async move {
-            let mut child = child;
-            let status = tokio::task::spawn_blocking(move || child.wait())
+            let status = process::wait_child(child)
                 .await
-                .ok()
-                .and_then(|r| {
-                    r.map_err(|e| tracing::warn!(pid, "cannot reap tine-vmm: {e}"))
-                        .ok()
-                });
+                .map_err(|e| tracing::warn!(pid, "cannot reap tine-vmm: {e}"))
+                .ok();
             if let Some(link) = link {
                 if let Err(e) = std::fs::remove_file(&link) {
                     tracing::warn!(pid, "cannot remove the pool link {}: {e}", link.display());
