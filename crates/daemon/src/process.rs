@@ -295,15 +295,18 @@ async fn ended(fd: std::os::fd::OwnedFd) -> std::io::Result<()> {
 /// threads (512), which disk syncs and file moves need too. Where pidfds
 /// are missing, a blocking thread waits.
 pub async fn wait_child(mut child: Child) -> std::io::Result<std::process::ExitStatus> {
-    match pidfd(child.id()) {
-        Ok(fd) => {
-            ended(fd).await?;
-            child.wait()
-        }
+    let waited = match pidfd(child.id()) {
+        Ok(fd) => ended(fd).await,
+        Err(e) => Err(e),
+    };
+    match waited {
+        Ok(()) => child.wait(),
         Err(e) => {
+            // The child is still reaped: returning here would leave it a
+            // zombie and its VM never marked stopped.
             tracing::debug!(
                 pid = child.id(),
-                "no pidfd ({e}): a thread waits for the process"
+                "no pidfd to wait on ({e}): a thread waits for the process"
             );
             tokio::task::spawn_blocking(move || child.wait())
                 .await
