@@ -19,6 +19,8 @@ use serde::{Deserialize, Serialize};
 use tine_proto::agent::SecretFile;
 use tine_proto::api::{CreateSecretRequest, SecretInfo, UpdateSecretRequest};
 
+use crate::storage;
+
 /// Most bytes of one secret's value.
 pub const MAX_SECRET_BYTES: usize = 256 * 1024;
 /// Most bytes of the values granted to one VM together: they travel to the
@@ -244,7 +246,7 @@ impl SecretStore {
             f.write_all(&text)?;
             f.sync_all()?;
             fs::rename(&tmp, &path)?;
-            fs::File::open(&self.dir)?.sync_all()
+            storage::sync_dir(&self.dir)
         };
         write().map_err(|e| {
             if let Err(rm) = fs::remove_file(&tmp) {
@@ -356,8 +358,7 @@ impl SecretStore {
             }
             Err(e) => return Err(SecretError::io(format!("remove the secret {name}"), e)),
         }
-        fs::File::open(&self.dir)
-            .and_then(|d| d.sync_all())
+        storage::sync_dir(&self.dir)
             .map_err(|e| SecretError::io(format!("sync {}", self.dir.display()), e))
     }
 

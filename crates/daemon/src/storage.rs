@@ -30,6 +30,12 @@ pub fn create_disk(base: &Path, dest: &Path, size: Option<u64>) -> Result<(), Di
         .map_err(|e| err(&format!("chmod {}", dest.display()), &e))
 }
 
+/// Makes the names created, renamed or removed in `dir` survive a crash
+/// (an `fsync` of the directory).
+pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    std::fs::File::open(dir)?.sync_all()
+}
+
 /// Virtual size, bytes allocated on the host, and format of a disk.
 pub fn describe(path: &Path) -> (u64, u64, String) {
     use std::os::unix::fs::MetadataExt;
@@ -128,9 +134,7 @@ pub fn commit_disk(disk: &Path, commit_path: &Path, new_disk: &Path) -> Result<u
         .into_iter()
         .flatten()
     {
-        std::fs::File::open(dir)
-            .and_then(|d| d.sync_all())
-            .map_err(|e| undo(err(&format!("sync {}", dir.display()), &e)))?;
+        sync_dir(dir).map_err(|e| undo(err(&format!("sync {}", dir.display()), &e)))?;
     }
     Ok(size)
 }

@@ -4,9 +4,10 @@
 //! whose change came before it began, instead of one each. Each `fsync`
 //! of a directory is a flush of the host's disk cache.
 
-use std::fs::File;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
+
+use crate::storage;
 
 /// Syncs of one directory, shared by whoever asks while one is pending.
 #[derive(Debug)]
@@ -62,7 +63,7 @@ impl DirSync {
             t.issued
         };
         let dir = self.dir.clone();
-        tokio::task::spawn_blocking(move || File::open(&dir)?.sync_all())
+        tokio::task::spawn_blocking(move || storage::sync_dir(&dir))
             .await
             .map_err(std::io::Error::other)??;
         let mut t = self.tickets();

@@ -67,7 +67,7 @@ impl PendingMemoryCommit {
         file.sync_all()?;
         std::fs::rename(&tmp, path)?;
         match path.parent() {
-            Some(dir) => std::fs::File::open(dir)?.sync_all(),
+            Some(dir) => storage::sync_dir(dir),
             None => Ok(()),
         }
     }

@@ -12,16 +12,16 @@
 //! own, not `network: none`) claims a primed VM inside the transaction that
 //! records it (the folder of the VM's disk becomes the fork's folder by one
 //! rename), and its launch hands the network over and resumes the VM: no
-//! restore on its path. A fork that finds no primed VM takes a loose spare disk (and
-//! network), and restores into a pre-started process of the warm pool.
+//! restore on its path. A fork that finds no primed VM takes a loose spare
+//! disk (and network), and restores into a pre-started process of the warm
+//! pool.
 //!
 //! A spare network is made under a spare's own name (`spare-<hex>`, the
 //! TAP's alias) and handed to a hot fork by
 //! [`crate::network::NetworkManager::hand_over`] together with the fork's
 //! network record, under the address allocation lock; a fork that asked
-//! for its own policy or no NIC gets none. A spare disk's folder is
-//! renamed to the fork's folder inside the transaction that records the
-//! fork. A
+//! for its own policy or no NIC gets none. A spare disk's folder is renamed
+//! to the fork's folder inside the transaction that records the fork. A
 //! spare is nobody's until it is taken: a graceful exit removes the
 //! daemon's spares, and a restarted daemon removes an earlier one's
 //! (start-up reconciliation kills the untaken primed processes and removes
@@ -328,8 +328,7 @@ impl Daemon {
                 .and_then(|()| storage::sync_disk(&path))
                 .map_err(|e| Error::disk("make a spare disk", e))
                 .and_then(|()| {
-                    std::fs::File::open(&commit_dir)
-                        .and_then(|d| d.sync_all())
+                    storage::sync_dir(&commit_dir)
                         .map_err(|e| Error::io("sync the spares folder", e))
                 });
             if let Err(e) = made {

@@ -442,9 +442,7 @@ pub fn seal(path: &Path) -> Result<(), ImageError> {
 
 /// Syncs a directory (after a rename into it).
 pub fn sync_dir(dir: &Path) -> Result<(), ImageError> {
-    std::fs::File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(io_err(format!("sync {}", dir.display())))
+    crate::storage::sync_dir(dir).map_err(io_err(format!("sync {}", dir.display())))
 }
 
 /// Removes the temporary files and folders an interrupted import left in
