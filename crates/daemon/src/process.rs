@@ -173,11 +173,32 @@ fn control_sockets() -> Vec<(u32, PathBuf)> {
 /// into, which is no VM's). `None` for a slot nobody took.
 fn vm_dir_of(sock: &Path) -> Option<PathBuf> {
     let dir = sock.parent()?;
-    match std::fs::read_link(dir) {
+    match slot_link_target(dir) {
         Ok(target) => Some(target),
         Err(_) if is_pool_slot(dir) => None,
         Err(_) => Some(dir.to_owned()),
     }
+}
+
+/// Where the link `link` (a taken pool slot's) points, as a path from
+/// where the link's own path starts: a link's target is relative to the
+/// link's folder (`../vms/<hostname>` from `pool/<slot>`).
+pub fn slot_link_target(link: &Path) -> std::io::Result<PathBuf> {
+    let target = std::fs::read_link(link)?;
+    if target.is_absolute() {
+        return Ok(target);
+    }
+    let mut resolved = link.parent().map(Path::to_path_buf).unwrap_or_default();
+    for part in target.components() {
+        match part {
+            std::path::Component::ParentDir => {
+                resolved.pop();
+            }
+            std::path::Component::CurDir => {}
+            other => resolved.push(other),
+        }
+    }
+    Ok(resolved)
 }
 
 /// Whether `dir` is `<data_dir>/pool/<slot>`.

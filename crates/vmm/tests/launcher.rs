@@ -10,7 +10,7 @@ use std::time::Duration;
 use tine_daemon::launcher::pool::{Shape, POOL_DIR};
 use tine_daemon::launcher::vmm::VmmLauncher;
 use tine_daemon::launcher::{Launcher, LauncherExt, PrimeSpec, RestoreSpec, Stop};
-use tine_daemon::process::{find_processes, Owner};
+use tine_daemon::process::{find_processes, slot_link_target, Owner};
 use tine_proto::vmm::StopReason;
 use tine_vmm::vmm::{BootConfig, ConsoleConfig, Vmm};
 
@@ -252,7 +252,7 @@ async fn a_primed_vm_waits_paused_until_a_vm_takes_it_over() {
         );
     }
     let slot = data_dir.join(POOL_DIR).join(&name);
-    assert_eq!(std::fs::read_link(&slot).expect("a link"), folder);
+    assert_eq!(slot_link_target(&slot).expect("a link"), folder);
     let instance = tine_daemon::launcher::Instance {
         pid: primed[0],
         pid_start: tine_daemon::process::start_time(primed[0]).expect("start time"),
@@ -279,7 +279,7 @@ async fn a_primed_vm_waits_paused_until_a_vm_takes_it_over() {
         .expect("resume")
         .expect("its process runs");
     assert_eq!(running.instance, instance, "the primed process");
-    assert_eq!(std::fs::read_link(&slot).expect("a link"), vm_dir);
+    assert_eq!(slot_link_target(&slot).expect("a link"), vm_dir);
     let mut copied = 0;
     for _ in 0..200 {
         copied = copied_pages(instance);
