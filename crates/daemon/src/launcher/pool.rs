@@ -36,6 +36,14 @@ pub struct Slot {
     pub paths: VmPaths,
     /// The process.
     pub child: Child,
+    /// Its start time (see [`crate::process::start_time`]), read when it
+    /// started.
+    pub pid_start: u64,
+    /// A connection to its control socket, made when it first listened:
+    /// the request that hands it over needs no connect (a path lookup and
+    /// a new socket) on the fork's path. The process serves any number of
+    /// clients, idle ones included.
+    pub control: Option<tokio::net::UnixStream>,
 }
 
 /// Why handing a slot over to a VM failed.
@@ -324,6 +332,8 @@ mod tests {
                 .arg("30")
                 .spawn()
                 .expect("sleep"),
+            pid_start: 0,
+            control: None,
         }
     }
 

@@ -81,19 +81,18 @@ impl VmmLauncher {
         self.pool.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The run of `child`; once it has ended, `link` (a taken pool slot's
-    /// link to the VM's folder) is removed.
+    /// The run of `child`, which started at `pid_start`; once it has
+    /// ended, `link` (a taken pool slot's link to the VM's folder) is
+    /// removed.
     fn spawned(
         &self,
         child: std::process::Child,
+        pid_start: u64,
         paths: VmPaths,
         link: Option<PathBuf>,
     ) -> Running {
         let pid = child.id();
-        let instance = Instance {
-            pid,
-            pid_start: process::start_time(pid).unwrap_or(0),
-        };
+        let instance = Instance { pid, pid_start };
         let exit = async move {
             let status = process::wait_child(child)
                 .await
@@ -130,7 +129,7 @@ impl VmmLauncher {
     async fn restore_pooled(
         &self,
         hostname: &str,
-        slot: Slot,
+        mut slot: Slot,
         paths: &VmPaths,
         request: &VmmRequest,
     ) -> Option<Result<Running, LaunchError>> {
@@ -139,7 +138,11 @@ impl VmmLauncher {
             stop_slot(slot);
             return None;
         }
-        let io = match tokio::net::UnixStream::connect(&slot.paths.control).await {
+        let io = match slot.control.take() {
+            Some(io) => Ok(io),
+            None => tokio::net::UnixStream::connect(&slot.paths.control).await,
+        };
+        let io = match io {
             Ok(io) => io,
             Err(e) => {
                 tracing::warn!(slot = %slot.name, "a pooled tine-vmm does not listen: {e}");
@@ -176,7 +179,7 @@ impl VmmLauncher {
         let failed = match (answer, moved) {
             (Ok(VmmResponse::Ok { .. }), Ok(())) => {
                 let link = slot.paths.dir.clone();
-                return Ok(self.spawned(slot.child, paths.clone(), Some(link)));
+                return Ok(self.spawned(slot.child, slot.pid_start, paths.clone(), Some(link)));
             }
             (Ok(VmmResponse::Error { error }), _) => LaunchError::Refused {
                 hostname: hostname.to_owned(),
@@ -248,16 +251,17 @@ impl VmmLauncher {
                     source,
                 }
             })?;
+        // Read now, off any fork's path: the run it becomes is known by it.
+        let pid_start = process::start_time(child.id()).unwrap_or(0);
         let deadline = tokio::time::Instant::now() + PRESTART_LISTENS;
         loop {
-            if tokio::net::UnixStream::connect(&paths.control)
-                .await
-                .is_ok()
-            {
+            if let Ok(control) = tokio::net::UnixStream::connect(&paths.control).await {
                 return Ok(Slot {
                     name: name.to_owned(),
                     paths,
                     child,
+                    pid_start,
+                    control: Some(control),
                 });
             }
             let ended = matches!(child.try_wait(), Ok(Some(_)) | Err(_));
@@ -271,6 +275,8 @@ impl VmmLauncher {
                     name: name.to_owned(),
                     paths,
                     child,
+                    pid_start,
+                    control: None,
                 });
                 return Err(LaunchError::Refused {
                     hostname,
@@ -337,7 +343,8 @@ impl VmmLauncher {
                     source,
                 }
             })?;
-        Ok(self.spawned(child, paths.clone(), None))
+        let pid_start = process::start_time(child.id()).unwrap_or(0);
+        Ok(self.spawned(child, pid_start, paths.clone(), None))
     }
 }
 
@@ -391,6 +398,7 @@ fn stop_slot(slot: Slot) {
         name,
         paths,
         mut child,
+        ..
     } = slot;
     if let Err(e) = child.kill() {
         tracing::debug!(slot = %name, "kill: {e}");
@@ -419,7 +427,8 @@ impl Launcher for VmmLauncher {
                 hostname: spec.hostname.clone(),
                 source,
             })?;
-        Ok(self.spawned(child, paths, None))
+        let pid_start = process::start_time(child.id()).unwrap_or(0);
+        Ok(self.spawned(child, pid_start, paths, None))
     }
 
     fn restore<'a>(&'a self, spec: &'a RestoreSpec) -> BoxFuture<'a, Result<Running, LaunchError>> {
@@ -545,9 +554,14 @@ impl Launcher for VmmLauncher {
             // The fork took the folder the process was primed into: its
             // files are in the VM's folder already.
             let paths = self.paths(hostname);
-            // The resume goes out at once, and the slot's link is pointed
-            // at the VM's folder while the process resumes.
-            let io = match tokio::net::UnixStream::connect(&paths.control).await {
+            // The resume goes out at once (on the connection the slot has
+            // held since it started), and the slot's link is pointed at the
+            // VM's folder while the process resumes.
+            let io = match slot.control.take() {
+                Some(io) => Ok(io),
+                None => tokio::net::UnixStream::connect(&paths.control).await,
+            };
+            let io = match io {
                 Ok(io) => io,
                 Err(source) => {
                     stop_slot(slot);
