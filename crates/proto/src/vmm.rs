@@ -21,7 +21,14 @@ pub enum Request {
     /// Park the vCPUs.
     Pause,
     /// Run them again.
-    Resume,
+    Resume {
+        /// The vsock socket's file was moved here while the VM was paused
+        /// (a primed VM handed to its fork, whose folder it is now): guest
+        /// connections to host port P go to `<vsock_uds>_P` from now on.
+        /// Refused when the VM has no vsock device.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        vsock_uds: Option<PathBuf>,
+    },
     /// Snapshot the paused VM.
     Snapshot {
         /// State file to write.
@@ -77,7 +84,7 @@ impl Request {
         match self {
             Request::Status => "status",
             Request::Pause => "pause",
-            Request::Resume => "resume",
+            Request::Resume { .. } => "resume",
             Request::Snapshot { .. } => "snapshot",
             Request::SwitchDisk { .. } => "switch_disk",
             Request::Restore { .. } => "restore",
@@ -385,7 +392,10 @@ mod tests {
         let requests = [
             Request::Status,
             Request::Pause,
-            Request::Resume,
+            Request::Resume { vsock_uds: None },
+            Request::Resume {
+                vsock_uds: Some("v".into()),
+            },
             Request::Snapshot {
                 state_path: "s".into(),
                 mem_path: "m".into(),
@@ -410,5 +420,25 @@ mod tests {
             let wire: serde_json::Value = serde_json::to_value(&r).expect("json");
             assert_eq!(wire["op"], r.name());
         }
+    }
+
+    /// A plain resume is `{"op":"resume"}` both ways, as before resume
+    /// could name a moved vsock socket.
+    #[test]
+    fn a_resume_names_a_moved_vsock_socket_only_when_asked() {
+        let plain: Request = serde_json::from_str(r#"{"op":"resume"}"#).expect("parse");
+        assert_eq!(plain, Request::Resume { vsock_uds: None });
+        assert_eq!(
+            serde_json::to_string(&plain).expect("json"),
+            r#"{"op":"resume"}"#
+        );
+        let moved: Request =
+            serde_json::from_str(r#"{"op":"resume","vsock_uds":"/v/vsock.sock"}"#).expect("parse");
+        assert_eq!(
+            moved,
+            Request::Resume {
+                vsock_uds: Some("/v/vsock.sock".into())
+            }
+        );
     }
 }

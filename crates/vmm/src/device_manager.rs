@@ -324,6 +324,19 @@ impl DeviceManager {
             .map_err(|e| dev_err(id, error_chain(&e)))
     }
 
+    /// Tells the vsock device that its socket file was moved to `path`
+    /// (see [`Vsock::set_uds_path`]); an error when the VM has none.
+    pub fn set_vsock_path(&self, path: &std::path::Path) -> Result<(), DeviceManagerError> {
+        for device in &self.devices {
+            let mut transport = device.transport.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(vsock) = transport.device_mut().as_any_mut().downcast_mut::<Vsock>() {
+                vsock.set_uds_path(path.to_path_buf());
+                return Ok(());
+            }
+        }
+        Err(dev_err("vsock", "the VM has no vsock device"))
+    }
+
     /// Saves every device. The vCPUs and the event loop must be paused.
     pub fn save(&self) -> Vec<MmioDeviceState> {
         self.devices

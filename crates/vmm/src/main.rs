@@ -298,10 +298,16 @@ fn handle(
                 Err(e) => (error_of(&e), false),
             }
         }
-        (Request::Resume, Machine::Live(vmm)) => match vmm.resume() {
-            Ok(()) => (ok(Some(vmm), start), false),
-            Err(e) => (error_of(&e), false),
-        },
+        (Request::Resume { vsock_uds }, Machine::Live(vmm)) => {
+            let moved = match &vsock_uds {
+                Some(path) => vmm.set_vsock_path(path),
+                None => Ok(()),
+            };
+            match moved.and_then(|()| vmm.resume()) {
+                Ok(()) => (ok(Some(vmm), start), false),
+                Err(e) => (error_of(&e), false),
+            }
+        }
         (
             Request::Snapshot {
                 state_path,

@@ -864,6 +864,15 @@ impl Vmm {
         Ok(())
     }
 
+    /// Guest vsock connections go next to `path` from now on: the paused
+    /// VM's socket file was moved there (see
+    /// [`crate::devices::virtio::vsock::Vsock::set_uds_path`]).
+    pub fn set_vsock_path(&mut self, path: &Path) -> Result<(), VmmError> {
+        self.require("move the vsock socket", RunState::Paused)?;
+        self.devices.set_vsock_path(path)?;
+        Ok(())
+    }
+
     /// Asks the guest to shut down by pressing Ctrl-Alt-Del. The guest's
     /// init decides what to do (tine-agent, systemd and busybox init shut
     /// down); the VM stops when the guest reboots or powers off.

@@ -214,6 +214,22 @@ fn test_process_prestart_then_restore() {
         &serde_json::json!({"op":"restore","state_path":state,"mem_path":mem}).to_string(),
     );
     assert_eq!(restored["state"], "running", "{restored}");
+    // A resume that says where a moved vsock socket is now: refused for a
+    // VM without a vsock device, which stays paused; a plain one runs it.
+    assert_eq!(request(&mut stream, r#"{"op":"pause"}"#)["state"], "paused");
+    let moved = request(
+        &mut stream,
+        r#"{"op":"resume","vsock_uds":"/nonexistent/vsock.sock"}"#,
+    );
+    assert_refused(&moved, "no vsock device");
+    assert_eq!(
+        request(&mut stream, r#"{"op":"status"}"#)["state"],
+        "paused"
+    );
+    assert_eq!(
+        request(&mut stream, r#"{"op":"resume"}"#)["state"],
+        "running"
+    );
     assert_eq!(request(&mut stream, r#"{"op":"kill"}"#)["status"], "ok");
     assert!(child.wait().expect("wait").success());
 

@@ -1409,7 +1409,7 @@ async fn pause_resume_suspend_restore_and_daemon_shutdown() {
     let last_resume = seen.iter().rposition(|s| {
         matches!(
             s,
-            crate::launcher::fake::Seen::Control(tine_proto::vmm::Request::Resume)
+            crate::launcher::fake::Seen::Control(tine_proto::vmm::Request::Resume { .. })
         )
     });
     assert!(last_resume > last_pause, "{seen:?}");

@@ -369,10 +369,10 @@ impl FakeLauncher {
                 return error("pause needs a running VM; it is paused")
             }
             VmmRequest::Pause => run.paused = true,
-            VmmRequest::Resume if !run.paused => {
+            VmmRequest::Resume { .. } if !run.paused => {
                 return error("resume needs a paused VM; it is running")
             }
-            VmmRequest::Resume => run.paused = false,
+            VmmRequest::Resume { .. } => run.paused = false,
             VmmRequest::Snapshot { .. } if !run.paused => {
                 return error("snapshot needs a paused VM; it is running")
             }

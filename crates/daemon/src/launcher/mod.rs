@@ -382,7 +382,11 @@ pub trait LauncherExt: Launcher {
 
     /// Runs them again.
     fn resume<'a>(&'a self, hostname: &'a str) -> BoxFuture<'a, Result<(), LaunchError>> {
-        Box::pin(async move { self.request(hostname, VmmRequest::Resume).await.map(drop) })
+        Box::pin(async move {
+            self.request(hostname, VmmRequest::Resume { vsock_uds: None })
+                .await
+                .map(drop)
+        })
     }
 
     /// Snapshots a paused VM into `state` and `memory`.

@@ -576,7 +576,7 @@ impl Launcher for VmmLauncher {
                 slot,
                 &paths,
                 io,
-                &VmmRequest::Resume,
+                &VmmRequest::Resume { vsock_uds: None },
                 pool::relink_slot,
             )
             .await

@@ -85,7 +85,7 @@ async fn a_memory_commit_freezes_the_disk_and_the_source_runs_on_in_a_fresh_over
     assert!(info.memory_bytes.is_some_and(|b| b > 0), "{info:?}");
     // Pause, snapshot, switch to the overlay, resume: nothing else.
     match controls(&b, &h).as_slice() {
-        [VmmRequest::Pause, VmmRequest::Snapshot { .. }, VmmRequest::SwitchDisk { drive, path }, VmmRequest::Resume] =>
+        [VmmRequest::Pause, VmmRequest::Snapshot { .. }, VmmRequest::SwitchDisk { drive, path }, VmmRequest::Resume { vsock_uds: None }] =>
         {
             assert_eq!(drive, "drive0");
             let vm = b.daemon.vm(&h).expect("vm");

@@ -104,6 +104,11 @@ impl Vsock {
         self.muxer.uds_path()
     }
 
+    /// See [`Muxer::set_uds_path`].
+    pub fn set_uds_path(&mut self, path: PathBuf) {
+        self.muxer.set_uds_path(path);
+    }
+
     /// Moves packets in both directions until no more progress is possible,
     /// then signals the guest.
     fn pump(&mut self, run_tx: bool) {

@@ -120,6 +120,13 @@ impl Muxer {
         &self.uds_path
     }
 
+    /// The listener's socket file was moved to `path` (its open socket
+    /// goes on listening there): guest connections to host port P go to
+    /// `<path>_P` from now on.
+    pub fn set_uds_path(&mut self, path: PathBuf) {
+        self.uds_path = path;
+    }
+
     /// The next host port a host-initiated connection will try.
     pub fn next_local_port(&self) -> u32 {
         self.next_local_port

@@ -624,6 +624,33 @@ fn test_vsock_guest_connect_with_listener_relays_both_ways() {
     assert_eq!((pkts[0].0.src_port, pkts[0].0.dst_port), (52, 5000));
 }
 
+/// A socket file moved with its folder (a primed VM's, which its fork
+/// takes): once told, guest connections go next to the new name, and host
+/// clients reach the listener there.
+#[test]
+fn test_vsock_moved_socket_takes_guest_connections_to_its_new_folder() {
+    let mem = test_memory();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut guest = Guest::new(&mem);
+    let (mut dev, _irq) = activated_device(&mem, &guest, dir.path());
+    let moved = dir.path().join("fork");
+    std::fs::create_dir(&moved).expect("folder");
+    std::fs::rename(uds(dir.path()), uds(&moved)).expect("move the socket");
+    dev.set_uds_path(uds(&moved));
+    assert_eq!(dev.uds_path(), uds(&moved));
+    // Nothing listens next to the old name any more: only the new one
+    // gets the connection.
+    let (_listener, mut host) =
+        guest_connection(&mut dev, &mut guest, &moved, 52, 5000, CONN_BUF_SIZE);
+    guest.give_rx(2, 4096);
+    guest.send(&mut dev, pkt(OP_RW, 5000, 52), b"moved");
+    assert_eq!(read_timeout(&mut host, 5), b"moved");
+    assert!(
+        UnixStream::connect(uds(&moved)).is_ok(),
+        "the listener moved"
+    );
+}
+
 #[test]
 fn test_vsock_guest_connect_without_listener_gets_rst() {
     let mem = test_memory();
