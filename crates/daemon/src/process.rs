@@ -4,14 +4,16 @@
 //! The process runs in its own process group with stdout and stderr
 //! appended to `vmm.log` in the VM's folder, never a pipe to the daemon: a
 //! `kill -9` of the daemon leaves every VM running, and the next daemon
-//! adopts it by pid plus start time (a reused pid does not match) plus its
-//! command line naming the VM's folder.
+//! adopts it by pid plus start time (a reused pid does not match) plus the
+//! folder its log is in.
 //!
 //! A process of the warm pool (see [`crate::launcher::pool`]) was started
 //! in `<data_dir>/pool/<slot>/` before anyone knew which VM it would run.
-//! When a VM takes it, its socket and logs move into the VM's folder and
-//! the slot's folder is replaced by a link to the VM's: its command line
-//! still names the slot, and the link says whose it is.
+//! When a VM takes it, its socket and logs move into the VM's folder (a
+//! primed one's move with the folder its fork takes, by rename). Its
+//! command line still names the slot; the log it writes to, an open file
+//! whose name follows every rename, says whose it is, with no link or
+//! record to update on a fork's path.
 
 use std::io::{BufRead, Read, Seek, SeekFrom};
 use std::os::unix::process::CommandExt;
@@ -51,11 +53,15 @@ impl VmPaths {
             vsock: dir.join("vsock.sock"),
             control: dir.join("control.sock"),
             serial: dir.join("serial.log"),
-            log: dir.join("vmm.log"),
+            log: dir.join(LOG_FILE),
             dir,
         }
     }
 }
+
+/// tine-vmm's stdout and stderr in its VM's folder: which folder that is
+/// now says whose the process is (see [`find_processes`]).
+pub const LOG_FILE: &str = "vmm.log";
 
 /// A VM's disk in its folder (and a spare disk in the spare's folder,
 /// which becomes a fork's folder by rename).
@@ -167,55 +173,32 @@ fn control_sockets() -> Vec<(u32, PathBuf)> {
         .collect()
 }
 
-/// The VM folder a process with control socket `sock` runs for: the folder
-/// named on its command line, or, for a pool slot a VM took, the folder the
-/// slot's link points to (for a primed slot, the folder it was primed
-/// into, which is no VM's). `None` for a slot nobody took.
-fn vm_dir_of(sock: &Path) -> Option<PathBuf> {
-    let dir = sock.parent()?;
-    match slot_link_target(dir) {
-        Ok(target) => Some(target),
-        Err(_) if is_pool_slot(dir) => None,
-        Err(_) => Some(dir.to_owned()),
-    }
-}
-
-/// Where the link `link` (a taken pool slot's) points, as a path from
-/// where the link's own path starts: a link's target is relative to the
-/// link's folder (`../vms/<hostname>` from `pool/<slot>`).
-pub fn slot_link_target(link: &Path) -> std::io::Result<PathBuf> {
-    let target = std::fs::read_link(link)?;
-    if target.is_absolute() {
-        return Ok(target);
-    }
-    let mut resolved = link.parent().map(Path::to_path_buf).unwrap_or_default();
-    for part in target.components() {
-        match part {
-            std::path::Component::ParentDir => {
-                resolved.pop();
-            }
-            std::path::Component::CurDir => {}
-            other => resolved.push(other),
-        }
-    }
-    Ok(resolved)
-}
-
-/// Whether `dir` is `<data_dir>/pool/<slot>`.
-fn is_pool_slot(dir: &Path) -> bool {
-    dir.parent()
-        .and_then(Path::file_name)
-        .is_some_and(|n| n == POOL_DIR)
-}
-
 /// Whether `pid` is still the tine-vmm process launched for `paths`.
 pub fn is_ours(pid: u32, pid_start: u64, paths: &VmPaths) -> bool {
-    if start_time(pid) != Some(pid_start) {
+    if start_time(pid) != Some(pid_start) || control_socket_of(pid).is_none() {
         return false;
     }
-    control_socket_of(pid)
-        .and_then(|sock| vm_dir_of(&sock))
-        .is_some_and(|dir| dir == paths.dir)
+    folder_of(pid).is_some_and(|dir| dir == canonical(&paths.dir))
+}
+
+/// The folder process `pid` runs for: where the `vmm.log` its output goes
+/// to is now. The daemon opens that log as the process's stdout, and the
+/// kernel names an open file by where it is now: a pooled process's log
+/// moves into the VM's folder when a VM takes it, and a primed one's moves
+/// with the folder its fork takes. `None` when the process is gone or its
+/// log was removed (the name then ends in " (deleted)").
+fn folder_of(pid: u32) -> Option<PathBuf> {
+    let log = std::fs::read_link(format!("/proc/{pid}/fd/1")).ok()?;
+    if log.file_name()? != LOG_FILE {
+        return None;
+    }
+    log.parent().map(Path::to_path_buf)
+}
+
+/// `path` as the kernel names it (links resolved), or as it is when it
+/// cannot be resolved.
+fn canonical(path: &Path) -> PathBuf {
+    std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf())
 }
 
 /// Who a tine-vmm process under a data directory runs for.
@@ -228,28 +211,31 @@ pub enum Owner {
 }
 
 /// Every tine-vmm process whose control socket lies under `data_dir`
-/// (`vms/<hostname>/` or `pool/<slot>/`), with whom it runs for.
+/// (`vms/<hostname>/` or `pool/<slot>/` on its command line), with whom it
+/// runs for: the VM whose folder holds its log, else the slot it was
+/// started in (not taken, or primed: its log is in the folder a fork would
+/// take).
 pub fn find_processes(data_dir: &Path) -> Vec<(u32, Owner)> {
     let vms = data_dir.join("vms");
     let pool = data_dir.join(POOL_DIR);
+    let vms_now = canonical(&vms);
     let mut out = Vec::new();
     for (pid, sock) in control_sockets() {
-        let Some(folder) = sock.parent() else {
+        let Some(started_in) = sock.parent() else {
             continue;
         };
         let name = |dir: &Path| dir.file_name().map(|n| n.to_string_lossy().into_owned());
-        if folder.parent() == Some(vms.as_path()) {
-            out.extend(name(folder).map(|h| (pid, Owner::Vm(h))));
-        } else if folder.parent() == Some(pool.as_path()) {
-            match vm_dir_of(&sock) {
-                Some(dir) if dir.parent() == Some(vms.as_path()) => {
-                    out.extend(name(&dir).map(|h| (pid, Owner::Vm(h))))
-                }
-                // Not taken, or primed: its link leads to the folder a fork
-                // would take (or to where that folder was).
-                _ => out.extend(name(folder).map(|slot| (pid, Owner::Pool(slot)))),
-            }
+        let in_pool = started_in.parent() == Some(pool.as_path());
+        if !in_pool && started_in.parent() != Some(vms.as_path()) {
+            continue;
         }
+        let owner = match folder_of(pid) {
+            Some(dir) if dir.parent() == Some(vms_now.as_path()) => name(&dir).map(Owner::Vm),
+            _ if in_pool => name(started_in).map(Owner::Pool),
+            // Started for this VM, its log removed.
+            _ => name(started_in).map(Owner::Vm),
+        };
+        out.extend(owner.map(|o| (pid, o)));
     }
     out
 }
@@ -723,5 +709,59 @@ mod tests {
         assert!(!is_ours(pid, start, &paths));
         assert!(!is_ours(pid, start + 1, &paths));
         assert!(find_processes(dir.path()).is_empty());
+    }
+
+    /// A process is known by where its log is now: a pool slot's until
+    /// the log moves into a VM's folder (by a move of the file or a rename
+    /// of its folder), that VM's after, the slot's again once the log is
+    /// removed.
+    #[test]
+    fn a_process_belongs_to_the_folder_its_log_is_in() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let data = dir.path();
+        let slot = VmPaths::in_dir(data.join(POOL_DIR).join("ab12"));
+        std::fs::create_dir_all(&slot.dir).expect("slot");
+        let log = std::fs::File::create(&slot.log).expect("log");
+        // A stand-in for tine-vmm: its command line names a control socket
+        // in the slot, its stdout is the slot's log. The trailing `:` keeps
+        // the shell from replacing itself with `sleep`.
+        let mut child = Command::new("sh")
+            .args(["-c", "sleep 30; :", "sh", "--control-socket"])
+            .arg(&slot.control)
+            .stdout(log)
+            .process_group(0)
+            .spawn()
+            .expect("spawn sh");
+        let pid = child.id();
+        let start = start_time(pid).expect("start time");
+        let owner = || {
+            find_processes(data)
+                .into_iter()
+                .find(|(p, _)| *p == pid)
+                .map(|(_, o)| o)
+        };
+        assert_eq!(owner(), Some(Owner::Pool("ab12".into())));
+
+        // Primed: its files go to a spare's folder, which a fork renames.
+        let spare = VmPaths::in_dir(data.join("spares").join("c1").join("s1"));
+        std::fs::create_dir_all(&spare.dir).expect("spare");
+        std::fs::rename(&slot.log, &spare.log).expect("move the log");
+        assert_eq!(owner(), Some(Owner::Pool("ab12".into())));
+        let vm = VmPaths::new(data, "h-1");
+        std::fs::create_dir_all(data.join("vms")).expect("vms");
+        std::fs::rename(&spare.dir, &vm.dir).expect("the fork takes the folder");
+        assert_eq!(owner(), Some(Owner::Vm("h-1".into())));
+        assert!(is_ours(pid, start, &vm));
+        assert!(!is_ours(pid, start + 1, &vm), "another start time");
+        assert!(!is_ours(pid, start, &VmPaths::new(data, "h-2")));
+
+        // Its log removed: nobody's VM, the slot's stray.
+        std::fs::remove_file(&vm.log).expect("remove the log");
+        assert_eq!(owner(), Some(Owner::Pool("ab12".into())));
+        assert!(!is_ours(pid, start, &vm));
+
+        let group = nix::unistd::Pid::from_raw(-(pid as i32));
+        nix::sys::signal::kill(group, nix::sys::signal::Signal::SIGKILL).expect("kill");
+        child.wait().expect("reap");
     }
 }

@@ -5,8 +5,8 @@
 //! A slot is started in `<data_dir>/pool/<slot>/` and waits there until its
 //! control socket listens. A VM that takes it gets its control socket and
 //! logs moved into the VM's own folder (an open socket and open files keep
-//! working under their new names), and the slot's folder becomes a link to
-//! the VM's folder, which is how a restarted daemon knows whose process it
+//! working under their new names), and the slot's folder is removed. The
+//! folder its log is in is how a restarted daemon knows whose process it
 //! is (see [`crate::process`]). A slot nobody took is a stray to a
 //! restarted daemon: its reconciliation kills it, and the next fill starts
 //! new ones.
@@ -39,6 +39,9 @@ pub struct Slot {
     /// Its start time (see [`crate::process::start_time`]), read when it
     /// started.
     pub pid_start: u64,
+    /// For a primed process: whether its vsock socket moved into the
+    /// folder a fork takes (a VM without a vsock device has none).
+    pub moved_vsock: bool,
     /// A connection to its control socket, made when it first listened:
     /// the request that hands it over needs no connect (a path lookup and
     /// a new socket) on the fork's path. The process serves any number of
@@ -234,68 +237,43 @@ pub fn prepare_vm_dir(slot: &VmPaths, vm: &VmPaths) -> Result<(), HandOverError>
 }
 
 /// Moves a slot's control socket and log into the VM's folder (prepared by
-/// [`prepare_vm_dir`]) and leaves a link to that folder where the slot's
-/// folder was. The process keeps its socket, its open connections and its
-/// log file, so this may run while the process restores; the restore
-/// request names the serial log, vsock socket, disk and TAP in the VM's
-/// folder.
+/// [`prepare_vm_dir`]) and removes the slot's folder. The process keeps
+/// its socket, its open connections and its log file, so this may run
+/// while the process restores; the restore request names the serial log,
+/// vsock socket, disk and TAP in the VM's folder.
 pub fn move_slot(slot: &VmPaths, vm: &VmPaths) -> Result<(), HandOverError> {
     let fail = |step| hand_over_error(slot, vm, step);
     std::fs::rename(&slot.log, &vm.log).map_err(fail("move vmm.log"))?;
     std::fs::rename(&slot.control, &vm.control).map_err(fail("move the control socket"))?;
-    std::fs::remove_dir(&slot.dir).map_err(fail("remove the slot's folder"))?;
-    link_slot(&slot.dir, &vm.dir).map_err(fail("link the slot to the VM"))
+    std::fs::remove_dir(&slot.dir).map_err(fail("remove the slot's folder"))
 }
 
 /// Moves a primed process's files into the folder a fork will take by
 /// rename (it exists): its vsock socket and serial log (an open listener
 /// and an open file keep working under their new names), then what
-/// [`move_slot`] moves. Guest-initiated vsock connections, which the
-/// process makes next to the socket's first name, reach the VM's folder
-/// through the slot's link.
-pub fn move_primed(slot: &VmPaths, vm: &VmPaths) -> Result<(), HandOverError> {
+/// [`move_slot`] moves. Returns whether it moved a vsock socket: the
+/// fork's resume then tells the process where its socket is, so that
+/// guest connections go next to it.
+pub fn move_primed(slot: &VmPaths, vm: &VmPaths) -> Result<bool, HandOverError> {
     // A VM without a vsock device or a console log has no such file.
+    let mut moved_vsock = false;
     for (from, to, step) in [
         (&slot.vsock, &vm.vsock, "move the vsock socket"),
         (&slot.serial, &vm.serial, "move serial.log"),
     ] {
         match std::fs::rename(from, to) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                return Err(hand_over_error(slot, vm, step)(e))
-            }
-            _ => {}
+            Ok(()) => moved_vsock |= from == &slot.vsock,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(hand_over_error(slot, vm, step)(e)),
         }
     }
-    move_slot(slot, vm)
-}
-
-/// Points a primed slot's link (to the folder it was primed into) at the
-/// VM's folder, which is that folder renamed: what [`move_primed`] moved
-/// there came with it.
-pub fn relink_slot(slot: &VmPaths, vm: &VmPaths) -> Result<(), HandOverError> {
-    let fail = |step| hand_over_error(slot, vm, step);
-    std::fs::remove_file(&slot.dir).map_err(fail("remove the slot's link"))?;
-    link_slot(&slot.dir, &vm.dir).map_err(fail("link the slot to the VM"))
-}
-
-/// Makes `slot` (`<data_dir>/pool/<name>`) a link to `folder`, another
-/// folder of the data directory, by a relative target (`../vms/<hostname>`).
-/// Short targets (up to 60 bytes on ext4) live in the link's inode: making
-/// one allocates no data block, and removing one frees none, which on a
-/// file system mounted with `discard` is a synchronous discard. A fork
-/// re-points its primed slot's link on its path.
-fn link_slot(slot: &Path, folder: &Path) -> std::io::Result<()> {
-    let data_dir = slot.parent().and_then(Path::parent);
-    let target = match data_dir.and_then(|d| folder.strip_prefix(d).ok()) {
-        Some(inside) => Path::new("..").join(inside),
-        None => folder.to_path_buf(),
-    };
-    std::os::unix::fs::symlink(target, slot)
+    move_slot(slot, vm)?;
+    Ok(moved_vsock)
 }
 
 /// Removes what `pool_dir` holds that is neither in `keep` nor named by a
-/// running process: folders of slots whose process is gone, links of
-/// taken slots whose VM stopped.
+/// running process: folders of slots whose process is gone (and links an
+/// earlier version left for taken slots).
 pub fn sweep(pool_dir: &Path, keep: &HashSet<String>, in_use: &HashSet<String>) {
     let Ok(entries) = std::fs::read_dir(pool_dir) else {
         return;
@@ -333,6 +311,7 @@ mod tests {
                 .spawn()
                 .expect("sleep"),
             pid_start: 0,
+            moved_vsock: false,
             control: None,
         }
     }
@@ -390,7 +369,7 @@ mod tests {
     }
 
     #[test]
-    fn a_slot_handed_over_lives_in_the_vm_folder_and_links_there() {
+    fn a_slot_handed_over_lives_in_the_vm_folder_and_leaves_nothing_behind() {
         let dir = tempfile::tempdir().expect("tmp");
         let slot = VmPaths::in_dir(dir.path().join(POOL_DIR).join("ab12"));
         std::fs::create_dir_all(&slot.dir).expect("slot");
@@ -410,18 +389,9 @@ mod tests {
         for f in [&vm.log, &vm.control] {
             assert_eq!(std::fs::read_to_string(f).expect("moved"), "x");
         }
-        assert_eq!(
-            crate::process::slot_link_target(&slot.dir).expect("link"),
-            vm.dir
-        );
-        // Relative and short: kept in the link's inode.
-        assert_eq!(
-            std::fs::read_link(&slot.dir).expect("link"),
-            Path::new("../vms/b-1")
-        );
         assert!(
-            slot.dir.join("control.sock").exists(),
-            "the link does not lead to the VM's socket"
+            std::fs::symlink_metadata(&slot.dir).is_err(),
+            "the slot's folder stays"
         );
         // A slot that is not there is an error naming the step.
         let gone = VmPaths::in_dir(dir.path().join(POOL_DIR).join("cd34"));
@@ -429,6 +399,28 @@ mod tests {
         prepare_vm_dir(&gone, &other).expect("prepare");
         let err = move_slot(&gone, &other).expect_err("gone");
         assert!(err.to_string().contains("move vmm.log"), "{err}");
+    }
+
+    #[test]
+    fn a_primed_slot_says_whether_it_moved_a_vsock_socket() {
+        let dir = tempfile::tempdir().expect("tmp");
+        for (name, vsock) in [("with", true), ("without", false)] {
+            let slot = VmPaths::in_dir(dir.path().join(POOL_DIR).join(name));
+            std::fs::create_dir_all(&slot.dir).expect("slot");
+            let mut files = vec![&slot.log, &slot.control, &slot.serial];
+            if vsock {
+                files.push(&slot.vsock);
+            }
+            for f in files {
+                std::fs::write(f, "x").expect("file");
+            }
+            let spare = VmPaths::in_dir(dir.path().join("spares").join(name));
+            std::fs::create_dir_all(&spare.dir).expect("spare");
+            assert_eq!(move_primed(&slot, &spare).expect("move"), vsock);
+            assert_eq!(spare.vsock.exists(), vsock);
+            assert!(spare.serial.exists() && spare.log.exists() && spare.control.exists());
+            assert!(!slot.dir.exists());
+        }
     }
 
     #[test]

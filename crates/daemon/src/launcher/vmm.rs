@@ -81,16 +81,8 @@ impl VmmLauncher {
         self.pool.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The run of `child`, which started at `pid_start`; once it has
-    /// ended, `link` (a taken pool slot's link to the VM's folder) is
-    /// removed.
-    fn spawned(
-        &self,
-        child: std::process::Child,
-        pid_start: u64,
-        paths: VmPaths,
-        link: Option<PathBuf>,
-    ) -> Running {
+    /// The run of `child`, which started at `pid_start`.
+    fn spawned(&self, child: std::process::Child, pid_start: u64, paths: VmPaths) -> Running {
         let pid = child.id();
         let instance = Instance { pid, pid_start };
         let exit = async move {
@@ -98,11 +90,6 @@ impl VmmLauncher {
                 .await
                 .map_err(|e| tracing::warn!(pid, "cannot reap tine-vmm: {e}"))
                 .ok();
-            if let Some(link) = link {
-                if let Err(e) = std::fs::remove_file(&link) {
-                    tracing::warn!(pid, "cannot remove the pool link {}: {e}", link.display());
-                }
-            }
             process::read_stop(&paths, status)
         };
         Running {
@@ -151,16 +138,16 @@ impl VmmLauncher {
             }
         };
         Some(
-            self.hand_over(hostname, slot, paths, io, request, pool::move_slot)
+            self.hand_over(hostname, slot, paths, io, request, Some(pool::move_slot))
                 .await,
         )
     }
 
     /// Sends `request` on `io`, the slot's control connection, and moves
-    /// the slot's files into the VM's folder with `move_files` meanwhile
-    /// (the answer comes on this connection whatever the socket's name is
-    /// by then): the slot's process, now the VM's run, once both are done;
-    /// otherwise it is stopped.
+    /// the slot's files into the VM's folder with `move_files` meanwhile,
+    /// if they are not there yet (the answer comes on this connection
+    /// whatever the socket's name is by then): the slot's process, now the
+    /// VM's run, once both are done; otherwise it is stopped.
     async fn hand_over(
         &self,
         hostname: &str,
@@ -168,18 +155,20 @@ impl VmmLauncher {
         paths: &VmPaths,
         io: tokio::net::UnixStream,
         request: &VmmRequest,
-        move_files: fn(&VmPaths, &VmPaths) -> Result<(), pool::HandOverError>,
+        move_files: Option<MoveFiles>,
     ) -> Result<Running, LaunchError> {
-        let moved = {
+        let moved = move_files.map(|move_files| {
             let (from, to) = (slot.paths.clone(), paths.clone());
             tokio::task::spawn_blocking(move || move_files(&from, &to))
-        };
+        });
         let answer = process::control_on(io, request, answer_limit(request)).await;
-        let moved = files_moved(moved.await, &paths.dir, &slot.name);
+        let moved = match moved {
+            Some(moved) => files_moved(moved.await, &paths.dir, &slot.name),
+            None => Ok(()),
+        };
         let failed = match (answer, moved) {
             (Ok(VmmResponse::Ok { .. }), Ok(())) => {
-                let link = slot.paths.dir.clone();
-                return Ok(self.spawned(slot.child, slot.pid_start, paths.clone(), Some(link)));
+                return Ok(self.spawned(slot.child, slot.pid_start, paths.clone()));
             }
             (Ok(VmmResponse::Error { error }), _) => LaunchError::Refused {
                 hostname: hostname.to_owned(),
@@ -261,6 +250,7 @@ impl VmmLauncher {
                     paths,
                     child,
                     pid_start,
+                    moved_vsock: false,
                     control: Some(control),
                 });
             }
@@ -276,6 +266,7 @@ impl VmmLauncher {
                     paths,
                     child,
                     pid_start,
+                    moved_vsock: false,
                     control: None,
                 });
                 return Err(LaunchError::Refused {
@@ -295,7 +286,7 @@ impl VmmLauncher {
             cpus: spec.cpus,
             ram_mib: spec.ram_mib,
         };
-        let slot = self.start_slot(shape, name).await?;
+        let mut slot = self.start_slot(shape, name).await?;
         let request = VmmRequest::Restore {
             state_path: spec.state.clone(),
             mem_path: spec.memory.clone(),
@@ -313,12 +304,15 @@ impl VmmLauncher {
         let failed = match process::control(&slot.paths, &request, answer_limit(&request)).await {
             Ok(VmmResponse::Ok { .. }) => {
                 // Its files go into the folder a fork will take by rename,
-                // so that they move with it; the slot links there.
+                // so that they move with it.
                 let (from, to) = (slot.paths.clone(), VmPaths::in_dir(spec.folder.clone()));
                 let moved =
                     tokio::task::spawn_blocking(move || pool::move_primed(&from, &to)).await;
                 match files_moved(moved, &spec.folder, name) {
-                    Ok(()) => return Ok(slot),
+                    Ok(moved_vsock) => {
+                        slot.moved_vsock = moved_vsock;
+                        return Ok(slot);
+                    }
                     Err(e) => e,
                 }
             }
@@ -344,17 +338,20 @@ impl VmmLauncher {
                 }
             })?;
         let pid_start = process::start_time(child.id()).unwrap_or(0);
-        Ok(self.spawned(child, pid_start, paths.clone(), None))
+        Ok(self.spawned(child, pid_start, paths.clone()))
     }
 }
 
+/// Moves a slot's files from its folder to a VM's.
+type MoveFiles = fn(&VmPaths, &VmPaths) -> Result<(), pool::HandOverError>;
+
 /// The outcome of a blocking task that moved slot `slot`'s files to
 /// `folder`, as a launch error when they did not all move.
-fn files_moved(
-    moved: Result<Result<(), pool::HandOverError>, tokio::task::JoinError>,
+fn files_moved<T>(
+    moved: Result<Result<T, pool::HandOverError>, tokio::task::JoinError>,
     folder: &Path,
     slot: &str,
-) -> Result<(), LaunchError> {
+) -> Result<T, LaunchError> {
     match moved {
         Ok(moved) => moved.map_err(|e| LaunchError::Prepare {
             path: e.vm.clone(),
@@ -391,8 +388,9 @@ impl Drop for RefillWhenIdle {
     }
 }
 
-/// Stops a pooled process nobody will use and removes its folder (or its
-/// link); reaped in the background.
+/// Stops a pooled process nobody will use and removes its folder (a primed
+/// one's files moved out, and its folder with them); reaped in the
+/// background.
 fn stop_slot(slot: Slot) {
     let Slot {
         name,
@@ -405,7 +403,9 @@ fn stop_slot(slot: Slot) {
     }
     let removed = match std::fs::symlink_metadata(&paths.dir) {
         Ok(m) if m.is_dir() => std::fs::remove_dir_all(&paths.dir),
+        // A link an earlier version left.
         Ok(_) => std::fs::remove_file(&paths.dir),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
         Err(e) => Err(e),
     };
     if let Err(e) = removed {
@@ -428,7 +428,7 @@ impl Launcher for VmmLauncher {
                 source,
             })?;
         let pid_start = process::start_time(child.id()).unwrap_or(0);
-        Ok(self.spawned(child, pid_start, paths, None))
+        Ok(self.spawned(child, pid_start, paths))
     }
 
     fn restore<'a>(&'a self, spec: &'a RestoreSpec) -> BoxFuture<'a, Result<Running, LaunchError>> {
@@ -552,11 +552,10 @@ impl Launcher for VmmLauncher {
                 return Ok(None);
             }
             // The fork took the folder the process was primed into: its
-            // files are in the VM's folder already.
+            // files are in the VM's folder already, and the resume tells
+            // the process where its vsock socket is now. It goes out on the
+            // connection the slot has held since it started.
             let paths = self.paths(hostname);
-            // The resume goes out at once (on the connection the slot has
-            // held since it started), and the slot's link is pointed at the
-            // VM's folder while the process resumes.
             let io = match slot.control.take() {
                 Some(io) => Ok(io),
                 None => tokio::net::UnixStream::connect(&paths.control).await,
@@ -571,16 +570,12 @@ impl Launcher for VmmLauncher {
                     });
                 }
             };
-            self.hand_over(
-                hostname,
-                slot,
-                &paths,
-                io,
-                &VmmRequest::Resume { vsock_uds: None },
-                pool::relink_slot,
-            )
-            .await
-            .map(Some)
+            let resume = VmmRequest::Resume {
+                vsock_uds: slot.moved_vsock.then(|| paths.vsock.clone()),
+            };
+            self.hand_over(hostname, slot, &paths, io, &resume, None)
+                .await
+                .map(Some)
         }
         .boxed()
     }
