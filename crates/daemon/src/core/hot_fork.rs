@@ -255,12 +255,8 @@ impl Daemon {
             },
             None => None,
         };
-        if let Some(n) = &network {
-            if let Err(e) = self.quarantine(&vm.hostname, n) {
-                self.launcher.discard_primed(&primed.process);
-                return Err(e);
-            }
-        }
+        // In quarantine: the hand-over takes only a TAP that is down, and
+        // nothing brings it up before the fork's set-up.
         let resumed = self
             .launcher
             .resume_primed(&primed.process, &vm.hostname)
