@@ -178,7 +178,7 @@ pub fn is_ours(pid: u32, pid_start: u64, paths: &VmPaths) -> bool {
     if start_time(pid) != Some(pid_start) || control_socket_of(pid).is_none() {
         return false;
     }
-    folder_of(pid).is_some_and(|dir| dir == canonical(&paths.dir))
+    log_folder(pid).is_some_and(|dir| dir == canonical(&paths.dir))
 }
 
 /// The folder process `pid` runs for: where the `vmm.log` its output goes
@@ -187,7 +187,7 @@ pub fn is_ours(pid: u32, pid_start: u64, paths: &VmPaths) -> bool {
 /// moves into the VM's folder when a VM takes it, and a primed one's moves
 /// with the folder its fork takes. `None` when the process is gone or its
 /// log was removed (the name then ends in " (deleted)").
-fn folder_of(pid: u32) -> Option<PathBuf> {
+pub fn log_folder(pid: u32) -> Option<PathBuf> {
     let log = std::fs::read_link(format!("/proc/{pid}/fd/1")).ok()?;
     if log.file_name()? != LOG_FILE {
         return None;
@@ -229,7 +229,7 @@ pub fn find_processes(data_dir: &Path) -> Vec<(u32, Owner)> {
         if !in_pool && started_in.parent() != Some(vms.as_path()) {
             continue;
         }
-        let owner = match folder_of(pid) {
+        let owner = match log_folder(pid) {
             Some(dir) if dir.parent() == Some(vms_now.as_path()) => name(&dir).map(Owner::Vm),
             _ if in_pool => name(started_in).map(Owner::Pool),
             // Started for this VM, its log removed.

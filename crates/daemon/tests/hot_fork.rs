@@ -306,22 +306,20 @@ fn memory_commit(tag: &str) -> CommitRequest {
 }
 
 /// The pid of the one VM primed for the next hot fork under `data` (a
-/// tine-vmm in the pool's folder that restored the commit, paused: it has
-/// a serial log), once there is one (the spares fill in the background).
+/// tine-vmm of the pool that restored the commit, paused, its files moved
+/// into a spare's folder), once there is one (the spares fill in the
+/// background).
 async fn primed_pid(data: &std::path::Path) -> R<u32> {
     let deadline = Instant::now() + BOOT;
+    let spares = std::fs::canonicalize(data)
+        .map_err(|e| fail(format!("the data folder: {e}")))?
+        .join("spares");
     loop {
         let primed: Vec<u32> = tine_daemon::process::find_processes(data)
             .into_iter()
-            .filter_map(|(pid, owner)| match owner {
-                tine_daemon::process::Owner::Pool(slot) => Some((pid, slot)),
-                _ => None,
-            })
-            .filter(|(_, slot)| {
-                data.join(tine_daemon::process::POOL_DIR)
-                    .join(slot)
-                    .join("serial.log")
-                    .exists()
+            .filter(|(_, owner)| matches!(owner, tine_daemon::process::Owner::Pool(_)))
+            .filter(|(pid, _)| {
+                tine_daemon::process::log_folder(*pid).is_some_and(|dir| dir.starts_with(&spares))
             })
             .map(|(pid, _)| pid)
             .collect();
