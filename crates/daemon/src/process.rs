@@ -173,12 +173,22 @@ fn control_sockets() -> Vec<(u32, PathBuf)> {
         .collect()
 }
 
-/// Whether `pid` is still the tine-vmm process launched for `paths`.
+/// Whether `pid` is still the tine-vmm process launched for `paths`: the
+/// folder its log is in, or, with its log removed, the folder its command
+/// line names (as [`find_processes`] says whose it is: a process started
+/// for the VM must be known as the VM's, or a restarted daemon would
+/// launch a second one on the same disk).
 pub fn is_ours(pid: u32, pid_start: u64, paths: &VmPaths) -> bool {
-    if start_time(pid) != Some(pid_start) || control_socket_of(pid).is_none() {
+    if start_time(pid) != Some(pid_start) {
         return false;
     }
-    log_folder(pid).is_some_and(|dir| dir == canonical(&paths.dir))
+    let Some(sock) = control_socket_of(pid) else {
+        return false;
+    };
+    match log_folder(pid) {
+        Some(dir) => dir == canonical(&paths.dir),
+        None => sock.parent() == Some(paths.dir.as_path()),
+    }
 }
 
 /// The folder process `pid` runs for: where the `vmm.log` its output goes
@@ -734,12 +744,8 @@ mod tests {
             .expect("spawn sh");
         let pid = child.id();
         let start = start_time(pid).expect("start time");
-        let owner = || {
-            find_processes(data)
-                .into_iter()
-                .find(|(p, _)| *p == pid)
-                .map(|(_, o)| o)
-        };
+        let owner = || owner_of(data, pid);
+        wait_listed(data, pid);
         assert_eq!(owner(), Some(Owner::Pool("ab12".into())));
 
         // Primed: its files go to a spare's folder, which a fork renames.
@@ -759,9 +765,51 @@ mod tests {
         std::fs::remove_file(&vm.log).expect("remove the log");
         assert_eq!(owner(), Some(Owner::Pool("ab12".into())));
         assert!(!is_ours(pid, start, &vm));
-
         let group = nix::unistd::Pid::from_raw(-(pid as i32));
         nix::sys::signal::kill(group, nix::sys::signal::Signal::SIGKILL).expect("kill");
         child.wait().expect("reap");
+
+        // Started for a VM, its log removed: the VM's still, by its command
+        // line.
+        let booted = VmPaths::new(data, "h-3");
+        std::fs::create_dir_all(&booted.dir).expect("folder");
+        let log = std::fs::File::create(&booted.log).expect("log");
+        let mut child = Command::new("sh")
+            .args(["-c", "sleep 30; :", "sh", "--control-socket"])
+            .arg(&booted.control)
+            .stdout(log)
+            .process_group(0)
+            .spawn()
+            .expect("spawn sh");
+        let pid = child.id();
+        let start = start_time(pid).expect("start time");
+        wait_listed(data, pid);
+        std::fs::remove_file(&booted.log).expect("remove the log");
+        assert_eq!(owner_of(data, pid), Some(Owner::Vm("h-3".into())));
+        assert!(is_ours(pid, start, &booted));
+        let group = nix::unistd::Pid::from_raw(-(pid as i32));
+        nix::sys::signal::kill(group, nix::sys::signal::Signal::SIGKILL).expect("kill");
+        child.wait().expect("reap");
+    }
+
+    /// Waits until `pid`'s command line is readable: spawn returns once
+    /// the new program is being loaded, and its arguments are in place a
+    /// moment later.
+    fn wait_listed(data: &Path, pid: u32) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while owner_of(data, pid).is_none() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "process {pid} never listed"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    fn owner_of(data: &Path, pid: u32) -> Option<Owner> {
+        find_processes(data)
+            .into_iter()
+            .find(|(p, _)| *p == pid)
+            .map(|(_, o)| o)
     }
 }
