@@ -731,17 +731,7 @@ mod tests {
         let data = dir.path();
         let slot = VmPaths::in_dir(data.join(POOL_DIR).join("ab12"));
         std::fs::create_dir_all(&slot.dir).expect("slot");
-        let log = std::fs::File::create(&slot.log).expect("log");
-        // A stand-in for tine-vmm: its command line names a control socket
-        // in the slot, its stdout is the slot's log. The trailing `:` keeps
-        // the shell from replacing itself with `sleep`.
-        let mut child = Command::new("sh")
-            .args(["-c", "sleep 30; :", "sh", "--control-socket"])
-            .arg(&slot.control)
-            .stdout(log)
-            .process_group(0)
-            .spawn()
-            .expect("spawn sh");
+        let child = stand_in(&slot);
         let pid = child.id();
         let start = start_time(pid).expect("start time");
         let owner = || owner_of(data, pid);
@@ -765,29 +755,39 @@ mod tests {
         std::fs::remove_file(&vm.log).expect("remove the log");
         assert_eq!(owner(), Some(Owner::Pool("ab12".into())));
         assert!(!is_ours(pid, start, &vm));
-        let group = nix::unistd::Pid::from_raw(-(pid as i32));
-        nix::sys::signal::kill(group, nix::sys::signal::Signal::SIGKILL).expect("kill");
-        child.wait().expect("reap");
+        stop_stand_in(child);
 
         // Started for a VM, its log removed: the VM's still, by its command
         // line.
         let booted = VmPaths::new(data, "h-3");
         std::fs::create_dir_all(&booted.dir).expect("folder");
-        let log = std::fs::File::create(&booted.log).expect("log");
-        let mut child = Command::new("sh")
-            .args(["-c", "sleep 30; :", "sh", "--control-socket"])
-            .arg(&booted.control)
-            .stdout(log)
-            .process_group(0)
-            .spawn()
-            .expect("spawn sh");
+        let child = stand_in(&booted);
         let pid = child.id();
         let start = start_time(pid).expect("start time");
         wait_listed(data, pid);
         std::fs::remove_file(&booted.log).expect("remove the log");
         assert_eq!(owner_of(data, pid), Some(Owner::Vm("h-3".into())));
         assert!(is_ours(pid, start, &booted));
-        let group = nix::unistd::Pid::from_raw(-(pid as i32));
+        stop_stand_in(child);
+    }
+
+    /// A stand-in for tine-vmm started in `paths.dir`: its command line
+    /// names the control socket there, its stdout is the log there. The
+    /// trailing `:` keeps the shell from replacing itself with `sleep`.
+    fn stand_in(paths: &VmPaths) -> Child {
+        let log = std::fs::File::create(&paths.log).expect("log");
+        Command::new("sh")
+            .args(["-c", "sleep 30; :", "sh", "--control-socket"])
+            .arg(&paths.control)
+            .stdout(log)
+            .process_group(0)
+            .spawn()
+            .expect("spawn sh")
+    }
+
+    /// Kills a stand-in with its `sleep`, and reaps it.
+    fn stop_stand_in(mut child: Child) {
+        let group = nix::unistd::Pid::from_raw(-(child.id() as i32));
         nix::sys::signal::kill(group, nix::sys::signal::Signal::SIGKILL).expect("kill");
         child.wait().expect("reap");
     }
