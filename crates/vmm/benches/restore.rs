@@ -12,7 +12,8 @@
 //!   ahead (the restore registers it);
 //! - process cold: spawn `tine-vmm --restore`, until its ready line;
 //! - process warm: a `tine-vmm --prestart --mem-mib 64` process (VM, vCPU
-//!   and guest RAM registered, settled 50 ms as in a pool), restore request
+//!   with its CPUID, guest RAM registered, vCPU and device threads started,
+//!   settled 50 ms as in a pool), restore request
 //!   until its answer (the vCPU has been resumed when the answer is sent);
 //! - process primed: what the daemon's pool holds for a memory commit, a
 //!   pre-started process with the snapshot restored into it ahead, vCPU
@@ -61,8 +62,14 @@ use vm_memory::{Bytes, GuestAddress};
 
 const COUNTER_ADDR: u64 = 0x20_0000;
 
-/// Spins until the restored guest has advanced its counter: the vCPU is
-/// then really running guest code.
+/// Waits until the restored guest has advanced its counter: the vCPU is
+/// then really running guest code. The loop sleeps between its looks
+/// rather than spinning or yielding: a vCPU thread woken on this thread's
+/// CPU lets its waker go first (see `yield_to_waker` in the vCPU module),
+/// and a waker that keeps running would keep the guest from starting, as
+/// a VMM's control thread that has answered and gone to sleep does not.
+/// `main` sets the timer slack to its least, so a sleep lasts about as
+/// long as asked.
 fn wait_running(vmm: &Vmm, from: u64) {
     let deadline = Instant::now() + Duration::from_secs(5);
     while vmm
@@ -73,7 +80,7 @@ fn wait_running(vmm: &Vmm, from: u64) {
         == from
     {
         assert!(Instant::now() < deadline, "restored guest never ran");
-        std::hint::spin_loop();
+        std::thread::sleep(Duration::from_micros(10));
     }
 }
 
@@ -196,6 +203,13 @@ fn main() {
         .skip(1)
         .find_map(|a| a.parse().ok())
         .unwrap_or(100);
+    // SAFETY: PR_SET_TIMERSLACK takes a value and touches no memory of ours.
+    if unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong) } != 0 {
+        eprintln!(
+            "cannot lower the timer slack ({}): waits end up to 50 us late",
+            std::io::Error::last_os_error()
+        );
+    }
     let dir = tempfile::tempdir().expect("tmp");
     let state = dir.path().join("vm.state");
     let mem = dir.path().join("vm.mem");

@@ -14,7 +14,6 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::path::PathBuf;
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 use std::time::Duration;
 
 use kvm_ioctls::IoEventAddress;
@@ -36,6 +35,7 @@ use crate::devices::virtio::rng::{Rng, RngConstructorArgs};
 use crate::devices::virtio::vsock::{Vsock, VsockConstructorArgs};
 use crate::devices::virtio::{IrqTrigger, VirtioDevice};
 use crate::snapshot::Persist;
+use crate::spare_thread::{SpareThread, Worker};
 use crate::vstate::memory::GuestMemoryMmap;
 use crate::vstate::vm::Vm;
 
@@ -283,9 +283,9 @@ impl DeviceManager {
     }
 
     /// Starts the event loop thread.
-    pub fn start(&mut self) -> Result<(), DeviceManagerError> {
+    pub fn start(&mut self, spare: Option<SpareThread>) -> Result<(), DeviceManagerError> {
         if self.event_loop.is_none() {
-            self.event_loop = Some(EventLoopHandle::start(&self.devices)?);
+            self.event_loop = Some(EventLoopHandle::start(&self.devices, spare)?);
         }
         Ok(())
     }
@@ -474,6 +474,11 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
     text
 }
 
+/// The name of the device event loop's thread.
+pub fn event_loop_thread_name() -> String {
+    "devices".into()
+}
+
 enum LoopCommand {
     Pause,
     Resume,
@@ -484,7 +489,7 @@ struct EventLoopHandle {
     commands: Sender<LoopCommand>,
     acks: Receiver<()>,
     wake: Arc<EventFd>,
-    thread: Option<JoinHandle<()>>,
+    thread: Option<Worker<()>>,
 }
 
 const TOKEN_CONTROL: u64 = u64::MAX;
@@ -514,7 +519,10 @@ struct EventLoop {
 }
 
 impl EventLoopHandle {
-    fn start(devices: &[MmioDevice]) -> Result<Self, DeviceManagerError> {
+    fn start(
+        devices: &[MmioDevice],
+        spare: Option<SpareThread>,
+    ) -> Result<Self, DeviceManagerError> {
         let epoll = Epoll::new().map_err(|e| DeviceManagerError::Io("epoll", e))?;
         let wake =
             Arc::new(EventFd::new(EFD_NONBLOCK).map_err(|e| DeviceManagerError::Io("eventfd", e))?);
@@ -552,9 +560,7 @@ impl EventLoopHandle {
         for d in 0..devices.len() {
             event_loop.sync_host_fds(d);
         }
-        let thread = std::thread::Builder::new()
-            .name("devices".into())
-            .spawn(move || event_loop.run())
+        let thread = Worker::start(spare, event_loop_thread_name, move || event_loop.run())
             .map_err(|e| DeviceManagerError::Io("event loop thread", e))?;
         Ok(Self {
             commands: cmd_tx,
@@ -585,7 +591,9 @@ impl EventLoopHandle {
         let _ = self.commands.send(LoopCommand::Stop);
         let _ = self.wake.write(1);
         if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
+            if thread.join().is_none() {
+                eprintln!("the device event loop ended in a panic");
+            }
         }
     }
 }

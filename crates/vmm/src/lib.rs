@@ -5,6 +5,8 @@
 //! - [`vstate`]: guest memory, the KVM VM and its vCPUs.
 //! - [`devices`]: buses, legacy devices and virtio devices.
 //! - [`snapshot`]: the [`snapshot::Persist`] trait and the state-file format.
+//! - [`spare_thread`]: threads started before their work is known (a
+//!   pre-started VM's vCPU and device threads).
 //! - [`probe`]: a functional check of whether this host's KVM runs guest
 //!   kernel code at hardware speed (used by the test bed).
 //!
@@ -16,5 +18,6 @@ pub mod device_manager;
 pub mod devices;
 pub mod probe;
 pub mod snapshot;
+pub mod spare_thread;
 pub mod vmm;
 pub mod vstate;

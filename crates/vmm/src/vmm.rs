@@ -20,7 +20,8 @@ use crate::arch::x86_64::mptable::{self, MptableError, MAX_VCPUS};
 use crate::arch::x86_64::msr::{self, MsrError};
 use crate::arch::x86_64::regs::{self, RegsError};
 use crate::device_manager::{
-    DeviceConfigs, DeviceManager, DeviceManagerError, MmioDeviceState, RestoreOverrides,
+    event_loop_thread_name, DeviceConfigs, DeviceManager, DeviceManagerError, MmioDeviceState,
+    RestoreOverrides,
 };
 use crate::devices::acpi::pm::AcpiPm1;
 use crate::devices::acpi::vmgenid::{VmGenId, VmGenIdConstructorArgs, VmGenIdError, VmGenIdState};
@@ -32,8 +33,12 @@ use crate::devices::legacy::serial::{
 };
 use crate::snapshot::format::{self, FormatError};
 use crate::snapshot::Persist;
+use crate::spare_thread::SpareThread;
 use crate::vstate::memory::{GuestRam, MemoryError, Reservation};
-use crate::vstate::vcpu::{StopSignal, Vcpu, VcpuContext, VcpuError, VcpuHandle, VcpuState};
+use crate::vstate::vcpu::{
+    host_is_amd, install_kick_handler, vcpu_thread_name, StopSignal, Vcpu, VcpuContext, VcpuError,
+    VcpuHandle, VcpuState,
+};
 use crate::vstate::vm::{Vm, VmError, VmState};
 
 /// Smallest guest RAM accepted, in MiB.
@@ -326,7 +331,8 @@ impl MicrovmState {
     }
 
     fn read(file: &mut File) -> Result<Self, FormatError> {
-        Self::decode(&format::read_bytes(file)?)
+        let size = file.metadata()?.len();
+        Self::decode(&format::read_bytes_sized(file, size)?)
     }
 }
 
@@ -338,15 +344,23 @@ pub struct PreparedVm {
     cpuid_base: kvm_bindings::CpuId,
     /// Guest RAM reserved and registered with KVM ahead of a restore.
     memory: Option<Reservation>,
+    /// One thread per vCPU, and one for the device event loop, started
+    /// ahead so that a restore does not start threads.
+    vcpu_threads: Vec<SpareThread>,
+    device_thread: SpareThread,
 }
 
 impl PreparedVm {
-    /// Creates the KVM VM (irqchip, PIT) and `num_vcpus` vCPUs.
+    /// Creates the KVM VM (irqchip, PIT) and `num_vcpus` vCPUs with this
+    /// host's CPUID template set (a snapshot taken here holds the same, so
+    /// its restore need not set it again), and starts the threads the VM
+    /// will run on.
     pub fn new(num_vcpus: u8) -> Result<Self, VmmError> {
         check_vcpus(num_vcpus)?;
         let vm = Vm::new()?;
         let cpuid_base = cpuid::supported_cpuid(&vm.kvm)?;
         let mut vcpus = Vec::with_capacity(num_vcpus as usize);
+        let mut vcpu_threads = Vec::with_capacity(num_vcpus as usize);
         for index in 0..num_vcpus {
             let fd = vm
                 .fd
@@ -355,18 +369,34 @@ impl PreparedVm {
                     op: "KVM_CREATE_VCPU",
                     source,
                 })?;
-            vcpus.push(Vcpu {
+            let tsc_khz = fd.get_tsc_khz().ok();
+            let mut vcpu = Vcpu {
                 index,
                 fd,
                 msr_indices: Vec::new(),
                 cpuid: Vec::new(),
-            });
+                tsc_khz,
+            };
+            vcpu.set_cpuid(cpuid::vcpu_cpuid(&cpuid_base, index, num_vcpus)?.as_slice())?;
+            vcpus.push(vcpu);
+            vcpu_threads.push(
+                SpareThread::spawn(vcpu_thread_name(index))
+                    .map_err(|e| VmmError::Io("vCPU thread", e))?,
+            );
         }
+        let device_thread = SpareThread::spawn(event_loop_thread_name())
+            .map_err(|e| VmmError::Io("event loop thread", e))?;
+        // Done now rather than on the restore's path (a CPUID instruction,
+        // a signal handler).
+        host_is_amd();
+        install_kick_handler();
         Ok(Self {
             vm,
             vcpus,
             cpuid_base,
             memory: None,
+            vcpu_threads,
+            device_thread,
         })
     }
 
@@ -526,6 +556,8 @@ impl Vmm {
             vcpus,
             cpuid_base,
             memory: _,
+            vcpu_threads,
+            device_thread,
         } = prepared;
         vm.register_memory(&ram)?;
         let stop = StopSignal::new().map_err(|e| VmmError::Io("eventfd", e))?;
@@ -550,7 +582,7 @@ impl Vmm {
             let cmdline_len = boot::load_cmdline(&ram.mem, &cmdline)?;
             boot::write_zero_page(&ram.mem, entry, cmdline_len, *initrd)?;
         }
-        devices.start()?;
+        devices.start(Some(device_thread))?;
         let ctx = VcpuContext {
             pio: Arc::new(legacy.pio),
             mmio: Arc::new(mmio),
@@ -558,7 +590,7 @@ impl Vmm {
         };
 
         let mut handles = Vec::with_capacity(vcpus.len());
-        for mut vcpu in vcpus {
+        for (mut vcpu, thread) in vcpus.into_iter().zip(vcpu_threads) {
             let cpuid = cpuid::vcpu_cpuid(&cpuid_base, vcpu.index, config.vcpus)?;
             vcpu.set_cpuid(cpuid.as_slice())?;
             msr::set_msrs(&vcpu.fd, &msr::boot_msrs())?;
@@ -591,7 +623,7 @@ impl Vmm {
             vcpu.fd
                 .set_lapic(&lapic)
                 .map_err(kvm_err("KVM_SET_LAPIC"))?;
-            handles.push(VcpuHandle::start(vcpu, ctx.clone(), false)?);
+            handles.push(VcpuHandle::start(vcpu, ctx.clone(), false, Some(thread))?);
         }
         Ok(Self {
             cpu_fingerprint: cpuid::fingerprint(&cpuid_base),
@@ -651,7 +683,12 @@ impl Vmm {
             });
         }
         let PreparedVm {
-            vm, vcpus, memory, ..
+            vm,
+            vcpus,
+            memory,
+            vcpu_threads,
+            device_thread,
+            ..
         } = prepared;
         let ram = match memory {
             Some(reservation) if reservation.size() == state.mem_size => {
@@ -695,14 +732,13 @@ impl Vmm {
         let mut mmio = Bus::new();
         let mut devices =
             DeviceManager::restore(&vm, &mut mmio, &ram.mem, &state.devices, overrides)?;
-        devices.start()?;
         let ctx = VcpuContext {
             pio: Arc::new(legacy.pio),
             mmio: Arc::new(mmio),
             stop: stop.clone(),
         };
         let mut handles = Vec::with_capacity(restored.len());
-        for vcpu in restored {
+        for (vcpu, thread) in restored.into_iter().zip(vcpu_threads) {
             // Tells the guest's kvmclock the vCPU was stopped, so its
             // soft-lockup watchdog does not fire. Fails when the guest has no
             // kvmclock (synthetic guests): nothing to tell then.
@@ -714,8 +750,17 @@ impl Vmm {
             // A restore that runs the guest starts each vCPU running: its
             // state is set, and a start parked then resumed costs two more
             // hand-overs to the vCPU thread on the fork's path.
-            handles.push(VcpuHandle::start(vcpu, ctx.clone(), paused)?);
+            handles.push(VcpuHandle::start(vcpu, ctx.clone(), paused, Some(thread))?);
         }
+        // The device event loop starts after the vCPUs: each start wakes a
+        // spare thread, which the scheduler places on an idle CPU if there
+        // is one, else next to this thread, which it then preempts. The
+        // event loop runs for microseconds before it waits; a vCPU runs the
+        // guest for a time slice, and this thread has the answer to send.
+        // Nothing is lost meanwhile: the loop's epoll set is complete
+        // before its thread starts, and it sees the eventfds the guest
+        // signalled since.
+        devices.start(Some(device_thread))?;
         // The device event loop runs from its start; the clock is set
         // again on resume only for a VM restored paused (its clock stood
         // still meanwhile).
@@ -787,10 +832,11 @@ impl Vmm {
         if let Some(clock) = self.restored_clock.take() {
             self.vm.set_clock(&clock)?;
         }
-        self.devices.resume();
+        // The vCPUs first, for the reason the restore starts them first.
         for vcpu in &self.vcpus {
             vcpu.resume()?;
         }
+        self.devices.resume();
         self.state = RunState::Running;
         Ok(())
     }

@@ -187,6 +187,23 @@ fn test_process_control_loop_serves_every_request_and_idles() {
     assert!(child.wait().expect("wait").success());
 }
 
+/// The process's vCPU and device threads (`vcpu<N>`, `devices`): id and
+/// name, sorted by name.
+fn vm_threads(pid: u32) -> Vec<(u32, String)> {
+    let mut threads: Vec<(u32, String)> = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .expect("list the process's threads")
+        .flatten()
+        .filter_map(|task| {
+            let tid = task.file_name().to_str()?.parse().ok()?;
+            let name = std::fs::read_to_string(task.path().join("comm")).ok()?;
+            let name = name.trim().to_owned();
+            (name.starts_with("vcpu") || name == "devices").then_some((tid, name))
+        })
+        .collect();
+    threads.sort_by(|a, b| a.1.cmp(&b.1));
+    threads
+}
+
 #[test]
 fn test_process_prestart_then_restore() {
     let dir = tempfile::tempdir().expect("tmp");
@@ -209,11 +226,23 @@ fn test_process_prestart_then_restore() {
     let mut stream = BufReader::new(UnixStream::connect(&socket).expect("connect"));
     let early = request(&mut stream, r#"{"op":"pause"}"#);
     assert_eq!(early["status"], "error");
+    // The VM's threads were started with the process: the restore hands
+    // them their work and starts none.
+    let prestarted = vm_threads(child.id());
+    assert_eq!(
+        prestarted
+            .iter()
+            .map(|(_, name)| name.as_str())
+            .collect::<Vec<_>>(),
+        ["devices", "vcpu0"],
+        "{prestarted:?}"
+    );
     let restored = request(
         &mut stream,
         &serde_json::json!({"op":"restore","state_path":state,"mem_path":mem}).to_string(),
     );
     assert_eq!(restored["state"], "running", "{restored}");
+    assert_eq!(vm_threads(child.id()), prestarted);
     // A resume that says where a moved vsock socket is now: refused for a
     // VM without a vsock device, which stays paused; a plain one runs it.
     assert_eq!(request(&mut stream, r#"{"op":"pause"}"#)["state"], "paused");

@@ -137,8 +137,17 @@ pub fn warm_up() {
 
 /// Reads a state file's bytes, no more than the largest valid file holds.
 pub fn read_bytes(input: &mut impl Read) -> Result<Vec<u8>, FormatError> {
-    let mut bytes = Vec::new();
-    input.take(MAX_PAYLOAD + 64).read_to_end(&mut bytes)?;
+    read_bytes_sized(input, 0)
+}
+
+/// [`read_bytes`] into a buffer made for `expected` bytes (a file's size):
+/// a buffer grown as it is read takes several reads on a restore's path.
+pub fn read_bytes_sized(input: &mut impl Read, expected: u64) -> Result<Vec<u8>, FormatError> {
+    let limit = MAX_PAYLOAD + 64;
+    // One byte more than expected, so that the read that finds the end
+    // does not make the buffer grow.
+    let mut bytes = Vec::with_capacity(expected.saturating_add(1).min(limit) as usize);
+    input.take(limit).read_to_end(&mut bytes)?;
     Ok(bytes)
 }
 
@@ -156,6 +165,16 @@ mod tests {
         Sample {
             a: 7,
             b: vec![1, 2, 3],
+        }
+    }
+
+    #[test]
+    fn test_a_sized_read_reads_the_whole_file_whatever_its_size_was_said_to_be() {
+        let bytes = encode(&sample()).expect("encode");
+        for expected in [0, 3, bytes.len() as u64, 1 << 40] {
+            let read = read_bytes_sized(&mut bytes.as_slice(), expected).expect("read");
+            assert_eq!(read, bytes, "expected {expected}");
+            assert_eq!(decode::<Sample>(&read).expect("decode"), sample());
         }
     }
 

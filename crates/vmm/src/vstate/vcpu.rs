@@ -7,8 +7,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
-use std::sync::{Arc, Mutex, Once};
-use std::thread::JoinHandle;
+use std::sync::{Arc, Mutex, Once, OnceLock};
 use std::time::{Duration, Instant};
 
 use kvm_bindings::{
@@ -23,6 +22,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::arch::x86_64::msr::{self, MsrError, MSR_IA32_TSC_DEADLINE};
 use crate::devices::bus::Bus;
+use crate::spare_thread::{SpareThread, Worker};
 
 /// Errors from vCPU setup, state transfer or control.
 #[derive(Debug, thiserror::Error)]
@@ -145,6 +145,9 @@ pub struct Vcpu {
     pub msr_indices: Vec<u32>,
     /// The CPUID set on it.
     pub cpuid: Vec<kvm_cpuid_entry2>,
+    /// The TSC frequency KVM gives it (`None`: KVM did not say), read when
+    /// it is created so that a restore need not ask.
+    pub tsc_khz: Option<u32>,
 }
 
 impl Vcpu {
@@ -153,8 +156,14 @@ impl Vcpu {
         move |source| VcpuError::Kvm { index, op, source }
     }
 
-    /// Sets the CPUID (exactly once, before the first run).
+    /// Sets the CPUID (before the first run). Entries equal to those set
+    /// already are not set again: a pre-started vCPU has its CPUID set
+    /// ahead, and `KVM_SET_CPUID2` is the slowest ioctl of a restore
+    /// (about 70 us on a nested host).
     pub fn set_cpuid(&mut self, entries: &[kvm_cpuid_entry2]) -> Result<(), VcpuError> {
+        if self.cpuid == entries {
+            return Ok(());
+        }
         let cpuid = CpuId::from_entries(entries).map_err(|_| VcpuError::Cpuid(self.index))?;
         self.fd
             .set_cpuid2(&cpuid)
@@ -222,14 +231,15 @@ impl Vcpu {
     pub fn restore_state(&mut self, state: &VcpuState) -> Result<(), VcpuError> {
         self.set_cpuid(&state.cpuid)?;
         if let Some(khz) = state.tsc_khz {
-            if self.fd.get_tsc_khz().ok() != Some(khz) {
+            if self.tsc_khz != Some(khz) {
                 // Best effort: scaling needs host support; a mismatch is
                 // tolerated as Firecracker does below 250 ppm.
-                if let Err(e) = self.fd.set_tsc_khz(khz) {
-                    eprintln!(
+                match self.fd.set_tsc_khz(khz) {
+                    Ok(()) => self.tsc_khz = Some(khz),
+                    Err(e) => eprintln!(
                         "vcpu {}: cannot scale the TSC to the snapshot's {khz} kHz ({e}); the guest's clock runs at the host's rate",
                         self.index
-                    );
+                    ),
                 }
             }
         }
@@ -256,16 +266,18 @@ impl Vcpu {
         self.fd
             .set_lapic(&state.lapic)
             .map_err(self.err("KVM_SET_LAPIC"))?;
-        let (deadline, rest): (Vec<_>, Vec<_>) = state
+        // KVM sets them in order, so the TSC deadline, last, is set once
+        // the TSC is; one ioctl for all.
+        let (mut ordered, deadline): (Vec<_>, Vec<_>) = state
             .msrs
             .iter()
-            .partition(|m| m.index == MSR_IA32_TSC_DEADLINE);
-        for chunk in [rest, deadline] {
-            msr::set_msrs(&self.fd, &chunk).map_err(|source| VcpuError::Msr {
-                index: self.index,
-                source,
-            })?;
-        }
+            .copied()
+            .partition(|m| m.index != MSR_IA32_TSC_DEADLINE);
+        ordered.extend(deadline);
+        msr::set_msrs(&self.fd, &ordered).map_err(|source| VcpuError::Msr {
+            index: self.index,
+            source,
+        })?;
         self.fd
             .set_vcpu_events(&state.vcpu_events)
             .map_err(self.err("KVM_SET_VCPU_EVENTS"))?;
@@ -274,14 +286,24 @@ impl Vcpu {
     }
 }
 
-/// Whether this host's CPU is AMD's (or Hygon's, its licensee): SVM.
-fn host_is_amd() -> bool {
-    let leaf = std::arch::x86_64::__cpuid(0);
-    let vendor: Vec<u8> = [leaf.ebx, leaf.edx, leaf.ecx]
-        .iter()
-        .flat_map(|r| r.to_le_bytes())
-        .collect();
-    vendor == b"AuthenticAMD" || vendor == b"HygonGenuine"
+/// The name of vCPU `index`'s thread.
+pub fn vcpu_thread_name(index: u8) -> String {
+    format!("vcpu{index}")
+}
+
+/// Whether this host's CPU is AMD's (or Hygon's, its licensee): SVM. Asked
+/// once per process: a `CPUID` is a VM exit of several microseconds on a
+/// nested host, and a pre-started VM asks before its restore.
+pub fn host_is_amd() -> bool {
+    static AMD: OnceLock<bool> = OnceLock::new();
+    *AMD.get_or_init(|| {
+        let leaf = std::arch::x86_64::__cpuid(0);
+        let vendor: Vec<u8> = [leaf.ebx, leaf.edx, leaf.ecx]
+            .iter()
+            .flat_map(|r| r.to_le_bytes())
+            .collect();
+        vendor == b"AuthenticAMD" || vendor == b"HygonGenuine"
+    })
 }
 
 /// TSS descriptor types: available and busy 64-bit TSS.
@@ -327,7 +349,9 @@ fn kick_signal() -> libc::c_int {
     libc::SIGRTMIN() + 1
 }
 
-fn install_kick_handler() {
+/// Installs the handler of the signal that kicks a vCPU out of `KVM_RUN`
+/// (once per process; a pre-started VM does it before its restore).
+pub fn install_kick_handler() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
         // SAFETY: installs a handler that does nothing, without SA_RESTART,
@@ -348,7 +372,7 @@ pub struct VcpuHandle {
     responses: Receiver<Response>,
     pause: Arc<AtomicBool>,
     pthread: libc::pthread_t,
-    thread: Option<JoinHandle<Vcpu>>,
+    thread: Option<Worker<Vcpu>>,
 }
 
 /// What a vCPU thread needs besides the vCPU.
@@ -363,20 +387,28 @@ pub struct VcpuContext {
 }
 
 impl VcpuHandle {
-    /// Starts `vcpu` on its own thread. With `paused` it waits for
-    /// [`VcpuHandle::resume`] before the first `KVM_RUN`.
-    pub fn start(vcpu: Vcpu, ctx: VcpuContext, paused: bool) -> Result<Self, VcpuError> {
+    /// Starts `vcpu` on its own thread: `spare` when given (see
+    /// [`crate::spare_thread`]), else one started now. With `paused` it
+    /// waits for [`VcpuHandle::resume`] before the first `KVM_RUN`.
+    pub fn start(
+        vcpu: Vcpu,
+        ctx: VcpuContext,
+        paused: bool,
+        spare: Option<SpareThread>,
+    ) -> Result<Self, VcpuError> {
         install_kick_handler();
         let (cmd_tx, cmd_rx) = channel();
         let (resp_tx, resp_rx) = channel();
         let pause = Arc::new(AtomicBool::new(paused));
         let index = vcpu.index;
         let thread_pause = pause.clone();
-        let thread = std::thread::Builder::new()
-            .name(format!("vcpu{index}"))
-            .spawn(move || run_loop(vcpu, ctx, thread_pause, cmd_rx, resp_tx))
-            .map_err(VcpuError::Spawn)?;
-        let pthread = std::os::unix::thread::JoinHandleExt::as_pthread_t(&thread);
+        let thread = Worker::start(
+            spare,
+            || vcpu_thread_name(index),
+            move || run_loop(vcpu, ctx, thread_pause, cmd_rx, resp_tx),
+        )
+        .map_err(VcpuError::Spawn)?;
+        let pthread = thread.as_pthread_t();
         let handle = Self {
             index,
             commands: cmd_tx,
@@ -412,7 +444,7 @@ impl VcpuHandle {
         self.pause.store(true, Ordering::SeqCst);
         let deadline = Instant::now() + ANSWER_TIMEOUT;
         loop {
-            // SAFETY: the thread is alive (we hold its JoinHandle), and the
+            // SAFETY: the thread is alive (we hold its Worker), and the
             // kick signal has a no-op handler installed.
             unsafe {
                 libc::pthread_kill(self.pthread, kick_signal());
@@ -478,13 +510,13 @@ impl VcpuHandle {
                 return None;
             }
             // SAFETY: the thread is alive (it has not finished and we hold
-            // its JoinHandle), and the kick signal has a no-op handler.
+            // its Worker), and the kick signal has a no-op handler.
             unsafe {
                 libc::pthread_kill(self.pthread, kick_signal());
             }
             std::thread::sleep(KICK_INTERVAL);
         }
-        thread.join().ok()
+        thread.join()
     }
 }
 
@@ -492,6 +524,17 @@ impl Drop for VcpuHandle {
     fn drop(&mut self) {
         self.end_thread();
     }
+}
+
+/// Lets the thread that woke this vCPU thread finish first, when both are
+/// on one CPU. A woken thread goes to an idle CPU if there is one; if not,
+/// it preempts a thread on a busy one, often its waker: the VMM's control
+/// thread, which then waits for the guest's time slice to end (until the
+/// next tick, milliseconds) before it can send the restore's or resume's
+/// answer. Yielding hands the CPU back to it; with nothing else runnable
+/// here, it returns at once.
+fn yield_to_waker() {
+    std::thread::yield_now();
 }
 
 /// Handles one exit. Returns a stop reason when the VM must stop.
@@ -545,6 +588,8 @@ fn run_loop(
     commands: Receiver<Command>,
     responses: Sender<Response>,
 ) -> Vcpu {
+    // Whoever started or resumed this vCPU may still be answering for it.
+    yield_to_waker();
     loop {
         if pause.load(Ordering::SeqCst) {
             let _ = responses.send(Response::Paused);
@@ -552,7 +597,10 @@ fn run_loop(
                 match commands.recv() {
                     // The flag says whether to run: a pause may have
                     // come after this resume.
-                    Ok(Command::Resume) => break,
+                    Ok(Command::Resume) => {
+                        yield_to_waker();
+                        break;
+                    }
                     Ok(Command::SaveState) => {
                         let answer = match vcpu.save_state() {
                             Ok(state) => Response::State(Box::new(state)),

@@ -1,0 +1,148 @@
+//! Threads started before their work is known.
+//!
+//! Starting a thread costs a stack mapping, a guard page, the clone and
+//! the new thread's own set-up (tens of microseconds each on a nested
+//! host, more in a process that has not started one before). A
+//! pre-started VM (`--prestart`) starts the threads its restore will need
+//! ahead, as [`SpareThread`]s, so that the restore only hands each its
+//! work: one wake-up instead of a thread start on a fork's path.
+
+use std::sync::mpsc::{channel, sync_channel, Receiver, SyncSender};
+use std::thread::JoinHandle;
+
+type Job = Box<dyn FnOnce() + Send>;
+
+/// A started thread, blocked until it is given the one job it will run.
+/// Dropped without a job, it ends.
+pub struct SpareThread {
+    jobs: SyncSender<Job>,
+    thread: JoinHandle<()>,
+}
+
+impl SpareThread {
+    /// Starts a thread named `name` that waits for its job.
+    pub fn spawn(name: String) -> std::io::Result<Self> {
+        let (jobs, waiting) = sync_channel::<Job>(1);
+        let thread = std::thread::Builder::new().name(name).spawn(move || {
+            // No job (the sender was dropped): nothing to run.
+            if let Ok(job) = waiting.recv() {
+                job();
+            }
+        })?;
+        Ok(Self { jobs, thread })
+    }
+
+    /// Runs `work` on this thread. The thread ends when `work` returns.
+    pub fn run<T: Send + 'static>(
+        self,
+        work: impl FnOnce() -> T + Send + 'static,
+    ) -> std::io::Result<Worker<T>> {
+        let (result, outcome) = channel();
+        let job: Job = Box::new(move || {
+            // The worker's owner may be gone; the result then has no reader.
+            let _ = result.send(work());
+        });
+        if self.jobs.send(job).is_err() {
+            // The thread ended before its job came (it can only have been
+            // killed with the process, or failed to start its closure).
+            return Err(std::io::Error::other("a spare thread ended before its job"));
+        }
+        Ok(Worker {
+            thread: self.thread,
+            outcome,
+        })
+    }
+}
+
+/// A thread running a job, as [`JoinHandle`] for a thread started with it.
+pub struct Worker<T> {
+    thread: JoinHandle<()>,
+    outcome: Receiver<T>,
+}
+
+impl<T: Send + 'static> Worker<T> {
+    /// Runs `work` on `spare`, or on a thread started now named `name`.
+    pub fn start(
+        spare: Option<SpareThread>,
+        name: impl FnOnce() -> String,
+        work: impl FnOnce() -> T + Send + 'static,
+    ) -> std::io::Result<Self> {
+        let thread = match spare {
+            Some(thread) => thread,
+            None => SpareThread::spawn(name())?,
+        };
+        thread.run(work)
+    }
+
+    /// Whether the job returned (or panicked) and the thread ended.
+    pub fn is_finished(&self) -> bool {
+        self.thread.is_finished()
+    }
+
+    /// The thread's pthread handle (for signals).
+    pub fn as_pthread_t(&self) -> libc::pthread_t {
+        std::os::unix::thread::JoinHandleExt::as_pthread_t(&self.thread)
+    }
+
+    /// Waits for the thread to end; the job's result, `None` if it
+    /// panicked.
+    pub fn join(self) -> Option<T> {
+        if self.thread.join().is_err() {
+            return None;
+        }
+        self.outcome.try_recv().ok()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn test_a_spare_thread_runs_its_job_under_its_own_name() {
+        let spare = SpareThread::spawn("spare-7".into()).expect("spawn");
+        let worker = spare
+            .run(|| std::thread::current().name().map(str::to_owned))
+            .expect("run");
+        assert_eq!(worker.join(), Some(Some("spare-7".to_owned())));
+    }
+
+    #[test]
+    fn test_a_worker_reports_when_it_finished() {
+        let (release, wait) = channel::<()>();
+        let worker =
+            Worker::start(None, || "w".into(), move || wait.recv().is_ok()).expect("start");
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(!worker.is_finished(), "finished before its job could end");
+        release.send(()).expect("release the job");
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while !worker.is_finished() {
+            assert!(std::time::Instant::now() < deadline, "never finished");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(worker.join(), Some(true));
+    }
+
+    #[test]
+    fn test_a_panicking_job_joins_as_none() {
+        let worker =
+            Worker::start(None, || "p".into(), || -> u8 { panic!("job failed") }).expect("start");
+        assert_eq!(worker.join(), None);
+    }
+
+    #[test]
+    fn test_a_dropped_spare_thread_ends() {
+        let spare = SpareThread::spawn("unused".into()).expect("spawn");
+        let thread = spare.thread;
+        drop(spare.jobs);
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while !thread.is_finished() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "a spare with no job kept running"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
