@@ -63,13 +63,15 @@ use vm_memory::{Bytes, GuestAddress};
 const COUNTER_ADDR: u64 = 0x20_0000;
 
 /// Waits until the restored guest has advanced its counter: the vCPU is
-/// then really running guest code. The loop sleeps between its looks
-/// rather than spinning or yielding: a vCPU thread woken on this thread's
-/// CPU lets its waker go first (see `yield_to_waker` in the vCPU module),
-/// and a waker that keeps running would keep the guest from starting, as
-/// a VMM's control thread that has answered and gone to sleep does not.
-/// `main` sets the timer slack to its least, so a sleep lasts about as
-/// long as asked.
+/// then really running guest code. The loop sleeps 50 us between its looks
+/// (the figure is that much coarser) rather than spinning: the restore
+/// wakes a vCPU thread started ahead, which the scheduler may put on this
+/// thread's CPU while the other is idle, and it then lets its waker go
+/// first (see `yield_to_waker` in the vCPU module). A VMM's control
+/// thread answers and sleeps; this thread, spinning, would hold the guest
+/// back until the next tick, and looking every 10 us took turns with it
+/// so often that the guest's first run took milliseconds. `main` sets the
+/// timer slack to its least, so a sleep lasts about as long as asked.
 fn wait_running(vmm: &Vmm, from: u64) {
     let deadline = Instant::now() + Duration::from_secs(5);
     while vmm
@@ -80,7 +82,7 @@ fn wait_running(vmm: &Vmm, from: u64) {
         == from
     {
         assert!(Instant::now() < deadline, "restored guest never ran");
-        std::thread::sleep(Duration::from_micros(10));
+        std::thread::sleep(Duration::from_micros(50));
     }
 }
 
