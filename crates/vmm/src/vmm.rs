@@ -757,9 +757,8 @@ impl Vmm {
         // is one, else next to this thread, which it then preempts. The
         // event loop runs for microseconds before it waits; a vCPU runs the
         // guest for a time slice, and this thread has the answer to send.
-        // Nothing is lost meanwhile: the loop's epoll set is complete
-        // before its thread starts, and it sees the eventfds the guest
-        // signalled since.
+        // Nothing is lost meanwhile: what the guest signals waits in its
+        // eventfds, which the loop finds readable once it watches them.
         devices.start(Some(device_thread))?;
         // The device event loop runs from its start; the clock is set
         // again on resume only for a VM restored paused (its clock stood
