@@ -43,8 +43,8 @@ impl SpareThread {
             let _ = result.send(work());
         });
         if self.jobs.send(job).is_err() {
-            // The thread ended before its job came (it can only have been
-            // killed with the process, or failed to start its closure).
+            // The waiting thread is gone, which it never is on its own
+            // before its job comes: an error rather than a panic.
             return Err(std::io::Error::other("a spare thread ended before its job"));
         }
         Ok(Worker {
@@ -54,7 +54,8 @@ impl SpareThread {
     }
 }
 
-/// A thread running a job, as [`JoinHandle`] for a thread started with it.
+/// A thread running its one job: what a [`JoinHandle`] is to a thread
+/// spawned with its work.
 pub struct Worker<T> {
     thread: JoinHandle<()>,
     outcome: Receiver<T>,
