@@ -32,6 +32,11 @@ impl SpareThread {
         Ok(Self { jobs, thread })
     }
 
+    /// The thread's pthread handle (for its CPU affinity).
+    pub fn as_pthread_t(&self) -> libc::pthread_t {
+        std::os::unix::thread::JoinHandleExt::as_pthread_t(&self.thread)
+    }
+
     /// Runs `work` on this thread. The thread ends when `work` returns.
     pub fn run<T: Send + 'static>(
         self,

@@ -204,6 +204,38 @@ fn vm_threads(pid: u32) -> Vec<(u32, String)> {
     threads
 }
 
+/// The CPUs thread `tid` of process `pid` may run on, as the kernel lists
+/// them (`Cpus_allowed_list`).
+fn cpus_allowed(pid: u32, tid: u32) -> String {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/status"))
+        .expect("read the thread's status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .map(|v| v.trim().to_owned())
+        .expect("Cpus_allowed_list in the thread's status")
+}
+
+/// Waits until thread `tid` may run on `cpus` (it takes them back once it
+/// runs); after 5 s, kills process `pid` (which would keep the test's
+/// output open) and fails.
+fn cpus_become(pid: u32, tid: u32, cpus: &str) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        let now = cpus_allowed(pid, tid);
+        if now == cpus {
+            return;
+        }
+        if std::time::Instant::now() >= deadline {
+            // SAFETY: kill(2) on a process this test started; no memory is
+            // involved.
+            unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+            panic!("the vCPU thread may run on {now}, the process on {cpus}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
 #[test]
 fn test_process_prestart_then_restore() {
     let dir = tempfile::tempdir().expect("tmp");
@@ -243,6 +275,10 @@ fn test_process_prestart_then_restore() {
     );
     assert_eq!(restored["state"], "running", "{restored}");
     assert_eq!(vm_threads(child.id()), prestarted);
+    // The restore kept the vCPU thread off its own CPU while it woke it;
+    // once running, the vCPU may run on every CPU the process may.
+    let vcpu = prestarted[1].0;
+    cpus_become(child.id(), vcpu, &cpus_allowed(child.id(), child.id()));
     // A resume that says where a moved vsock socket is now: refused for a
     // VM without a vsock device, which stays paused; a plain one runs it.
     assert_eq!(request(&mut stream, r#"{"op":"pause"}"#)["state"], "paused");
@@ -259,6 +295,7 @@ fn test_process_prestart_then_restore() {
         request(&mut stream, r#"{"op":"resume"}"#)["state"],
         "running"
     );
+    cpus_become(child.id(), vcpu, &cpus_allowed(child.id(), child.id()));
     assert_eq!(request(&mut stream, r#"{"op":"kill"}"#)["status"], "ok");
     assert!(child.wait().expect("wait").success());
 

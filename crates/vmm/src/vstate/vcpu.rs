@@ -372,6 +372,8 @@ pub struct VcpuHandle {
     responses: Receiver<Response>,
     pause: Arc<AtomicBool>,
     pthread: libc::pthread_t,
+    /// The CPUs the thread may run on (see [`CpuSet`]).
+    home: Option<CpuSet>,
     thread: Option<Worker<Vcpu>>,
 }
 
@@ -388,8 +390,10 @@ pub struct VcpuContext {
 
 impl VcpuHandle {
     /// Starts `vcpu` on its own thread: `spare` when given (see
-    /// [`crate::spare_thread`]), else one started now. With `paused` it
-    /// waits for [`VcpuHandle::resume`] before the first `KVM_RUN`.
+    /// [`crate::spare_thread`]), else one started now; a running one off
+    /// this thread's CPU when it may run elsewhere (see [`CpuSet`]). With
+    /// `paused` it waits for [`VcpuHandle::resume`] before the first
+    /// `KVM_RUN`.
     pub fn start(
         vcpu: Vcpu,
         ctx: VcpuContext,
@@ -402,19 +406,27 @@ impl VcpuHandle {
         let pause = Arc::new(AtomicBool::new(paused));
         let index = vcpu.index;
         let thread_pause = pause.clone();
-        let thread = Worker::start(
-            spare,
-            || vcpu_thread_name(index),
-            move || run_loop(vcpu, ctx, thread_pause, cmd_rx, resp_tx),
-        )
-        .map_err(VcpuError::Spawn)?;
-        let pthread = thread.as_pthread_t();
+        let spare = match spare {
+            Some(thread) => thread,
+            None => SpareThread::spawn(vcpu_thread_name(index)).map_err(VcpuError::Spawn)?,
+        };
+        let pthread = spare.as_pthread_t();
+        let home = CpuSet::of(pthread);
+        if !paused {
+            if let Some(home) = &home {
+                home.keep_off_this_cpu(pthread);
+            }
+        }
+        let thread = spare
+            .run(move || run_loop(vcpu, ctx, thread_pause, cmd_rx, resp_tx, home))
+            .map_err(VcpuError::Spawn)?;
         let handle = Self {
             index,
             commands: cmd_tx,
             responses: resp_rx,
             pause,
             pthread,
+            home,
             thread: Some(thread),
         };
         if paused {
@@ -468,11 +480,15 @@ impl VcpuHandle {
     }
 
     /// Lets a paused vCPU run again, without waiting for its thread to
-    /// take it (a fork's resume is on its path). Only this clears the
+    /// take it (a fork's resume is on its path), and off this thread's CPU
+    /// when it may run elsewhere (see [`CpuSet`]). Only this clears the
     /// pause flag: a [`VcpuHandle::pause`] that comes before the thread
     /// took the resume sets it again, and the thread parks once more.
     pub fn resume(&self) -> Result<(), VcpuError> {
         self.pause.store(false, Ordering::SeqCst);
+        if let Some(home) = &self.home {
+            home.keep_off_this_cpu(self.pthread);
+        }
         self.commands
             .send(Command::Resume)
             .map_err(|_| VcpuError::Gone(self.index))
@@ -526,14 +542,89 @@ impl Drop for VcpuHandle {
     }
 }
 
-/// Lets the thread that woke this vCPU thread finish first, when both are
-/// on one CPU. A woken thread goes to an idle CPU if there is one; if not,
-/// it preempts a thread on a busy one, often its waker: the VMM's control
-/// thread, which then waits for the guest's time slice to end (until the
-/// next tick, milliseconds) before it can send the restore's or resume's
-/// answer. Yielding hands the CPU back to it; with nothing else runnable
-/// here, it returns at once.
-fn yield_to_waker() {
+/// The CPUs a vCPU thread may run on, as it was started, and the hint its
+/// wake-ups get. The scheduler puts a new thread on an idle CPU, but often
+/// puts a woken one next to its waker, when its search for an idle CPU is
+/// cut short (a busy cache domain: a nested host's is, with guests
+/// spinning). There it preempts the VMM's control thread, which then sends
+/// its answer only after the guest's time slice (the next tick,
+/// milliseconds), and it keeps that CPU while the one the answer wakes
+/// waits. So the control thread narrows a vCPU thread it wakes to the
+/// other CPUs ([`CpuSet::keep_off_this_cpu`]), and the vCPU thread, once
+/// running, takes them all back ([`CpuSet::restore_here`]).
+#[derive(Clone, Copy)]
+struct CpuSet(libc::cpu_set_t);
+
+impl CpuSet {
+    /// The CPUs `thread` may run on (`None` when the kernel does not say).
+    fn of(thread: libc::pthread_t) -> Option<Self> {
+        // SAFETY: an all-zero cpu_set_t is a valid (empty) set.
+        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        // SAFETY: `thread` is alive (its owner holds it), and the call
+        // writes at most `size_of::<cpu_set_t>()` bytes into `set`.
+        let rc = unsafe {
+            libc::pthread_getaffinity_np(thread, std::mem::size_of::<libc::cpu_set_t>(), &mut set)
+        };
+        (rc == 0).then_some(Self(set))
+    }
+
+    /// Keeps `thread`, which this thread is about to wake, off the CPU this
+    /// thread runs on, when the set leaves it another.
+    fn keep_off_this_cpu(&self, thread: libc::pthread_t) {
+        // SAFETY: no arguments; it only reads this thread's CPU.
+        let Ok(here) = usize::try_from(unsafe { libc::sched_getcpu() }) else {
+            return;
+        };
+        let mut elsewhere = self.0;
+        // SAFETY: `here` is a CPU number the kernel gave, below
+        // CPU_SETSIZE; the macros only read and write `elsewhere`.
+        let others = unsafe {
+            if here >= 8 * std::mem::size_of::<libc::cpu_set_t>()
+                || !libc::CPU_ISSET(here, &elsewhere)
+            {
+                return;
+            }
+            libc::CPU_CLR(here, &mut elsewhere);
+            libc::CPU_COUNT(&elsewhere)
+        };
+        if others == 0 {
+            return;
+        }
+        // SAFETY: `thread` is alive (its owner holds it); the set is read
+        // only, `size_of::<cpu_set_t>()` bytes.
+        let rc = unsafe {
+            libc::pthread_setaffinity_np(thread, std::mem::size_of::<libc::cpu_set_t>(), &elsewhere)
+        };
+        if rc != 0 {
+            eprintln!(
+                "cannot keep a vCPU thread off CPU {here}: {}",
+                std::io::Error::from_raw_os_error(rc)
+            );
+        }
+    }
+
+    /// Lets the calling thread run on every CPU of the set again.
+    fn restore_here(&self) {
+        // SAFETY: pid 0 is the calling thread; the set is read only.
+        let rc =
+            unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &self.0) };
+        if rc != 0 {
+            eprintln!(
+                "a vCPU thread cannot take back its CPUs: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+    }
+}
+
+/// What a vCPU thread does when it is started or resumed: it takes back
+/// the CPUs its waker kept it off ([`CpuSet`]), then yields once. When it
+/// still shares a CPU with its waker (a host, or a process, with one CPU),
+/// that hands the CPU back to it; alone on its CPU, it returns at once.
+fn settle_after_wake(home: Option<&CpuSet>) {
+    if let Some(home) = home {
+        home.restore_here();
+    }
     std::thread::yield_now();
 }
 
@@ -587,9 +678,10 @@ fn run_loop(
     pause: Arc<AtomicBool>,
     commands: Receiver<Command>,
     responses: Sender<Response>,
+    home: Option<CpuSet>,
 ) -> Vcpu {
     // Whoever started or resumed this vCPU may still be answering for it.
-    yield_to_waker();
+    settle_after_wake(home.as_ref());
     loop {
         if pause.load(Ordering::SeqCst) {
             let _ = responses.send(Response::Paused);
@@ -598,7 +690,7 @@ fn run_loop(
                     // The flag says whether to run: a pause may have
                     // come after this resume.
                     Ok(Command::Resume) => {
-                        yield_to_waker();
+                        settle_after_wake(home.as_ref());
                         break;
                     }
                     Ok(Command::SaveState) => {
