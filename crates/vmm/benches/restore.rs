@@ -65,14 +65,14 @@ const COUNTER_ADDR: u64 = 0x20_0000;
 /// Waits until the restored guest has advanced its counter: the vCPU is
 /// then really running guest code. The loop sleeps 50 us between its looks
 /// (the figure is that much coarser) rather than spinning: the restore
-/// wakes a vCPU thread started ahead and keeps it off this thread's CPU,
-/// but where this thread runs is all one CPU can offer (a process allowed
-/// one CPU), the vCPU thread lets its waker go first (see `CpuSet` and
-/// `settle_after_wake` in the vCPU module). A VMM's control thread answers
-/// and sleeps; this thread, spinning, would then hold the guest back until
-/// the next tick, and looking every 10 us took turns with it so often
-/// that the guest's first run took milliseconds. `main` sets the timer
-/// slack to its least, so a sleep lasts about as long as asked.
+/// wakes a vCPU thread started ahead and keeps it off this thread's CPU
+/// when there is another; where there is not, the vCPU thread lets its
+/// waker go first (see `CpuSet` and `settle_after_wake` in the vCPU
+/// module). A VMM's control thread answers and sleeps; this thread,
+/// spinning, would then hold the guest back until the next tick, and
+/// looking every 10 us took turns with it so often that the guest's first
+/// run took milliseconds. `main` sets the timer slack to its least, so a
+/// sleep lasts about as long as asked.
 fn wait_running(vmm: &Vmm, from: u64) {
     let deadline = Instant::now() + Duration::from_secs(5);
     while vmm

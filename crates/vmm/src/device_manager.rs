@@ -560,7 +560,8 @@ impl EventLoopHandle {
         for d in 0..devices.len() {
             event_loop.sync_host_fds(d);
         }
-        let thread = Worker::start(spare, event_loop_thread_name, move || event_loop.run())
+        let thread = SpareThread::given_or_new(spare, event_loop_thread_name)
+            .and_then(|thread| thread.run(move || event_loop.run()))
             .map_err(|e| DeviceManagerError::Io("event loop thread", e))?;
         Ok(Self {
             commands: cmd_tx,

@@ -32,6 +32,17 @@ impl SpareThread {
         Ok(Self { jobs, thread })
     }
 
+    /// `spare` when given, else a thread started now named `name`.
+    pub fn given_or_new(
+        spare: Option<Self>,
+        name: impl FnOnce() -> String,
+    ) -> std::io::Result<Self> {
+        match spare {
+            Some(thread) => Ok(thread),
+            None => Self::spawn(name()),
+        }
+    }
+
     /// The thread's pthread handle (for its CPU affinity).
     pub fn as_pthread_t(&self) -> libc::pthread_t {
         std::os::unix::thread::JoinHandleExt::as_pthread_t(&self.thread)
@@ -67,19 +78,6 @@ pub struct Worker<T> {
 }
 
 impl<T: Send + 'static> Worker<T> {
-    /// Runs `work` on `spare`, or on a thread started now named `name`.
-    pub fn start(
-        spare: Option<SpareThread>,
-        name: impl FnOnce() -> String,
-        work: impl FnOnce() -> T + Send + 'static,
-    ) -> std::io::Result<Self> {
-        let thread = match spare {
-            Some(thread) => thread,
-            None => SpareThread::spawn(name())?,
-        };
-        thread.run(work)
-    }
-
     /// Whether the job returned (or panicked) and the thread ended.
     pub fn is_finished(&self) -> bool {
         self.thread.is_finished()
@@ -115,10 +113,20 @@ mod tests {
     }
 
     #[test]
+    fn test_a_given_spare_is_used_rather_than_a_new_thread() {
+        let spare = SpareThread::spawn("given".into()).expect("spawn");
+        let worker = SpareThread::given_or_new(Some(spare), || "new".into())
+            .and_then(|thread| thread.run(|| std::thread::current().name().map(str::to_owned)))
+            .expect("run");
+        assert_eq!(worker.join(), Some(Some("given".to_owned())));
+    }
+
+    #[test]
     fn test_a_worker_reports_when_it_finished() {
         let (release, wait) = channel::<()>();
-        let worker =
-            Worker::start(None, || "w".into(), move || wait.recv().is_ok()).expect("start");
+        let worker = SpareThread::given_or_new(None, || "w".into())
+            .and_then(|thread| thread.run(move || wait.recv().is_ok()))
+            .expect("start");
         std::thread::sleep(Duration::from_millis(20));
         assert!(!worker.is_finished(), "finished before its job could end");
         release.send(()).expect("release the job");
@@ -132,8 +140,9 @@ mod tests {
 
     #[test]
     fn test_a_panicking_job_joins_as_none() {
-        let worker =
-            Worker::start(None, || "p".into(), || -> u8 { panic!("job failed") }).expect("start");
+        let worker = SpareThread::given_or_new(None, || "p".into())
+            .and_then(|thread| thread.run(|| -> u8 { panic!("job failed") }))
+            .expect("start");
         assert_eq!(worker.join(), None);
     }
 

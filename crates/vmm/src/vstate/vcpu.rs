@@ -406,10 +406,8 @@ impl VcpuHandle {
         let pause = Arc::new(AtomicBool::new(paused));
         let index = vcpu.index;
         let thread_pause = pause.clone();
-        let spare = match spare {
-            Some(thread) => thread,
-            None => SpareThread::spawn(vcpu_thread_name(index)).map_err(VcpuError::Spawn)?,
-        };
+        let spare = SpareThread::given_or_new(spare, || vcpu_thread_name(index))
+            .map_err(VcpuError::Spawn)?;
         let pthread = spare.as_pthread_t();
         let home = CpuSet::of(pthread);
         if !paused {
