@@ -590,9 +590,8 @@ impl Vmm {
         };
 
         let mut handles = Vec::with_capacity(vcpus.len());
-        for (mut vcpu, thread) in vcpus.into_iter().zip(vcpu_threads) {
-            let cpuid = cpuid::vcpu_cpuid(&cpuid_base, vcpu.index, config.vcpus)?;
-            vcpu.set_cpuid(cpuid.as_slice())?;
+        // `PreparedVm::new` set each vCPU's CPUID for `config.vcpus`.
+        for (vcpu, thread) in vcpus.into_iter().zip(vcpu_threads) {
             msr::set_msrs(&vcpu.fd, &msr::boot_msrs())?;
             let kvm_err = |op| move |source| VmError::Kvm { op, source };
             if vcpu.index == 0 {
