@@ -7,6 +7,8 @@
 //! - [`snapshot`]: the [`snapshot::Persist`] trait and the state-file format.
 //! - [`spare_thread`]: threads started before their work is known (a
 //!   pre-started VM's vCPU and device threads).
+//! - [`prefault`]: the pages a pre-started process's restore would fault
+//!   on, mapped ahead.
 //! - [`probe`]: a functional check of whether this host's KVM runs guest
 //!   kernel code at hardware speed (used by the test bed).
 //!
@@ -16,6 +18,7 @@
 pub mod arch;
 pub mod device_manager;
 pub mod devices;
+pub mod prefault;
 pub mod probe;
 pub mod snapshot;
 pub mod spare_thread;

@@ -356,8 +356,12 @@ fn main() -> anyhow::Result<()> {
             Some(mib) => PreparedVm::with_memory(args.vcpus, mib << 20),
             None => PreparedVm::new(args.vcpus),
         };
+        let prepared = prepared.context("cannot pre-start the VM")?;
         tine_vmm::snapshot::format::warm_up();
-        Machine::Prepared(Some(prepared.context("cannot pre-start the VM")?))
+        if let Err(e) = tine_vmm::prefault::ahead_of_restore() {
+            eprintln!("tine-vmm: the restore's code is not mapped ahead: {e}");
+        }
+        Machine::Prepared(Some(prepared))
     } else if let Some(state) = &args.restore {
         let mem = args
             .mem_file

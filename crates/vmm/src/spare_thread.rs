@@ -24,6 +24,7 @@ impl SpareThread {
     pub fn spawn(name: String) -> std::io::Result<Self> {
         let (jobs, waiting) = sync_channel::<Job>(1);
         let thread = std::thread::Builder::new().name(name).spawn(move || {
+            crate::prefault::thread_ahead();
             // No job (the sender was dropped): nothing to run.
             if let Ok(job) = waiting.recv() {
                 job();

@@ -236,6 +236,34 @@ fn cpus_become(pid: u32, tid: u32, cpus: &str) {
     }
 }
 
+/// Resident and mapped KiB of process `pid`'s mapping of the tine-vmm
+/// binary's code (`/proc/<pid>/smaps`).
+fn code_resident_kib(pid: u32) -> (u64, u64) {
+    let exe = std::fs::canonicalize(binary()).expect("tine-vmm's path");
+    let exe = exe.display().to_string();
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).expect("read smaps");
+    let mut lines = smaps.lines();
+    while let Some(line) = lines.next() {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        if fields.len() >= 6 && fields[1] == "r-xp" && fields[5..].join(" ") == exe {
+            let kib = |prefix: &str, line: &str| {
+                line.strip_prefix(prefix)
+                    .and_then(|v| v.split_whitespace().next())
+                    .and_then(|v| v.parse::<u64>().ok())
+            };
+            let (mut size, mut rss) = (None, None);
+            for detail in lines.by_ref() {
+                size = size.or_else(|| kib("Size:", detail));
+                rss = rss.or_else(|| kib("Rss:", detail));
+                if let (Some(size), Some(rss)) = (size, rss) {
+                    return (rss, size);
+                }
+            }
+        }
+    }
+    panic!("no code mapping of {exe} in process {pid}");
+}
+
 #[test]
 fn test_process_prestart_then_restore() {
     let dir = tempfile::tempdir().expect("tmp");
@@ -255,6 +283,13 @@ fn test_process_prestart_then_restore() {
         .spawn()
         .expect("spawn");
     assert!(first_line(&mut child).contains("\"ready\""));
+    // Its code was mapped ahead, whole, before any request.
+    let (resident, mapped) = code_resident_kib(child.id());
+    if resident != mapped {
+        // Killed first: it would keep the test's output open.
+        let _ = child.kill();
+        panic!("{resident} KiB of tine-vmm's {mapped} KiB of code are resident");
+    }
     let mut stream = BufReader::new(UnixStream::connect(&socket).expect("connect"));
     let early = request(&mut stream, r#"{"op":"pause"}"#);
     assert_eq!(early["status"], "error");

@@ -1,0 +1,253 @@
+//! Pages mapped ahead of a restore. A restore is the first run of most of
+//! its code in a pre-started process, on stack its threads have not used
+//! yet, and each page it reaches first is a page fault: on a nested host a
+//! fault is a VM exit of several microseconds. A pre-started process maps
+//! them before any request comes ([`ahead_of_restore`], and
+//! [`thread_ahead`] in each spare thread):
+//! - every page of its read-only file mappings (the binary's code and
+//!   constants, its libraries'): the page cache's, shared by every process
+//!   that maps the file, so this costs page-table entries (a few KiB a
+//!   process), not memory of its own;
+//! - some of each thread's stack ([`CONTROL_STACK_AHEAD`],
+//!   [`THREAD_STACK_AHEAD`]);
+//! - the clock's data page, and a spare thread's heap arena.
+
+use std::io;
+
+/// A read-only mapping of a file, as `/proc/self/maps` lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct FileMapping {
+    start: usize,
+    end: usize,
+}
+
+/// Stack the control thread writes ahead, in bytes: decoding a state
+/// file takes about 24 KiB more of it than the process used before.
+pub const CONTROL_STACK_AHEAD: usize = 48 << 10;
+
+/// Stack a spare thread writes ahead, in bytes: a vCPU thread's run loop
+/// and the device event loop take a few KiB. Each written page is the
+/// process's own memory for as long as it runs.
+pub const THREAD_STACK_AHEAD: usize = 8 << 10;
+
+/// Errors of [`ahead_of_restore`].
+#[derive(Debug, thiserror::Error)]
+pub enum PrefaultError {
+    /// The process's mappings could not be read.
+    #[error("cannot read /proc/self/maps: {0}")]
+    Maps(#[source] io::Error),
+    /// The kernel refused to map a range (`MADV_POPULATE_READ` came in
+    /// Linux 5.14).
+    #[error("cannot map {start:#x}-{end:#x} ahead (madvise MADV_POPULATE_READ): {source}")]
+    Populate {
+        /// First byte of the range.
+        start: usize,
+        /// One past its last byte.
+        end: usize,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// The mapping a `/proc/<pid>/maps` line describes, when it maps a file
+/// and is not writable (code, constants); `None` for any other line
+/// (anonymous memory, the heap and stacks, writable data, a line it
+/// cannot read).
+fn read_only_file_mapping(line: &str) -> Option<FileMapping> {
+    let mut fields = line.split_whitespace();
+    let range = fields.next()?;
+    let perms = fields.next()?;
+    // Offset, device, inode, then the path, which may hold spaces.
+    let path = fields.nth(3)?;
+    if !path.starts_with('/') || !perms.starts_with('r') || perms.contains('w') {
+        return None;
+    }
+    let (start, end) = range.split_once('-')?;
+    let start = usize::from_str_radix(start, 16).ok()?;
+    let end = usize::from_str_radix(end, 16).ok()?;
+    (start < end).then_some(FileMapping { start, end })
+}
+
+/// What the control thread (the caller) and the process map ahead of a
+/// restore: the caller's stack, the clock's page, then the code (see the
+/// module documentation). Returns how many bytes of code that covers. An
+/// error leaves a restore slower, not wrong.
+pub fn ahead_of_restore() -> Result<usize, PrefaultError> {
+    touch_stack::<CONTROL_STACK_AHEAD>();
+    std::hint::black_box(std::time::Instant::now());
+    map_code()
+}
+
+/// What a spare thread maps ahead of its job: its stack, and its heap
+/// arena (the C library gives a thread its own on its first allocation).
+pub fn thread_ahead() {
+    touch_stack::<THREAD_STACK_AHEAD>();
+    drop(std::hint::black_box(Box::new(0u64)));
+}
+
+/// Writes `BYTES` of the calling thread's stack, below its current depth:
+/// the kernel keeps the pages mapped once written.
+#[inline(never)]
+fn touch_stack<const BYTES: usize>() {
+    let mut stack = [0u8; BYTES];
+    std::hint::black_box(&mut stack);
+}
+
+/// Puts every page of this process's read-only file mappings in its page
+/// tables. Returns how many bytes that covers.
+fn map_code() -> Result<usize, PrefaultError> {
+    let maps = std::fs::read_to_string("/proc/self/maps").map_err(PrefaultError::Maps)?;
+    let mut bytes = 0;
+    for mapping in maps.lines().filter_map(read_only_file_mapping) {
+        let FileMapping { start, end } = mapping;
+        // SAFETY: MADV_POPULATE_READ only faults in the pages of a range
+        // this process has mapped (as if each were read); it changes no
+        // memory and no mapping.
+        let rc = unsafe {
+            libc::madvise(
+                start as *mut libc::c_void,
+                end - start,
+                libc::MADV_POPULATE_READ,
+            )
+        };
+        if rc != 0 {
+            return Err(PrefaultError::Populate {
+                start,
+                end,
+                source: io::Error::last_os_error(),
+            });
+        }
+        bytes += end - start;
+    }
+    Ok(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_read_only_file_mappings_are_taken() {
+        let code = "55d0a0000000-55d0a0100000 r-xp 00001000 fe:00 7300 /usr/bin/tine-vmm";
+        assert_eq!(
+            read_only_file_mapping(code),
+            Some(FileMapping {
+                start: 0x55d0_a000_0000,
+                end: 0x55d0_a010_0000
+            })
+        );
+        let constants = "7f00-8f00 r--p 00000000 fe:00 1 /lib/with space/libc.so.6";
+        assert_eq!(
+            read_only_file_mapping(constants),
+            Some(FileMapping {
+                start: 0x7f00,
+                end: 0x8f00
+            })
+        );
+        for other in [
+            // Writable data of a file, the heap, anonymous memory, a
+            // stack, the vDSO, no access, an empty or garbled line.
+            "7f00-8f00 rw-p 00000000 fe:00 1 /lib/libc.so.6",
+            "5000-6000 rw-p 00000000 00:00 0 [heap]",
+            "5000-6000 rw-p 00000000 00:00 0",
+            "7ffc0000-7ffd0000 rw-p 00000000 00:00 0 [stack]",
+            "7ffd0000-7ffd2000 r-xp 00000000 00:00 0 [vdso]",
+            "7f00-8f00 ---p 00000000 fe:00 1 /lib/libc.so.6",
+            "",
+            "zz-8f00 r-xp 00000000 fe:00 1 /bin/x",
+            "8f00-7f00 r-xp 00000000 fe:00 1 /bin/x",
+            "7f00-8f00 r-xp",
+        ] {
+            assert_eq!(read_only_file_mapping(other), None, "{other:?}");
+        }
+    }
+
+    /// The resident size and the size of this test binary's code mapping,
+    /// in KiB, from `/proc/self/smaps`.
+    fn own_code_resident_kib() -> (u64, u64) {
+        let exe = std::env::current_exe().expect("own path");
+        let exe = exe.display().to_string();
+        let smaps = std::fs::read_to_string("/proc/self/smaps").expect("smaps");
+        let mut lines = smaps.lines();
+        while let Some(line) = lines.next() {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            if fields.len() >= 6 && fields[1] == "r-xp" && fields[5..].join(" ") == exe {
+                let mut size = None;
+                let mut rss = None;
+                for detail in lines.by_ref() {
+                    let kib = || {
+                        detail
+                            .split_whitespace()
+                            .nth(1)
+                            .and_then(|v| v.parse::<u64>().ok())
+                    };
+                    if detail.starts_with("Size:") {
+                        size = kib();
+                    } else if detail.starts_with("Rss:") {
+                        rss = kib();
+                    }
+                    if let (Some(size), Some(rss)) = (size, rss) {
+                        return (rss, size);
+                    }
+                }
+            }
+        }
+        panic!("no code mapping of {exe} in /proc/self/smaps");
+    }
+
+    /// Minor page faults of the calling thread so far.
+    fn thread_minor_faults() -> u64 {
+        let stat = std::fs::read_to_string("/proc/thread-self/stat").expect("thread stat");
+        // After the command name's ')': state is field 3, minflt field 10.
+        stat.rsplit(')')
+            .next()
+            .and_then(|rest| rest.split_whitespace().nth(7))
+            .and_then(|v| v.parse().ok())
+            .expect("minflt in the thread's stat")
+    }
+
+    /// Uses 12 KiB of stack.
+    #[inline(never)]
+    fn deep() {
+        let mut stack = [1u8; 12 << 10];
+        std::hint::black_box(&mut stack);
+    }
+
+    /// Minor faults of [`deep`] in a new thread, after `before` ran there.
+    fn faults_of_deep_after(before: fn()) -> u64 {
+        std::thread::spawn(move || {
+            before();
+            // Its buffer allocated and freed once, so that the reads
+            // measured reuse it.
+            thread_minor_faults();
+            let start = thread_minor_faults();
+            deep();
+            thread_minor_faults() - start
+        })
+        .join()
+        .expect("thread")
+    }
+
+    #[test]
+    fn a_thread_ahead_takes_no_fault_on_its_stack() {
+        let fresh = faults_of_deep_after(|| {});
+        let ahead = faults_of_deep_after(thread_ahead);
+        assert!(
+            fresh >= 2,
+            "12 KiB of a fresh thread's stack took {fresh} faults"
+        );
+        assert!(ahead <= 1, "after thread_ahead: {ahead} faults");
+    }
+
+    #[test]
+    fn the_whole_code_is_resident_ahead_of_a_restore() {
+        let bytes = ahead_of_restore().expect("map ahead");
+        let (rss, size) = own_code_resident_kib();
+        assert!(
+            bytes as u64 >= size << 10,
+            "mapped {bytes} bytes, less than the code's {size} KiB"
+        );
+        assert_eq!(rss, size, "resident KiB of the test binary's code");
+    }
+}
