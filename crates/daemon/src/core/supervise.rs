@@ -112,6 +112,16 @@ async fn setup_call<T>(
     }
 }
 
+/// Runs one set-up step: its name and how long it took, for the log.
+async fn timed(
+    name: &'static str,
+    work: impl std::future::Future<Output = Result<()>>,
+) -> Result<Option<(&'static str, u64)>> {
+    let began = Instant::now();
+    work.await?;
+    Ok(Some((name, began.elapsed().as_millis() as u64)))
+}
+
 impl Daemon {
     /// Launches a queued VM and supervises it (the set-up at agent-ready,
     /// then its exit); `permit` is the boot slot, held until the set-up
@@ -228,14 +238,9 @@ impl Daemon {
             }
         };
         // Where the set-up's time goes, for the log: until the agent
-        // answered, then each step.
+        // answered, then each step (those run at once each from the same
+        // start).
         let agent_ms = began.elapsed().as_millis() as u64;
-        let mut steps: Vec<(&str, u64)> = Vec::new();
-        let mut lap = Instant::now();
-        let mut step_done = |name: &'static str| {
-            steps.push((name, lap.elapsed().as_millis() as u64));
-            lap = Instant::now();
-        };
         let first = !vm.booted_once && setup == SetUp::Boot;
         let (set_hostname, machine_id, ssh_host_keys) = match &vm.fixups {
             _ if setup == SetUp::Resume => (false, false, false),
@@ -267,39 +272,70 @@ impl Daemon {
             clock_unix_nanos: clock,
         };
         let step = self.deadlines.setup_call;
-        setup_call(step, "fix-ups", client.fixups(req)).await?;
-        step_done("fixups");
-        if let Some(n) = vm.network.as_ref().filter(|_| setup != SetUp::Resume) {
-            setup_call(step, "network set-up", client.network(n.agent_request())).await?;
-            step_done("network");
-            if setup == SetUp::HotFork {
-                // Its own identity and address now: out of quarantine.
-                self.network
-                    .set_quarantine(n, false)
-                    .map_err(|source| Error::Network {
-                        vm: hostname.to_owned(),
-                        source,
-                    })?;
+        let network = vm.network.as_ref().filter(|_| setup != SetUp::Resume);
+        // The steps touch different things (the fix-ups the identity files
+        // and the kernel's, the network its interface and resolv.conf, the
+        // secrets a tmpfs, the keys root's authorized_keys), so they run at
+        // once: while the fix-ups wait for the guest's disk (they sync what
+        // they write), the guest's CPU serves the others.
+        let fixups = timed("fixups", async {
+            setup_call(step, "fix-ups", client.fixups(req))
+                .await
+                .map(drop)
+        });
+        let network_step = async {
+            let Some(n) = network else { return Ok(None) };
+            timed("network", async {
+                setup_call(step, "network set-up", client.network(n.agent_request()))
+                    .await
+                    .map(drop)
+            })
+            .await
+        };
+        let keys = async {
+            if !first || vm.ssh_keys.is_empty() {
+                return Ok(None);
             }
-        }
-        if first && !vm.ssh_keys.is_empty() {
             let keys = vm.ssh_keys.clone();
-            setup_call(step, "SSH keys", client.authorized_keys(keys)).await?;
-        }
+            timed("SSH keys", async {
+                setup_call(step, "SSH keys", client.authorized_keys(keys))
+                    .await
+                    .map(drop)
+            })
+            .await
+        };
         // The guest's secrets are on a tmpfs: every boot syncs them. A fork
         // syncs even without grants, so inherited files never survive.
-        if !vm.secrets.is_empty() || vm.is_unborn_fork() {
-            let synced = self.sync_secrets(hostname, &vm.secrets, &client);
-            match tokio::time::timeout(step, synced).await {
-                Ok(done) => done?,
-                Err(_) => {
-                    return Err(Error::Timeout(format!(
+        let secrets = async {
+            if vm.secrets.is_empty() && !vm.is_unborn_fork() {
+                return Ok(None);
+            }
+            timed("secrets", async {
+                let synced = self.sync_secrets(hostname, &vm.secrets, &client);
+                match tokio::time::timeout(step, synced).await {
+                    Ok(done) => done,
+                    Err(_) => Err(Error::Timeout(format!(
                         "secrets: the agent did not answer within {}",
                         humantime::format_duration(step)
-                    )))
+                    ))),
                 }
-            }
-            step_done("secrets");
+            })
+            .await
+        };
+        let done = tokio::try_join!(fixups, network_step, keys, secrets)?;
+        let mut steps: Vec<(&str, u64)> = [done.0, done.1, done.2, done.3]
+            .into_iter()
+            .flatten()
+            .collect();
+        if let Some(n) = network.filter(|_| setup == SetUp::HotFork) {
+            // Its own identity and address now (the fix-ups and the network
+            // both done): out of quarantine.
+            self.network
+                .set_quarantine(n, false)
+                .map_err(|source| Error::Network {
+                    vm: hostname.to_owned(),
+                    source,
+                })?;
         }
         if first {
             if let Some(script) = &vm.userdata {
@@ -307,8 +343,9 @@ impl Daemon {
             }
         }
         if let Some(synced) = disk_synced {
+            let waited = Instant::now();
             synced.await?;
-            step_done("disk sync");
+            steps.push(("disk sync", waited.elapsed().as_millis() as u64));
         }
         let boot_ms = now_ms().saturating_sub(started_ms);
         failpoint::hit(Failpoint::BootSetUp);

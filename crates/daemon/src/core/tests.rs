@@ -151,6 +151,29 @@ async fn a_create_boots_sets_up_and_runs() {
 }
 
 #[tokio::test]
+async fn the_set_up_sends_its_steps_at_once() {
+    let b = bed(true);
+    let commit = b.commit().await;
+    // The fork's agent answers its fix-ups only once asked something else:
+    // a fork always syncs its secrets, which must not wait for them.
+    b.fake.set_guest("dev-2", Guest::SlowFixups);
+    let f = b
+        .daemon
+        .fork(&commit, ForkRequest::default(), Wait::Agent, WAIT)
+        .await
+        .expect("fork");
+    assert_eq!(f.hostname, "dev-2");
+    let seen = b.fake.seen(&f.hostname);
+    let at = |what: fn(&Seen) -> bool| seen.iter().position(what);
+    let secrets = at(|s| matches!(s, Seen::Agent(AgentRequest::SecretsSync(_))));
+    let answered = at(|s| matches!(s, Seen::FixupsAnswered));
+    assert!(
+        matches!((secrets, answered), (Some(s), Some(a)) if s < a),
+        "the secrets were asked for after the fix-ups' answer: {seen:?}"
+    );
+}
+
+#[tokio::test]
 async fn the_exit_policy_removes_stopped_ephemeral_vms_and_keeps_persistent_ones() {
     let eph = bed(false);
     let h = eph.create(Wait::Agent).await;

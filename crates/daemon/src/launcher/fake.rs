@@ -48,6 +48,10 @@ pub enum Guest {
     Hangs,
     /// Its agent answers every fix-up request with an error.
     FailsFixups,
+    /// Its agent holds its answer to a fix-up request until it is asked
+    /// something else (at most a second): shows whether the set-up's
+    /// steps are sent at once.
+    SlowFixups,
     /// Runs, but ignores every request to stop (agent and Ctrl-Alt-Del).
     Deaf,
 }
@@ -67,6 +71,8 @@ pub enum Seen {
     Control(VmmRequest),
     /// An agent request.
     Agent(Request),
+    /// The answer to a fix-up request, sent.
+    FixupsAnswered,
     /// A kill by signal.
     Kill,
 }
@@ -667,6 +673,24 @@ impl FakeAgent {
         }
     }
 
+    /// Waits until this guest's agent was asked something after its last
+    /// fix-up request, or `limit`.
+    async fn until_asked_more(&self, limit: Duration) {
+        let deadline = tokio::time::Instant::now() + limit;
+        while tokio::time::Instant::now() < deadline {
+            let seen = self.launcher.seen(&self.hostname);
+            let after_fixups = seen
+                .iter()
+                .rev()
+                .take_while(|s| !matches!(s, Seen::Agent(Request::Fixups(_))))
+                .any(|s| matches!(s, Seen::Agent(_)));
+            if after_fixups {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+
     async fn answer(self: Arc<Self>, mut stream: Stream) {
         let Some(Inbound::Msg(bytes)) = stream.recv().await else {
             return;
@@ -729,10 +753,20 @@ impl FakeAgent {
             Request::Fixups(_) if self.guest == Guest::FailsFixups => {
                 Response::error(ErrorCode::Other, "fix-ups failed in the guest")
             }
-            Request::Fixups(req) => Response::Fixups(FixupReport {
-                hostname: req.hostname,
-                ..FixupReport::default()
-            }),
+            Request::Fixups(req) => {
+                if self.guest == Guest::SlowFixups {
+                    self.until_asked_more(Duration::from_secs(1)).await;
+                }
+                let reply = Response::Fixups(FixupReport {
+                    hostname: req.hostname,
+                    ..FixupReport::default()
+                });
+                if let Err(e) = stream.send_msg(&reply).await {
+                    tracing::debug!("fake agent: {e}");
+                }
+                self.launcher.record(&self.hostname, Seen::FixupsAnswered);
+                return;
+            }
             Request::Network(_) | Request::UserdataRun(_) => Response::Ok,
             Request::SecretsSync(req) => Response::Secrets(SecretsReport {
                 dir: "/run/tine/secrets".into(),
