@@ -359,7 +359,7 @@ fn main() -> anyhow::Result<()> {
         let prepared = prepared.context("cannot pre-start the VM")?;
         tine_vmm::snapshot::format::warm_up();
         if let Err(e) = tine_vmm::prefault::ahead_of_restore() {
-            eprintln!("tine-vmm: the restore's code is not mapped ahead: {e}");
+            eprintln!("tine-vmm: the pages of a restore are not mapped ahead: {e}");
         }
         Machine::Prepared(Some(prepared))
     } else if let Some(state) = &args.restore {

@@ -20,7 +20,8 @@ pub struct SpareThread {
 }
 
 impl SpareThread {
-    /// Starts a thread named `name` that waits for its job.
+    /// Starts a thread named `name` that waits for its job, its first
+    /// stack pages and heap arena mapped (`prefault::thread_ahead`).
     pub fn spawn(name: String) -> std::io::Result<Self> {
         let (jobs, waiting) = sync_channel::<Job>(1);
         let thread = std::thread::Builder::new().name(name).spawn(move || {
