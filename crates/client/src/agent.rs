@@ -1089,7 +1089,7 @@ impl AgentClient {
     /// Applies fork fix-ups and returns what was done.
     pub async fn fixups(&self, req: FixupRequest) -> Result<FixupReport> {
         match self.call(&Request::Fixups(req)).await? {
-            Response::Fixups(report) => Ok(report),
+            Response::Fixups(report) => Ok(*report),
             other => Err(unexpected(other)),
         }
     }

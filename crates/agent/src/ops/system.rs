@@ -76,7 +76,7 @@ pub(crate) async fn fixups(root: &Path, req: FixupRequest) -> Result<Response, O
         clock_unix_nanos: req.clock_unix_nanos,
     };
     let report = blocking(move || Ok(system::apply_fixups(&request, &root))).await?;
-    Ok(Response::Fixups(FixupReport {
+    Ok(Response::Fixups(Box::new(FixupReport {
         hostname: report.hostname,
         machine_id: report.machine_id,
         ssh_host_keys: report.ssh_host_keys,
@@ -85,7 +85,8 @@ pub(crate) async fn fixups(root: &Path, req: FixupRequest) -> Result<Response, O
         clock_set: report.clock_set,
         random_seed_removed: report.random_seed_removed,
         errors: report.errors,
-    }))
+        steps: report.steps,
+    })))
 }
 
 /// Answers [`Response::Userdata`] for the system at `root`.

@@ -4,6 +4,9 @@
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use tine_proto::agent::{FixupStep, FixupStepTime};
 
 use super::fs::{sync_paths, under, write_atomic_unsynced};
 use super::hostname::{valid_hostname, write_hostname_files};
@@ -47,6 +50,16 @@ pub struct FixupReport {
     pub random_seed_removed: bool,
     /// One line per step that failed or was skipped, prefixed with the step.
     pub errors: Vec<String>,
+    /// How long each step that ran took, in the order they ran.
+    pub steps: Vec<FixupStepTime>,
+}
+
+impl FixupReport {
+    /// Records that `step`, begun at `began`, is over.
+    fn timed(&mut self, step: FixupStep, began: Instant) {
+        let micros = u64::try_from(began.elapsed().as_micros()).unwrap_or(u64::MAX);
+        self.steps.push(FixupStepTime { step, micros });
+    }
 }
 
 /// Saved random seeds that a fork must not reuse (systemd, Debian's
@@ -87,6 +100,7 @@ pub fn apply_fixups(req: &FixupRequest, root: &Path) -> FixupReport {
     let mut removed = Vec::new();
 
     if let Some(nanos) = req.clock_unix_nanos {
+        let began = Instant::now();
         if live {
             match set_clock(nanos) {
                 Ok(()) => rep.clock_set = true,
@@ -96,9 +110,11 @@ pub fn apply_fixups(req: &FixupRequest, root: &Path) -> FixupReport {
             rep.errors
                 .push("clock: skipped clock_settime: root is not /".to_string());
         }
+        rep.timed(FixupStep::Clock, began);
     }
 
     if let Some(bytes) = &req.entropy {
+        let began = Instant::now();
         if bytes.len() > MAX_ENTROPY_BYTES {
             rep.errors.push(format!(
                 "entropy: {} bytes is more than the {MAX_ENTROPY_BYTES} accepted; nothing added",
@@ -139,9 +155,11 @@ pub fn apply_fixups(req: &FixupRequest, root: &Path) -> FixupReport {
                     .push(format!("entropy: cannot remove /{seed}: {e}")),
             }
         }
+        rep.timed(FixupStep::Entropy, began);
     }
 
     if let Some(name) = &req.hostname {
+        let began = Instant::now();
         if !valid_hostname(name) {
             rep.errors
                 .push(format!("hostname: {name:?} is not a valid hostname"));
@@ -168,9 +186,11 @@ pub fn apply_fixups(req: &FixupRequest, root: &Path) -> FixupReport {
                 rep.hostname = Some(name.clone());
             }
         }
+        rep.timed(FixupStep::Hostname, began);
     }
 
     if req.machine_id {
+        let began = Instant::now();
         match write_machine_id(root) {
             Ok((id, errs)) => {
                 written.push(under(root, "/etc/machine-id"));
@@ -179,9 +199,11 @@ pub fn apply_fixups(req: &FixupRequest, root: &Path) -> FixupReport {
             }
             Err(e) => rep.errors.push(format!("machine-id: {e}")),
         }
+        rep.timed(FixupStep::MachineId, began);
     }
 
     if req.ssh_host_keys {
+        let began = Instant::now();
         let comment = req
             .hostname
             .clone()
@@ -200,13 +222,16 @@ pub fn apply_fixups(req: &FixupRequest, root: &Path) -> FixupReport {
         }
         rep.ssh_host_keys = keys;
         rep.errors.extend(errs);
+        rep.timed(FixupStep::SshHostKeys, began);
     }
 
     // What the fix-ups wrote, renamed and removed reaches the disk
     // together, and nothing else of the guest's file system.
+    let began = Instant::now();
     if let Err(e) = sync_paths(&written, &removed) {
         rep.errors.push(format!("sync: {e}"));
     }
+    rep.timed(FixupStep::Sync, began);
 
     rep
 }
@@ -513,6 +538,38 @@ mod tests {
                 .expect("readdir")
                 .count(),
             0
+        );
+    }
+
+    #[test]
+    fn test_each_step_asked_for_is_timed_in_order() {
+        let root = temp_root();
+        let steps = |req: &FixupRequest| -> Vec<FixupStep> {
+            apply_fixups(req, root.path())
+                .steps
+                .iter()
+                .map(|t| t.step)
+                .collect()
+        };
+        // Only the sync runs for an empty request.
+        assert_eq!(steps(&FixupRequest::default()), [FixupStep::Sync]);
+        let every = FixupRequest {
+            hostname: Some("fork-1".into()),
+            machine_id: true,
+            ssh_host_keys: true,
+            entropy: Some(vec![1; 8]),
+            clock_unix_nanos: Some(1),
+        };
+        assert_eq!(
+            steps(&every),
+            [
+                FixupStep::Clock,
+                FixupStep::Entropy,
+                FixupStep::Hostname,
+                FixupStep::MachineId,
+                FixupStep::SshHostKeys,
+                FixupStep::Sync
+            ]
         );
     }
 

@@ -278,11 +278,11 @@ impl Daemon {
         // secrets a tmpfs, the keys root's authorized_keys), so they run at
         // once: while the fix-ups wait for the guest's disk (they sync what
         // they write), the guest's CPU serves the others.
-        let fixups = timed("fixups", async {
-            setup_call(step, "fix-ups", client.fixups(req))
-                .await
-                .map(drop)
-        });
+        let fixups = async {
+            let began = Instant::now();
+            let report = setup_call(step, "fix-ups", client.fixups(req)).await?;
+            Ok((began.elapsed().as_millis() as u64, report.steps))
+        };
         let network_step = async {
             let Some(n) = network else { return Ok(None) };
             timed("network", async {
@@ -322,9 +322,11 @@ impl Daemon {
             })
             .await
         };
-        let done = tokio::try_join!(fixups, network_step, keys, secrets)?;
-        let mut steps: Vec<(&str, u64)> = [done.0, done.1, done.2, done.3]
+        let ((fixups_ms, guest_steps), network_done, keys_done, secrets_done) =
+            tokio::try_join!(fixups, network_step, keys, secrets)?;
+        let mut steps: Vec<(&str, u64)> = [Some(("fixups", fixups_ms))]
             .into_iter()
+            .chain([network_done, keys_done, secrets_done])
             .flatten()
             .collect();
         if let Some(n) = network.filter(|_| setup == SetUp::HotFork) {
@@ -352,12 +354,18 @@ impl Daemon {
         self.store.set_running(hostname, boot_ms)?;
         self.notify(hostname);
         let steps: Vec<String> = steps.iter().map(|(n, ms)| format!("{n} {ms} ms")).collect();
+        // The fix-ups' own steps, as the guest timed them.
+        let fixup_steps: Vec<String> = guest_steps
+            .iter()
+            .map(|t| format!("{} {:.1} ms", t.step.as_str(), t.micros as f64 / 1000.0))
+            .collect();
         tracing::info!(
             vm = hostname,
             boot_ms,
             setup_ms = began.elapsed().as_millis() as u64,
             agent_ms,
             steps = %steps.join(", "),
+            fixup_steps = %fixup_steps.join(", "),
             "agent ready"
         );
         Ok(())

@@ -757,10 +757,10 @@ impl FakeAgent {
                 if self.guest == Guest::SlowFixups {
                     self.until_asked_more(Duration::from_secs(1)).await;
                 }
-                let reply = Response::Fixups(FixupReport {
+                let reply = Response::Fixups(Box::new(FixupReport {
                     hostname: req.hostname,
                     ..FixupReport::default()
-                });
+                }));
                 if let Err(e) = stream.send_msg(&reply).await {
                     tracing::debug!("fake agent: {e}");
                 }

@@ -810,6 +810,51 @@ pub struct FixupReport {
     /// Fix-ups that failed, one message each.
     #[serde(default)]
     pub errors: Vec<String>,
+    /// How long each step that ran took in the guest, in the order they
+    /// ran (an older agent sends none).
+    #[serde(default)]
+    pub steps: Vec<FixupStepTime>,
+}
+
+/// A step of [`Request::Fixups`], in the order the agent runs them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FixupStep {
+    /// `clock_settime` from the host's time.
+    Clock,
+    /// The host's entropy credited, the CRNG reseeded, saved seeds removed.
+    Entropy,
+    /// The kernel's hostname and its files.
+    Hostname,
+    /// A fresh `/etc/machine-id`.
+    MachineId,
+    /// The SSH host keys regenerated.
+    SshHostKeys,
+    /// What the steps wrote and removed, synced to the disk.
+    Sync,
+}
+
+impl FixupStep {
+    /// Its name on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FixupStep::Clock => "clock",
+            FixupStep::Entropy => "entropy",
+            FixupStep::Hostname => "hostname",
+            FixupStep::MachineId => "machine_id",
+            FixupStep::SshHostKeys => "ssh_host_keys",
+            FixupStep::Sync => "sync",
+        }
+    }
+}
+
+/// How long one fix-up step took in the guest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FixupStepTime {
+    /// The step.
+    pub step: FixupStep,
+    /// Its time, in microseconds.
+    pub micros: u64,
 }
 
 /// Whether the first-boot userdata script exists and ran.
@@ -1024,8 +1069,8 @@ pub enum Response {
     Connected,
     /// Answer to [`Request::Health`].
     Health(Health),
-    /// Answer to [`Request::Fixups`].
-    Fixups(FixupReport),
+    /// Answer to [`Request::Fixups`] (boxed: the largest answer).
+    Fixups(Box<FixupReport>),
     /// Answer to [`Request::UserdataStatus`].
     Userdata(UserdataStatus),
     /// Answer to [`Request::SecretsSync`].
@@ -1180,6 +1225,50 @@ mod tests {
                 ..FixupRequest::default()
             })
         );
+    }
+
+    #[test]
+    fn test_fixup_report_step_times_on_the_wire() {
+        let steps = [
+            FixupStep::MachineId,
+            FixupStep::SshHostKeys,
+            FixupStep::Sync,
+        ];
+        let report = FixupReport {
+            steps: steps
+                .iter()
+                .map(|&step| FixupStepTime { step, micros: 12 })
+                .collect(),
+            ..FixupReport::default()
+        };
+        let value =
+            serde_json::to_value(Response::Fixups(Box::new(report.clone()))).expect("serialize");
+        assert_eq!(
+            value["steps"],
+            serde_json::json!([
+                {"step": "machine_id", "micros": 12},
+                {"step": "ssh_host_keys", "micros": 12},
+                {"step": "sync", "micros": 12}
+            ])
+        );
+        for step in [
+            FixupStep::Clock,
+            FixupStep::Entropy,
+            FixupStep::Hostname,
+            FixupStep::MachineId,
+            FixupStep::SshHostKeys,
+            FixupStep::Sync,
+        ] {
+            assert_eq!(serde_json::json!(step), step.as_str());
+        }
+        let back: Response = serde_json::from_value(value).expect("deserialize");
+        assert_eq!(back, Response::Fixups(Box::new(report)));
+        // An agent from before the step times sends none.
+        let older = r#"{"type":"fixups","entropy_bytes":64,"reseeded":true}"#;
+        match serde_json::from_str::<Response>(older).expect("deserialize") {
+            Response::Fixups(r) => assert!(r.steps.is_empty() && r.reseeded),
+            other => panic!("decoded as {other:?}"),
+        }
     }
 
     #[test]
