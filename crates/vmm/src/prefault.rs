@@ -21,8 +21,9 @@ struct FileMapping {
     end: usize,
 }
 
-/// Stack the control thread writes ahead, in bytes: decoding a state
-/// file takes about 24 KiB more of it than the process used before.
+/// Stack the control thread writes ahead, in bytes, from where the
+/// pre-start calls [`ahead_of_restore`]: a restore's deepest call (the
+/// state file's decoding) reaches between 32 and 48 KiB below it.
 pub const CONTROL_STACK_AHEAD: usize = 48 << 10;
 
 /// Stack a spare thread writes ahead, in bytes: a vCPU thread's run loop

@@ -391,7 +391,7 @@ pub struct VcpuContext {
 impl VcpuHandle {
     /// Starts `vcpu` on its own thread: `spare` when given (see
     /// [`crate::spare_thread`]), else one started now; a running one off
-    /// this thread's CPU when it may run elsewhere (see [`CpuSet`]). With
+    /// this thread's CPU when it may run elsewhere (see `CpuSet`). With
     /// `paused` it waits for [`VcpuHandle::resume`] before the first
     /// `KVM_RUN`.
     pub fn start(
@@ -479,7 +479,7 @@ impl VcpuHandle {
 
     /// Lets a paused vCPU run again, without waiting for its thread to
     /// take it (a fork's resume is on its path), and off this thread's CPU
-    /// when it may run elsewhere (see [`CpuSet`]). Only this clears the
+    /// when it may run elsewhere (see `CpuSet`). Only this clears the
     /// pause flag: a [`VcpuHandle::pause`] that comes before the thread
     /// took the resume sets it again, and the thread parks once more.
     pub fn resume(&self) -> Result<(), VcpuError> {

@@ -104,7 +104,7 @@ impl Vsock {
         self.muxer.uds_path()
     }
 
-    /// See [`Muxer::set_uds_path`].
+    /// See `Muxer::set_uds_path`.
     pub fn set_uds_path(&mut self, path: PathBuf) {
         self.muxer.set_uds_path(path);
     }
