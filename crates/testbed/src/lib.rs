@@ -7,7 +7,7 @@
 //! nested L1 otherwise; inside, the tests run under a libtest-compatible
 //! harness. Either way `cargo test` runs them: none is skipped.
 //!
-//! With the `hostile-agent` feature, [`hostile_agent`] holds a scripted
+//! With the `hostile-agent` feature, `hostile_agent` holds a scripted
 //! guest agent for host-side tests that need no VM.
 
 pub mod cpio;
@@ -169,7 +169,7 @@ fn run_script(relative: &str) -> Result<PathBuf, TestbedError> {
 }
 
 /// Path of the `tine-guest-util` helper next to the running test binary
-/// (target/<profile>/tine-guest-util).
+/// (`target/<profile>/tine-guest-util`).
 pub fn guest_util() -> Result<PathBuf, TestbedError> {
     let exe = std::env::current_exe().map_err(|source| TestbedError::Spawn {
         script: PathBuf::from("current_exe"),

@@ -1,4 +1,4 @@
-//! The REST API (docs/api.md, docs/openapi.yaml): routes onto [`Daemon`]
+//! The REST API (docs/api.md, docs/openapi.yaml): routes onto [`crate::core::Daemon`]
 //! methods, errors as `{error, code}`, the bearer token on TCP.
 
 mod agent_call;

@@ -397,7 +397,7 @@ impl Daemon {
         }
     }
 
-    /// Syncs the state (see [`crate::db`]) every [`STATE_SYNC_EVERY`] in
+    /// Syncs the state (see [`crate::db`]) every `STATE_SYNC_EVERY` in
     /// the background, for as long as the daemon exists: a change not
     /// synced at once survives a power loss after at most that long.
     pub fn sync_state_periodically(self: &Arc<Self>) {

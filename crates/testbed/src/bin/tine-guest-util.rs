@@ -1,10 +1,12 @@
 //! `tine-guest-util`: small guest-side helpers for tests, run inside test
 //! VMs (packed into their initramfs with the libraries it needs).
 //!
-//!   tine-guest-util vsock-echo PORT     serve: each line is answered with
-//!                                       "pong <hostname>: <line>"
-//!   tine-guest-util vsock-send PORT MSG connect to the host (CID 2) and
-//!                                       send MSG and a newline
+//! ```text
+//! tine-guest-util vsock-echo PORT     serve: each line is answered with
+//!                                     "pong <hostname>: <line>"
+//! tine-guest-util vsock-send PORT MSG connect to the host (CID 2) and
+//!                                     send MSG and a newline
+//! ```
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::fd::{FromRawFd, OwnedFd};
