@@ -14,12 +14,7 @@
 
 use std::io;
 
-/// A read-only mapping of a file, as `/proc/self/maps` lists it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct FileMapping {
-    start: usize,
-    end: usize,
-}
+use tine_proto::smaps::{parse_smaps, Mapping};
 
 /// Stack the control thread writes ahead, in bytes, from where the
 /// pre-start calls [`ahead_of_restore`]: a restore's deepest call (the
@@ -51,23 +46,14 @@ pub enum PrefaultError {
     },
 }
 
-/// The mapping a `/proc/<pid>/maps` line describes, when it maps a file
-/// and is not writable (code, constants); `None` for any other line
-/// (anonymous memory, the heap and stacks, writable data, a line it
-/// cannot read).
-fn read_only_file_mapping(line: &str) -> Option<FileMapping> {
-    let mut fields = line.split_whitespace();
-    let range = fields.next()?;
-    let perms = fields.next()?;
-    // Offset, device, inode, then the path, which may hold spaces.
-    let path = fields.nth(3)?;
-    if !path.starts_with('/') || !perms.starts_with('r') || perms.contains('w') {
-        return None;
-    }
-    let (start, end) = range.split_once('-')?;
-    let start = usize::from_str_radix(start, 16).ok()?;
-    let end = usize::from_str_radix(end, 16).ok()?;
-    (start < end).then_some(FileMapping { start, end })
+/// Whether `mapping` maps a file and is not writable (code, constants):
+/// not anonymous memory, the heap or stacks, writable data or an empty
+/// range.
+fn is_read_only_file(mapping: &Mapping) -> bool {
+    mapping.path.starts_with('/')
+        && mapping.perms.starts_with('r')
+        && !mapping.perms.contains('w')
+        && mapping.size() > 0
 }
 
 /// What the control thread (the caller) and the process map ahead of a
@@ -100,8 +86,10 @@ fn touch_stack<const BYTES: usize>() {
 fn map_code() -> Result<usize, PrefaultError> {
     let maps = std::fs::read_to_string("/proc/self/maps").map_err(PrefaultError::Maps)?;
     let mut bytes = 0;
-    for mapping in maps.lines().filter_map(read_only_file_mapping) {
-        let FileMapping { start, end } = mapping;
+    // `maps` lists the mappings as `smaps` heads them, without figures.
+    for mapping in parse_smaps(&maps).iter().filter(|m| is_read_only_file(m)) {
+        // Addresses of this process: they fit its pointers.
+        let (start, end) = (mapping.start as usize, mapping.end as usize);
         // SAFETY: MADV_POPULATE_READ only faults in the pages of a range
         // this process has mapped (as if each were read); it changes no
         // memory and no mapping.
@@ -130,71 +118,41 @@ mod tests {
 
     #[test]
     fn only_read_only_file_mappings_are_taken() {
-        let code = "55d0a0000000-55d0a0100000 r-xp 00001000 fe:00 7300 /usr/bin/tine-vmm";
-        assert_eq!(
-            read_only_file_mapping(code),
-            Some(FileMapping {
-                start: 0x55d0_a000_0000,
-                end: 0x55d0_a010_0000
-            })
-        );
-        let constants = "7f00-8f00 r--p 00000000 fe:00 1 /lib/with space/libc.so.6";
-        assert_eq!(
-            read_only_file_mapping(constants),
-            Some(FileMapping {
-                start: 0x7f00,
-                end: 0x8f00
-            })
-        );
-        for other in [
+        let maps = [
+            // Code and constants of files (a path may hold spaces).
+            "55d0a0000000-55d0a0100000 r-xp 00001000 fe:00 7300 /usr/bin/tine-vmm",
+            "7f00-8f00 r--p 00000000 fe:00 1 /lib/with space/libc.so.6",
             // Writable data of a file, the heap, anonymous memory, a
-            // stack, the vDSO, no access, an empty or garbled line.
+            // stack, the vDSO, no access, an empty range.
             "7f00-8f00 rw-p 00000000 fe:00 1 /lib/libc.so.6",
             "5000-6000 rw-p 00000000 00:00 0 [heap]",
             "5000-6000 rw-p 00000000 00:00 0",
             "7ffc0000-7ffd0000 rw-p 00000000 00:00 0 [stack]",
             "7ffd0000-7ffd2000 r-xp 00000000 00:00 0 [vdso]",
             "7f00-8f00 ---p 00000000 fe:00 1 /lib/libc.so.6",
-            "",
-            "zz-8f00 r-xp 00000000 fe:00 1 /bin/x",
             "8f00-7f00 r-xp 00000000 fe:00 1 /bin/x",
-            "7f00-8f00 r-xp",
-        ] {
-            assert_eq!(read_only_file_mapping(other), None, "{other:?}");
-        }
+        ]
+        .join("\n");
+        let taken: Vec<(u64, u64)> = parse_smaps(&maps)
+            .iter()
+            .filter(|m| is_read_only_file(m))
+            .map(|m| (m.start, m.end))
+            .collect();
+        assert_eq!(
+            taken,
+            [(0x55d0_a000_0000, 0x55d0_a010_0000), (0x7f00, 0x8f00)]
+        );
     }
 
-    /// The resident size and the size of this test binary's code mapping,
-    /// in KiB, from `/proc/self/smaps`.
+    /// Resident and mapped KiB of this test binary's code mapping.
     fn own_code_resident_kib() -> (u64, u64) {
         let exe = std::env::current_exe().expect("own path");
-        let exe = exe.display().to_string();
         let smaps = std::fs::read_to_string("/proc/self/smaps").expect("smaps");
-        let mut lines = smaps.lines();
-        while let Some(line) = lines.next() {
-            let fields: Vec<&str> = line.split_whitespace().collect();
-            if fields.len() >= 6 && fields[1] == "r-xp" && fields[5..].join(" ") == exe {
-                let mut size = None;
-                let mut rss = None;
-                for detail in lines.by_ref() {
-                    let kib = || {
-                        detail
-                            .split_whitespace()
-                            .nth(1)
-                            .and_then(|v| v.parse::<u64>().ok())
-                    };
-                    if detail.starts_with("Size:") {
-                        size = kib();
-                    } else if detail.starts_with("Rss:") {
-                        rss = kib();
-                    }
-                    if let (Some(size), Some(rss)) = (size, rss) {
-                        return (rss, size);
-                    }
-                }
-            }
-        }
-        panic!("no code mapping of {exe} in /proc/self/smaps");
+        parse_smaps(&smaps)
+            .iter()
+            .find(|m| m.perms == "r-xp" && std::path::Path::new(&m.path) == exe)
+            .map(|m| (m.memory.rss >> 10, m.size() >> 10))
+            .unwrap_or_else(|| panic!("no code mapping of {} in /proc/self/smaps", exe.display()))
     }
 
     /// Minor page faults of the calling thread so far.

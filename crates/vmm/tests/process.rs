@@ -240,28 +240,12 @@ fn cpus_become(pid: u32, tid: u32, cpus: &str) {
 /// binary's code (`/proc/<pid>/smaps`).
 fn code_resident_kib(pid: u32) -> (u64, u64) {
     let exe = std::fs::canonicalize(binary()).expect("tine-vmm's path");
-    let exe = exe.display().to_string();
     let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).expect("read smaps");
-    let mut lines = smaps.lines();
-    while let Some(line) = lines.next() {
-        let fields: Vec<&str> = line.split_whitespace().collect();
-        if fields.len() >= 6 && fields[1] == "r-xp" && fields[5..].join(" ") == exe {
-            let kib = |prefix: &str, line: &str| {
-                line.strip_prefix(prefix)
-                    .and_then(|v| v.split_whitespace().next())
-                    .and_then(|v| v.parse::<u64>().ok())
-            };
-            let (mut size, mut rss) = (None, None);
-            for detail in lines.by_ref() {
-                size = size.or_else(|| kib("Size:", detail));
-                rss = rss.or_else(|| kib("Rss:", detail));
-                if let (Some(size), Some(rss)) = (size, rss) {
-                    return (rss, size);
-                }
-            }
-        }
-    }
-    panic!("no code mapping of {exe} in process {pid}");
+    tine_proto::smaps::parse_smaps(&smaps)
+        .iter()
+        .find(|m| m.perms == "r-xp" && std::path::Path::new(&m.path) == exe)
+        .map(|m| (m.memory.rss >> 10, m.size() >> 10))
+        .unwrap_or_else(|| panic!("no code mapping of {} in process {pid}", exe.display()))
 }
 
 #[test]
