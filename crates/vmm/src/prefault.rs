@@ -123,7 +123,7 @@ mod tests {
             "55d0a0000000-55d0a0100000 r-xp 00001000 fe:00 7300 /usr/bin/tine-vmm",
             "7f00-8f00 r--p 00000000 fe:00 1 /lib/with space/libc.so.6",
             // Writable data of a file, the heap, anonymous memory, a
-            // stack, the vDSO, no access, an empty range.
+            // stack, the vDSO, no access, an inverted range.
             "7f00-8f00 rw-p 00000000 fe:00 1 /lib/libc.so.6",
             "5000-6000 rw-p 00000000 00:00 0 [heap]",
             "5000-6000 rw-p 00000000 00:00 0",
@@ -131,6 +131,10 @@ mod tests {
             "7ffd0000-7ffd2000 r-xp 00000000 00:00 0 [vdso]",
             "7f00-8f00 ---p 00000000 fe:00 1 /lib/libc.so.6",
             "8f00-7f00 r-xp 00000000 fe:00 1 /bin/x",
+            // Lines no mapping can be read from.
+            "",
+            "zz-8f00 r-xp 00000000 fe:00 1 /bin/x",
+            "7f00-8f00 r-xp",
         ]
         .join("\n");
         let taken: Vec<(u64, u64)> = parse_smaps(&maps)
