@@ -112,14 +112,17 @@ async fn setup_call<T>(
     }
 }
 
-/// Runs one set-up step: its name and how long it took, for the log.
-async fn timed(
+/// A set-up step's name and how long it took in ms, for the log.
+type StepTime = (&'static str, u64);
+
+/// Runs one set-up step: its time, and what it returned.
+async fn timed<T>(
     name: &'static str,
-    work: impl std::future::Future<Output = Result<()>>,
-) -> Result<Option<(&'static str, u64)>> {
+    work: impl std::future::Future<Output = Result<T>>,
+) -> Result<(StepTime, T)> {
     let began = Instant::now();
-    work.await?;
-    Ok(Some((name, began.elapsed().as_millis() as u64)))
+    let out = work.await?;
+    Ok(((name, began.elapsed().as_millis() as u64), out))
 }
 
 impl Daemon {
@@ -278,31 +281,22 @@ impl Daemon {
         // secrets a tmpfs, the keys root's authorized_keys), so they run at
         // once: while the fix-ups wait for the guest's disk (they sync what
         // they write), the guest's CPU serves the others.
-        let fixups = async {
-            let began = Instant::now();
-            let report = setup_call(step, "fix-ups", client.fixups(req)).await?;
-            Ok((began.elapsed().as_millis() as u64, report.steps))
-        };
+        let fixups = timed("fixups", setup_call(step, "fix-ups", client.fixups(req)));
         let network_step = async {
             let Some(n) = network else { return Ok(None) };
-            timed("network", async {
-                setup_call(step, "network set-up", client.network(n.agent_request()))
-                    .await
-                    .map(drop)
-            })
-            .await
+            let call = setup_call(step, "network set-up", client.network(n.agent_request()));
+            Ok(Some(timed("network", call).await?.0))
         };
         let keys = async {
             if !first || vm.ssh_keys.is_empty() {
                 return Ok(None);
             }
-            let keys = vm.ssh_keys.clone();
-            timed("SSH keys", async {
-                setup_call(step, "SSH keys", client.authorized_keys(keys))
-                    .await
-                    .map(drop)
-            })
-            .await
+            let call = setup_call(
+                step,
+                "SSH keys",
+                client.authorized_keys(vm.ssh_keys.clone()),
+            );
+            Ok(Some(timed("SSH keys", call).await?.0))
         };
         // The guest's secrets are on a tmpfs: every boot syncs them. A fork
         // syncs even without grants, so inherited files never survive.
@@ -310,23 +304,23 @@ impl Daemon {
             if vm.secrets.is_empty() && !vm.is_unborn_fork() {
                 return Ok(None);
             }
-            timed("secrets", async {
-                let synced = self.sync_secrets(hostname, &vm.secrets, &client);
-                match tokio::time::timeout(step, synced).await {
+            let synced = async {
+                match tokio::time::timeout(step, self.sync_secrets(hostname, &vm.secrets, &client))
+                    .await
+                {
                     Ok(done) => done,
                     Err(_) => Err(Error::Timeout(format!(
                         "secrets: the agent did not answer within {}",
                         humantime::format_duration(step)
                     ))),
                 }
-            })
-            .await
+            };
+            Ok(Some(timed("secrets", synced).await?.0))
         };
-        let ((fixups_ms, guest_steps), network_done, keys_done, secrets_done) =
+        let ((fixups_done, report), network_done, keys_done, secrets_done) =
             tokio::try_join!(fixups, network_step, keys, secrets)?;
-        let mut steps: Vec<(&str, u64)> = [Some(("fixups", fixups_ms))]
+        let mut steps: Vec<StepTime> = [Some(fixups_done), network_done, keys_done, secrets_done]
             .into_iter()
-            .chain([network_done, keys_done, secrets_done])
             .flatten()
             .collect();
         if let Some(n) = network.filter(|_| setup == SetUp::HotFork) {
@@ -345,9 +339,7 @@ impl Daemon {
             }
         }
         if let Some(synced) = disk_synced {
-            let waited = Instant::now();
-            synced.await?;
-            steps.push(("disk sync", waited.elapsed().as_millis() as u64));
+            steps.push(timed("disk sync", synced).await?.0);
         }
         let boot_ms = now_ms().saturating_sub(started_ms);
         failpoint::hit(Failpoint::BootSetUp);
@@ -355,7 +347,8 @@ impl Daemon {
         self.notify(hostname);
         let steps: Vec<String> = steps.iter().map(|(n, ms)| format!("{n} {ms} ms")).collect();
         // The fix-ups' own steps, as the guest timed them.
-        let fixup_steps: Vec<String> = guest_steps
+        let fixup_steps: Vec<String> = report
+            .steps
             .iter()
             .map(|t| format!("{} {:.1} ms", t.step.as_str(), t.micros as f64 / 1000.0))
             .collect();
