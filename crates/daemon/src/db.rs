@@ -9,15 +9,20 @@
 //! deletions), and within a second for the others (the daemon's flusher).
 //! Syncing each transaction (`synchronous=FULL`) serialised concurrent
 //! forks on the disk: 50 hot forks at once took 19.6 ms p50 on the stand-in
-//! launcher, 6.7 ms without (docs/daemon.md). A new VM's files are made
-//! inside the transaction that records it (`Store::insert_vm_with`); other changes record intent first
-//! and change files after. Start-up reconciliation (`core::reconcile`)
-//! removes or finishes what an interrupted change left.
+//! launcher, 6.7 ms without (docs/daemon.md). The daemon's store has its
+//! file to itself ([`Locking::Exclusive`]): a sync is one `fdatasync` of
+//! the WAL, and the WAL goes into the main file only when
+//! [`Store::checkpoint`] is asked to. A new VM's files are made inside the
+//! transaction that records it (`Store::insert_vm_with`); other changes
+//! record intent first and change files after. Start-up reconciliation
+//! (`core::reconcile`) removes or finishes what an interrupted change left.
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::fs::File;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
 
 use rusqlite::{params, Connection, OptionalExtension, Row, Transaction};
 use tine_proto::api::{
@@ -46,6 +51,22 @@ pub enum DbError {
     /// A uniqueness rule: the value is taken.
     #[error("{0}")]
     Conflict(String),
+    /// Another store (another daemon) has the file.
+    #[error("state database {0} is in use by another process (only one tine daemon may use a data directory)")]
+    InUse(PathBuf),
+    /// Syncing the WAL failed: recent changes may not survive a power loss.
+    #[error("cannot sync the state database's WAL {path}")]
+    Sync {
+        /// The WAL file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A checkpoint found a reader in its way, though the store has the
+    /// file for itself.
+    #[error("state database: the WAL checkpoint could not finish (another reader?)")]
+    CheckpointBusy,
     /// The database was written by a newer tine.
     #[error("state database schema version {found} is newer than this tine understands ({known})")]
     TooNew {
@@ -58,6 +79,22 @@ pub enum DbError {
 
 /// Result alias.
 pub type Result<T> = std::result::Result<T, DbError>;
+
+/// How a file store holds its file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Locking {
+    /// The file is the store's alone until it is dropped (the daemon's):
+    /// no transaction takes or releases a file lock, the WAL's index lives
+    /// in the process's memory, a second opener is refused, and a sync is
+    /// the WAL's `fdatasync` (a deletion with its sync took 0.22 ms here,
+    /// 0.53 ms with a checkpoint on a second connection; docs/daemon.md).
+    Exclusive,
+    /// Other connections may use the file meanwhile (SQLite's own WAL
+    /// locking, with a `-shm` index): for tests that open a second daemon
+    /// on a data directory, as a restart would, while the first, frozen at
+    /// a crash point, still holds its store.
+    Shared,
+}
 
 /// Schema migrations, applied in order; `PRAGMA user_version` records how
 /// many ran.
@@ -327,10 +364,13 @@ pub struct ImageRecord {
 #[derive(Debug)]
 pub struct Store {
     conn: Mutex<Connection>,
-    /// A second connection to the same file that checkpoints the WAL
-    /// ([`Store::sync`]), so the syncs it waits for never hold `conn`;
-    /// none for an in-memory store.
-    checkpointer: Option<Mutex<Connection>>,
+    /// The WAL file of a file store, which [`Store::sync`] syncs through a
+    /// descriptor of its own, so that the sync never holds `conn`; none
+    /// for an in-memory store.
+    wal: Option<PathBuf>,
+    /// Held by a sync or checkpoint under way: a second caller waits for it
+    /// instead of finding the change count taken and returning early.
+    syncing: Mutex<()>,
     /// The connection's change count at the last [`Store::sync`].
     synced_changes: AtomicU64,
 }
@@ -469,15 +509,43 @@ pub fn now_ms() -> u64 {
 }
 
 impl Store {
-    /// Opens (creating if needed) the database at `path` and migrates it.
+    /// Opens (creating if needed) the database at `path` and migrates it,
+    /// for itself ([`Locking::Exclusive`]).
     pub fn open(path: &Path) -> Result<Self> {
-        let mut store = Self::setup(Connection::open(path)?)?;
-        let checkpointer = Connection::open(path)?;
-        checkpointer.busy_timeout(std::time::Duration::from_secs(5))?;
-        // The checkpoint syncs the WAL before it copies it and the main
-        // file after, as the main connection's setting says.
-        checkpointer.pragma_update(None, "synchronous", "NORMAL")?;
-        store.checkpointer = Some(Mutex::new(checkpointer));
+        Self::open_with(path, Locking::Exclusive)
+    }
+
+    /// Opens (creating if needed) the database at `path` and migrates it,
+    /// holding it as `locking` says.
+    pub fn open_with(path: &Path, locking: Locking) -> Result<Self> {
+        let conn = Connection::open(path)?;
+        match locking {
+            Locking::Exclusive => {
+                // Set before the first read, which takes the lock: the
+                // WAL's index then lives in this process's memory (no
+                // `-shm` file), and no transaction takes or releases a
+                // file lock.
+                conn.pragma_update(None, "locking_mode", "EXCLUSIVE")?;
+                // Taken at once or not at all: only one daemon may use a
+                // data directory (its lock file says so first).
+                conn.busy_timeout(Duration::ZERO)?;
+            }
+            Locking::Shared => conn.busy_timeout(Duration::from_secs(5))?,
+        }
+        let mut store = Self::setup(conn).map_err(|e| match e {
+            DbError::Sqlite(e)
+                if e.sqlite_error_code() == Some(rusqlite::ErrorCode::DatabaseBusy) =>
+            {
+                DbError::InUse(path.to_path_buf())
+            }
+            e => e,
+        })?;
+        // No commit checkpoints on its own (that would sync the disk
+        // twice on a request's path): `checkpoint` does, when asked.
+        store.lock().pragma_update(None, "wal_autocheckpoint", 0)?;
+        let mut wal = path.as_os_str().to_owned();
+        wal.push("-wal");
+        store.wal = Some(PathBuf::from(wal));
         Ok(store)
     }
 
@@ -489,7 +557,6 @@ impl Store {
     fn setup(mut conn: Connection) -> Result<Self> {
         // Every statement the store runs stays prepared.
         conn.set_prepared_statement_cache_capacity(64);
-        conn.busy_timeout(std::time::Duration::from_secs(5))?;
         conn.pragma_update(None, "journal_mode", "WAL")?;
         conn.pragma_update(None, "synchronous", "NORMAL")?;
         let version: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
@@ -508,50 +575,85 @@ impl Store {
         }
         Ok(Store {
             conn: Mutex::new(conn),
-            checkpointer: None,
+            wal: None,
+            syncing: Mutex::new(()),
             synced_changes: AtomicU64::new(0),
         })
     }
 
-    /// Makes every committed transaction durable against a power loss:
-    /// checkpoints the WAL, which syncs it first (nothing to do when no
-    /// transaction came since the last call). The checkpoint runs on its
-    /// own connection: requests go on meanwhile (a passive checkpoint
-    /// lets writers append to the WAL while it copies).
+    /// Makes every committed transaction durable against a power loss: a
+    /// committed transaction is in the WAL, so syncing the WAL's file is
+    /// enough (nothing to do when no transaction came since the last
+    /// call). It syncs through its own descriptor, without the
+    /// connection: requests go on meanwhile.
     pub fn sync(&self) -> Result<()> {
-        // Held throughout: a second caller waits for the checkpoint under
-        // way instead of finding the count taken and returning early.
-        let checkpointer = self
-            .checkpointer
-            .as_ref()
-            .map(|c| c.lock().unwrap_or_else(|p| p.into_inner()));
+        let _one_at_a_time = self.syncing.lock().unwrap_or_else(|p| p.into_inner());
         let changes = self.lock().total_changes();
-        if self.synced_changes.swap(changes, Ordering::SeqCst) == changes {
+        if self.synced_changes.load(Ordering::SeqCst) == changes {
             return Ok(());
         }
-        let checkpoint =
-            |conn: &Connection| conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()));
-        let done = match &checkpointer {
-            Some(c) => checkpoint(c),
-            None => checkpoint(&self.lock()),
-        };
-        if let Err(e) = done {
-            // Not synced: the next call tries again.
-            self.synced_changes.store(0, Ordering::SeqCst);
-            return Err(e.into());
-        }
-        if let Some(c) = &checkpointer {
-            // The first write after a checkpoint starts the WAL over and
-            // syncs its new header (about 0.2 ms here): made now, by a
-            // write that changes nothing, it is not a request's.
-            let rewrite = c
-                .pragma_query_value(None, "user_version", |r| r.get::<_, i64>(0))
-                .and_then(|v| c.pragma_update(None, "user_version", v));
-            if let Err(e) = rewrite {
-                tracing::warn!("cannot start the state's WAL over after a sync: {e}");
+        if let Some(wal) = &self.wal {
+            match File::open(wal) {
+                Ok(f) => f.sync_data(),
+                // Only a checkpoint (which synced the main file) leaves no
+                // WAL behind while the store is open.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+                Err(e) => Err(e),
             }
+            .map_err(|source| DbError::Sync {
+                path: wal.clone(),
+                source,
+            })?;
         }
+        self.synced_changes.store(changes, Ordering::SeqCst);
         Ok(())
+    }
+
+    /// Changes committed since the last [`Store::sync`]: those a power
+    /// loss could take.
+    pub fn unsynced_changes(&self) -> u64 {
+        self.lock()
+            .total_changes()
+            .saturating_sub(self.synced_changes.load(Ordering::SeqCst))
+    }
+
+    /// Bytes in the WAL (0 for an in-memory store).
+    pub fn wal_bytes(&self) -> u64 {
+        self.wal
+            .as_ref()
+            .and_then(|wal| std::fs::metadata(wal).ok())
+            .map_or(0, |m| m.len())
+    }
+
+    /// Copies the WAL into the main file and starts it over, if it holds
+    /// at least `min_wal_bytes`; true if it did. It holds the connection
+    /// throughout (copying the pages, then syncing the WAL before and the
+    /// main file after): requests wait meanwhile, so the daemon asks when
+    /// no fork is under way.
+    pub fn checkpoint(&self, min_wal_bytes: u64) -> Result<bool> {
+        if self.wal.is_none() || self.wal_bytes() < min_wal_bytes {
+            return Ok(false);
+        }
+        // The WAL's own sync, first and without the connection, leaves the
+        // checkpoint's little to wait for.
+        self.sync()?;
+        let _one_at_a_time = self.syncing.lock().unwrap_or_else(|p| p.into_inner());
+        let conn = self.lock();
+        let busy: i64 = conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| r.get(0))?;
+        if busy != 0 {
+            // No other connection can read the file, so this is not
+            // expected; the WAL stays as it is, and whole.
+            return Err(DbError::CheckpointBusy);
+        }
+        // The first write after a checkpoint starts the WAL over and syncs
+        // its new header (0.2 to 0.4 ms here): made now, by a write that
+        // changes nothing, it is not a request's.
+        let version: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
+        conn.pragma_update(None, "user_version", version)?;
+        // Everything committed is in the synced main file now.
+        self.synced_changes
+            .store(conn.total_changes(), Ordering::SeqCst);
+        Ok(true)
     }
 
     /// [`Store::sync`] after a change that must survive a power loss once
@@ -1369,8 +1471,39 @@ mod tests {
             .unwrap_or(0)
     }
 
+    /// The VMs recorded in a copy of the database's files as they are on
+    /// the host now, the open store's WAL included: what a `kill -9` of the
+    /// daemon would leave.
+    fn vms_after_a_crash(path: &Path, dir: &Path) -> usize {
+        let copy = dir.join("crashed.db");
+        std::fs::copy(path, &copy).expect("copy the main file");
+        let mut wal = path.as_os_str().to_owned();
+        wal.push("-wal");
+        std::fs::copy(&wal, dir.join("crashed.db-wal")).expect("copy the WAL");
+        let s = Store::open(&copy).expect("open the copy");
+        s.list_vms(None).expect("list").len()
+    }
+
     #[test]
-    fn a_change_reaches_the_main_file_when_synced_and_deletions_at_once() {
+    fn a_second_store_on_the_same_file_is_refused() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let path = dir.path().join("t.db");
+        let s = Store::open(&path).expect("open");
+        let err = Store::open(&path).expect_err("a second store");
+        assert!(matches!(err, DbError::InUse(_)), "{err:?}");
+        assert!(err.to_string().contains("t.db is in use"), "{err}");
+        // Nor can a plain connection read it meanwhile.
+        let conn = Connection::open(&path).expect("raw");
+        conn.busy_timeout(Duration::ZERO).expect("no wait");
+        conn.query_row("SELECT count(*) FROM vms", [], |r| r.get::<_, i64>(0))
+            .expect_err("read past the store's lock");
+        drop(conn);
+        drop(s);
+        Store::open(&path).expect("free again once the first is dropped");
+    }
+
+    #[test]
+    fn a_crash_keeps_every_committed_change_in_the_wal() {
         let dir = tempfile::tempdir().expect("tmp");
         let path = dir.path().join("t.db");
         let s = Store::open(&path).expect("open");
@@ -1379,17 +1512,58 @@ mod tests {
             .pragma_query_value(None, "synchronous", |r| r.get(0))
             .expect("pragma");
         assert_eq!(mode, 1, "synchronous=NORMAL");
-        let vm = s.insert_vm(&new_vm("dev"), disk).expect("vm");
+        s.insert_vm(&new_vm("dev"), disk).expect("vm");
+        s.insert_vm(&new_vm("dev"), disk).expect("vm");
         assert_eq!(
-            vms_in_main_file(&path, &dir.path().join("c1")),
+            vms_in_main_file(&path, &dir.path().join("main")),
             0,
             "committed, but only in the WAL"
         );
+        assert_eq!(vms_after_a_crash(&path, dir.path()), 2);
+    }
+
+    #[test]
+    fn deletions_are_synced_at_once_and_other_changes_when_asked() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let s = Store::open(&dir.path().join("t.db")).expect("open");
+        let vm = s.insert_vm(&new_vm("dev"), disk).expect("vm");
+        assert_eq!(s.unsynced_changes(), 1);
         s.sync().expect("sync");
-        assert_eq!(vms_in_main_file(&path, &dir.path().join("c2")), 1);
+        assert_eq!(s.unsynced_changes(), 0);
         s.sync().expect("a second sync with nothing new");
-        // A deletion is synced before it returns.
+        s.set_state(&vm.hostname, VmState::Running, None)
+            .expect("state");
+        assert_eq!(s.unsynced_changes(), 1);
         s.delete_vm(&vm.hostname).expect("delete");
-        assert_eq!(vms_in_main_file(&path, &dir.path().join("c3")), 0);
+        assert_eq!(s.unsynced_changes(), 0, "the deletion was synced");
+    }
+
+    #[test]
+    fn a_grown_wal_is_checkpointed_into_the_main_file_when_asked() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let path = dir.path().join("t.db");
+        let s = Store::open(&path).expect("open");
+        for _ in 0..20 {
+            s.insert_vm(&new_vm("dev"), disk).expect("vm");
+        }
+        let grown = s.wal_bytes();
+        assert!(grown > 20 * 4096, "the WAL holds a page a change: {grown}");
+        assert!(
+            !s.checkpoint(grown + 1).expect("below the size asked"),
+            "checkpointed a smaller WAL"
+        );
+        assert_eq!(vms_in_main_file(&path, &dir.path().join("c1")), 0);
+        assert!(s.checkpoint(grown).expect("checkpoint"));
+        assert_eq!(vms_in_main_file(&path, &dir.path().join("c2")), 20);
+        assert!(
+            s.wal_bytes() < 3 * 4096,
+            "the WAL started over: {} bytes",
+            s.wal_bytes()
+        );
+        assert_eq!(s.unsynced_changes(), 0, "the checkpoint synced it all");
+        // And the store goes on writing to its WAL.
+        s.insert_vm(&new_vm("dev"), disk).expect("vm");
+        assert_eq!(vms_in_main_file(&path, &dir.path().join("c3")), 20);
+        assert_eq!(vms_after_a_crash(&path, dir.path()), 21);
     }
 }

@@ -17,7 +17,7 @@ use super::error::{chain, Error, Result};
 use super::signals::VmSignals;
 use super::spare_book::SpareBook;
 use crate::config::{Config, HostGroup};
-use crate::db::{now_ms, CommitFilter, CommitRecord, ImageRecord, Store, VmRecord};
+use crate::db::{now_ms, CommitFilter, CommitRecord, ImageRecord, Locking, Store, VmRecord};
 use crate::failpoint::{self, Failpoint};
 use crate::launcher::{Instance, Launcher, LauncherExt};
 use crate::network::NetworkManager;
@@ -45,6 +45,15 @@ pub struct Deadlines {
 /// How long a committed change may wait for its sync against a power
 /// loss (commits, images and deletions are synced at once).
 pub const STATE_SYNC_EVERY: Duration = Duration::from_secs(1);
+
+/// The state's WAL is copied into its main file (a checkpoint, which
+/// requests wait for) by the periodic sync once it holds this much and no
+/// hot fork launch is under way (SQLite's own default is 1000 pages)...
+pub const STATE_CHECKPOINT_QUIET: u64 = 4 << 20;
+
+/// ...and whatever is under way once it holds this much, so that a daemon
+/// that is never quiet still bounds its WAL.
+pub const STATE_CHECKPOINT_ALWAYS: u64 = 64 << 20;
 
 impl Default for Deadlines {
     fn default() -> Self {
@@ -88,11 +97,22 @@ impl Parts {
         launcher: Arc<dyn Launcher>,
         deadlines: Deadlines,
     ) -> Result<Parts> {
+        Self::on_launcher_with(config, data_dir, launcher, deadlines, Locking::Exclusive)
+    }
+
+    /// [`Parts::on_launcher`], its state held as `locking` says.
+    pub fn on_launcher_with(
+        config: Config,
+        data_dir: PathBuf,
+        launcher: Arc<dyn Launcher>,
+        deadlines: Deadlines,
+        locking: Locking,
+    ) -> Result<Parts> {
         std::fs::create_dir_all(data_dir.join("vms"))
             .map_err(|e| Error::io("create the data directory", e))?;
         Ok(Parts {
             config,
-            store: Store::open(&data_dir.join("tine.db"))?,
+            store: Store::open_with(&data_dir.join("tine.db"), locking)?,
             secrets: SecretStore::open(&data_dir.join("secrets"))?,
             data_dir,
             kernel: PathBuf::from("/fake/vmlinux"),
@@ -412,11 +432,33 @@ impl Daemon {
         });
     }
 
-    /// Syncs the state now (off the async threads: it waits for the disk).
+    /// Syncs the state now, and checkpoints its WAL when it has grown
+    /// (see `STATE_CHECKPOINT_QUIET`); off the async threads, as both wait
+    /// for the disk.
     pub async fn sync_state(self: &Arc<Self>) {
         let d = self.clone();
-        match tokio::task::spawn_blocking(move || d.store.sync()).await {
-            Ok(Ok(())) => {}
+        let synced = tokio::task::spawn_blocking(move || {
+            d.store.sync()?;
+            let quiet = d.hot_launches.load(std::sync::atomic::Ordering::SeqCst) == 0;
+            let wal_bytes = d.store.wal_bytes();
+            let began = std::time::Instant::now();
+            let checkpointed = d.store.checkpoint(if quiet {
+                STATE_CHECKPOINT_QUIET
+            } else {
+                STATE_CHECKPOINT_ALWAYS
+            })?;
+            if checkpointed {
+                tracing::debug!(
+                    wal_bytes,
+                    micros = began.elapsed().as_micros() as u64,
+                    "state WAL checkpointed"
+                );
+            }
+            Ok::<_, crate::db::DbError>(())
+        })
+        .await;
+        match synced {
+            Ok(Ok(_)) => {}
             Ok(Err(e)) => tracing::warn!("cannot sync the state: {}", chain(&e)),
             Err(e) => tracing::warn!("the state sync did not finish: {e}"),
         }

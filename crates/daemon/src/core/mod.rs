@@ -37,7 +37,7 @@ mod suspend;
 mod tests;
 
 pub use commit_record::{info as commit_info, MAX_CACHE_KEY};
-pub use daemon::{capped, Daemon, Deadlines, Parts, MAX_REASON};
+pub use daemon::{capped, Daemon, Deadlines, Parts, MAX_REASON, STATE_CHECKPOINT_QUIET};
 pub use error::{chain, Error, Result};
 pub use images::{image_info, ImportSlot};
 pub use lifecycle::DEFAULT_SHUTDOWN_TIMEOUT;

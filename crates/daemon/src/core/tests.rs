@@ -15,6 +15,7 @@ use tine_proto::vmm::StopReason;
 
 use super::{Daemon, Deadlines, Parts};
 use crate::config::{Config, HostGroup};
+use crate::db::Locking;
 use crate::error::ApiError;
 use crate::launcher::fake::{FakeLauncher, Guest, Seen};
 use crate::launcher::Stop;
@@ -48,8 +49,17 @@ fn config(dir: &Path, persistent: bool, slots: u32) -> Config {
     c
 }
 
+/// A daemon on `dir`'s data directory. Its store is shared: the restart
+/// tests open a second daemon there while the first, frozen at a crash
+/// point, still holds its own.
 fn open(dir: &Path, fake: &FakeLauncher, config: Config, deadlines: Deadlines) -> Arc<Daemon> {
-    let parts = Parts::on_launcher(config, dir.join("data"), Arc::new(fake.clone()), deadlines);
+    let parts = Parts::on_launcher_with(
+        config,
+        dir.join("data"),
+        Arc::new(fake.clone()),
+        deadlines,
+        Locking::Shared,
+    );
     Daemon::from_parts(parts.expect("daemon parts"))
 }
 
