@@ -607,9 +607,16 @@ pub fn parse_octal(s: &str) -> Result<u32, String> {
 pub struct ForwardArgs {
     /// The VM: hostname or friendly name
     pub vm: String,
-    /// [BIND:]LPORT:TARGET, TARGET being PORT, HOST:PORT or /unix/path
-    /// in the VM (repeatable)
-    #[arg(short = 'L', required = true, value_name = "SPEC")]
+    /// `[BIND:]LPORT:TARGET`, `TARGET` being `PORT`, `HOST:PORT` or
+    /// `/unix/path` in the VM (repeatable). The help text is given apart,
+    /// without the code marks, which clap would print.
+    #[arg(
+        short = 'L',
+        required = true,
+        value_name = "SPEC",
+        help = "[BIND:]LPORT:TARGET, TARGET being PORT, HOST:PORT or /unix/path in the VM (repeatable)",
+        long_help = None
+    )]
     pub local: Vec<String>,
 }
 
