@@ -1523,6 +1523,28 @@ mod tests {
     }
 
     #[test]
+    fn a_state_a_shared_store_left_in_its_wal_opens_for_one_store_alone() {
+        // What a daemon of the version before exclusive locking leaves when
+        // it is killed: changes in the WAL, and its `-shm` index.
+        let dir = tempfile::tempdir().expect("tmp");
+        let path = dir.path().join("t.db");
+        let crashed = dir.path().join("crashed.db");
+        {
+            let s = Store::open_with(&path, Locking::Shared).expect("open");
+            s.insert_vm(&new_vm("dev"), disk).expect("vm");
+            for suffix in ["", "-wal", "-shm"] {
+                let from = format!("{}{suffix}", path.display());
+                let to = format!("{}{suffix}", crashed.display());
+                std::fs::copy(&from, &to).expect("copy the files as a kill leaves them");
+            }
+        }
+        assert_eq!(vms_in_main_file(&crashed, &dir.path().join("main")), 0);
+        let s = Store::open(&crashed).expect("open alone");
+        assert_eq!(s.list_vms(None).expect("list").len(), 1);
+        Store::open(&crashed).expect_err("a second store");
+    }
+
+    #[test]
     fn deletions_are_synced_at_once_and_other_changes_when_asked() {
         let dir = tempfile::tempdir().expect("tmp");
         let s = Store::open(&dir.path().join("t.db")).expect("open");
