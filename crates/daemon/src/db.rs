@@ -595,8 +595,9 @@ impl Store {
         if let Some(wal) = &self.wal {
             match File::open(wal) {
                 Ok(f) => f.sync_data(),
-                // Only a checkpoint (which synced the main file) leaves no
-                // WAL behind while the store is open.
+                // No WAL yet: nothing was written since the store opened
+                // the file, and a clean close leaves all in the main file,
+                // synced, before it removes the WAL.
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
                 Err(e) => Err(e),
             }

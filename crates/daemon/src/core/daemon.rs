@@ -46,13 +46,13 @@ pub struct Deadlines {
 /// loss (commits, images and deletions are synced at once).
 pub const STATE_SYNC_EVERY: Duration = Duration::from_secs(1);
 
-/// The state's WAL is copied into its main file (a checkpoint, which
-/// requests wait for) by the periodic sync once it holds this much and no
-/// hot fork launch is under way (SQLite's own default is 1000 pages)...
+/// WAL bytes at which the periodic sync copies the state's WAL into its
+/// main file (a checkpoint, which requests wait for) when no hot fork
+/// launch is under way; SQLite's own default is about as much (1000 pages).
 pub const STATE_CHECKPOINT_QUIET: u64 = 4 << 20;
 
-/// ...and whatever is under way once it holds this much, so that a daemon
-/// that is never quiet still bounds its WAL.
+/// WAL bytes at which the periodic sync checkpoints whatever is under way,
+/// so that a daemon that is never quiet still bounds its WAL.
 pub const STATE_CHECKPOINT_ALWAYS: u64 = 64 << 20;
 
 impl Default for Deadlines {
