@@ -1,0 +1,166 @@
+//! What a restored guest's first touch of its memory costs, and what
+//! mapping the memory file's pages ahead does to it, for a synthetic
+//! ring-3 guest on this host's KVM. Prints p50/p99 and ratios; asserts
+//! nothing.
+//!
+//!   cargo bench -p tine-vmm --bench first_touch [-- RUNS]
+//!
+//! The guest reads one word of every page of 16 MiB of its RAM (data the
+//! snapshot holds), counts a pass, and starts again. Each run restores the
+//! snapshot paused into a VM made beforehand (as a pool primes one), maps
+//! the memory file's data ahead or not (`GuestRam::populate_data`), waits
+//! 20 ms, resumes the guest, and times until it has finished one whole pass
+//! after the resume: 4096 first reads of a page (the vCPU thread's wake-up
+//! included). The three variants take turns, run by run:
+//! - nothing ahead: each first read is a KVM fault, and the host page
+//!   fault of a page of the file that this process has not mapped yet;
+//! - read ahead (`MADV_POPULATE_READ`): the pages mapped read-only, shared
+//!   with the file, as a primed VM could hold them for free;
+//! - copied ahead (`MADV_POPULATE_WRITE`): each page the guest's own copy,
+//!   which a fork would make only for pages it writes.
+//!
+//! A second pass over the same pages is timed too: the cost of a read once
+//! KVM has mapped the page.
+
+mod common;
+
+use common::percentile;
+use std::time::{Duration, Instant};
+
+use tine_vmm::device_manager::RestoreOverrides;
+use tine_vmm::vmm::{BootConfig, ConsoleConfig, PreparedVm, Vmm};
+use tine_vmm::vstate::memory::Populate;
+use vm_memory::{Bytes, GuestAddress};
+
+const COUNTER_ADDR: u64 = 0x20_0000;
+const DATA_ADDR: u64 = 0x40_0000;
+const DATA_BYTES: usize = 16 << 20;
+
+/// Ring-3 code: `mov rax, 0x400000; next: mov rbx, [rax]; add rax, 0x1000;
+/// cmp rax, 0x1400000; jb next; inc qword [0x200000]; jmp` to the start.
+const PAGE_READER: &[u8] = &[
+    0x48, 0xC7, 0xC0, 0x00, 0x00, 0x40, 0x00, // mov rax, 0x400000
+    0x48, 0x8B, 0x18, // mov rbx, [rax]
+    0x48, 0x05, 0x00, 0x10, 0x00, 0x00, // add rax, 0x1000
+    0x48, 0x3D, 0x00, 0x00, 0x40, 0x01, // cmp rax, 0x1400000
+    0x72, 0xEF, // jb next
+    0x48, 0xFF, 0x04, 0x25, 0x00, 0x00, 0x20, 0x00, // inc qword [0x200000]
+    0xEB, 0xDE, // jmp start
+];
+
+fn passes(vmm: &Vmm) -> u64 {
+    vmm.ram()
+        .mem
+        .read_obj::<u64>(GuestAddress(COUNTER_ADDR))
+        .expect("the counter is in guest RAM")
+}
+
+/// Spins until the guest has counted `to` passes; the time it took, in ms.
+fn until_passes(vmm: &Vmm, to: u64, since: Instant) -> f64 {
+    let deadline = since + Duration::from_secs(10);
+    while passes(vmm) < to {
+        assert!(Instant::now() < deadline, "the restored guest did not run");
+        std::hint::spin_loop();
+    }
+    since.elapsed().as_secs_f64() * 1e3
+}
+
+#[derive(Default)]
+struct Samples {
+    /// Mapping ahead, ms (before the resume: a primed VM's time).
+    ahead: Vec<f64>,
+    /// Resume until one whole pass after it, ms.
+    first: Vec<f64>,
+    /// The pass after that, ms.
+    second: Vec<f64>,
+}
+
+fn p50_p99(v: &mut [f64]) -> (f64, f64) {
+    v.sort_by(f64::total_cmp);
+    (percentile(v, 0.5), percentile(v, 0.99))
+}
+
+fn main() {
+    let runs: usize = std::env::args()
+        .skip(1)
+        .find_map(|a| a.parse().ok())
+        .unwrap_or(30);
+    let dir = tempfile::tempdir().expect("tmp");
+    let (state, mem) = (dir.path().join("vm.state"), dir.path().join("vm.mem"));
+    let console = ConsoleConfig::default();
+    let mut source = Vmm::boot(&BootConfig::raw_image(PAGE_READER, 0x10_0000, 64), &console)
+        .expect("boot the synthetic guest");
+    source
+        .ram()
+        .mem
+        .write_slice(&vec![0xA5u8; DATA_BYTES], GuestAddress(DATA_ADDR))
+        .expect("fill the guest's data");
+    std::thread::sleep(Duration::from_millis(100));
+    source.pause().expect("pause");
+    let info = source.snapshot(&state, &mem).expect("snapshot");
+    let counted = passes(&source);
+    source.kill();
+    assert!(counted > 2, "the source guest made {counted} passes");
+    println!(
+        "snapshot: {} KiB of a 64 MiB synthetic guest that reads a word of each page of 16 MiB, pass after pass",
+        info.mem_bytes_written / 1024
+    );
+
+    let variants: [(&str, Option<Populate>); 3] = [
+        ("nothing ahead", None),
+        ("read ahead", Some(Populate::Read)),
+        ("copied ahead", Some(Populate::Write)),
+    ];
+    let mut samples: Vec<Samples> = variants.iter().map(|_| Samples::default()).collect();
+    for run in 0..runs * variants.len() {
+        let which = run % variants.len();
+        let prepared = PreparedVm::with_memory(1, 64 << 20).expect("prepare");
+        let mut vmm = Vmm::restore(
+            &state,
+            &mem,
+            Some(prepared),
+            &console,
+            &RestoreOverrides::default(),
+            true,
+        )
+        .expect("restore");
+        let began = Instant::now();
+        if let Some(how) = variants[which].1 {
+            vmm.ram().populate_data(how).expect("populate");
+        }
+        samples[which]
+            .ahead
+            .push(began.elapsed().as_secs_f64() * 1e3);
+        std::thread::sleep(Duration::from_millis(20));
+        let from = passes(&vmm);
+        let resumed = Instant::now();
+        vmm.resume().expect("resume");
+        // The pass under way at the snapshot ends first; the one after it
+        // reads every page.
+        let first = until_passes(&vmm, from + 2, resumed);
+        let second = until_passes(&vmm, from + 3, resumed) - first;
+        samples[which].first.push(first);
+        samples[which].second.push(second);
+        vmm.kill();
+    }
+
+    println!("\nfirst touch of 4096 pages after a resume, {runs} runs each (this host's KVM)");
+    println!(
+        "{:<16} {:>12} {:>12} {:>12} {:>14} {:>16}",
+        "", "ahead p50", "first p50", "first p99", "second p50", "first / nothing"
+    );
+    let (base, _) = p50_p99(&mut samples[0].first.clone());
+    for ((name, _), s) in variants.iter().zip(samples.iter_mut()) {
+        let (ahead, _) = p50_p99(&mut s.ahead);
+        let (first, first99) = p50_p99(&mut s.first);
+        let (second, _) = p50_p99(&mut s.second);
+        println!(
+            "{name:<16} {ahead:>9.3} ms {first:>9.3} ms {first99:>9.3} ms {second:>11.3} ms {:>16.2}",
+            first / base
+        );
+    }
+    println!(
+        "first: resume until one whole pass after it (the vCPU's wake-up included); \
+         second: the pass after that; ahead: before the resume, off a fork's path"
+    );
+}
