@@ -3,6 +3,7 @@
 //! No KVM, no test bed.
 
 use std::path::Path;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -641,4 +642,55 @@ async fn reconcile_removes_what_an_interrupted_image_import_left() {
         );
     }
     assert!(Path::new(&recorded[0]).is_file(), "the recorded base stays");
+}
+
+#[tokio::test]
+async fn the_periodic_sync_checkpoints_a_grown_wal_when_no_hot_fork_launches() {
+    let b = bed(true);
+    let store = &b.daemon.store;
+    let vm = store
+        .insert_vm(
+            &crate::db::NewVm {
+                host_group: "dev".into(),
+                cpus: 1,
+                ram_bytes: 256 << 20,
+                ..crate::db::NewVm::default()
+            },
+            |h| format!("/nowhere/{h}.qcow2"),
+        )
+        .expect("record");
+    // State changes, each a WAL frame or more, past the quiet size.
+    let mut running = false;
+    while store.wal_bytes() <= super::daemon::STATE_CHECKPOINT_QUIET {
+        running = !running;
+        let state = if running {
+            VmState::Running
+        } else {
+            VmState::Stopped
+        };
+        store.set_state(&vm.hostname, state, None).expect("state");
+    }
+    let grown = store.wal_bytes();
+    b.daemon.hot_launches.fetch_add(1, Ordering::SeqCst);
+    b.daemon.sync_state().await;
+    assert_eq!(store.unsynced_changes(), 0, "synced");
+    assert!(
+        store.wal_bytes() >= grown,
+        "checkpointed while a hot fork launched"
+    );
+    b.daemon.hot_launches.fetch_sub(1, Ordering::SeqCst);
+    b.daemon.sync_state().await;
+    assert!(
+        store.wal_bytes() < grown / 100,
+        "not checkpointed when quiet: {} bytes",
+        store.wal_bytes()
+    );
+    assert_eq!(
+        store.find_vm(&vm.hostname).expect("find").map(|v| v.state),
+        Some(if running {
+            VmState::Running
+        } else {
+            VmState::Stopped
+        })
+    );
 }
