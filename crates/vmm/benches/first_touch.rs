@@ -24,10 +24,9 @@
 
 mod common;
 
-use common::percentile;
+use common::{percentile, restore_here};
 use std::time::{Duration, Instant};
 
-use tine_vmm::device_manager::RestoreOverrides;
 use tine_vmm::vmm::{BootConfig, ConsoleConfig, PreparedVm, Vmm};
 use tine_vmm::vstate::memory::Populate;
 use vm_memory::{Bytes, GuestAddress};
@@ -115,15 +114,7 @@ fn main() {
     for run in 0..runs * variants.len() {
         let which = run % variants.len();
         let prepared = PreparedVm::with_memory(1, 64 << 20).expect("prepare");
-        let mut vmm = Vmm::restore(
-            &state,
-            &mem,
-            Some(prepared),
-            &console,
-            &RestoreOverrides::default(),
-            true,
-        )
-        .expect("restore");
+        let mut vmm = restore_here(&state, &mem, Some(prepared), true);
         let began = Instant::now();
         if let Some(how) = variants[which].1 {
             vmm.ram().populate_data(how).expect("populate");

@@ -49,14 +49,13 @@
 
 mod common;
 
-use common::{answer_ms, percentile, restore_request, vmm_binary, COUNTER_LOOP};
+use common::{answer_ms, percentile, restore_here, restore_request, vmm_binary, COUNTER_LOOP};
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use tine_vmm::device_manager::RestoreOverrides;
 use tine_vmm::vmm::{BootConfig, ConsoleConfig, PreparedVm, Vmm};
 use vm_memory::{Bytes, GuestAddress};
 
@@ -239,15 +238,7 @@ fn main() {
     let mut again = Vec::with_capacity(runs.min(20));
     let mut again_kib = 0;
     for _ in 0..runs.min(20) {
-        let mut vmm = Vmm::restore(
-            &state,
-            &mem,
-            None,
-            &console,
-            &RestoreOverrides::default(),
-            false,
-        )
-        .expect("restore");
+        let mut vmm = restore_here(&state, &mem, None, false);
         wait_running(&vmm, at_snapshot);
         vmm.pause().expect("pause");
         let info = vmm
@@ -272,15 +263,7 @@ fn main() {
     let mut cold = Vec::with_capacity(runs);
     for _ in 0..runs {
         let start = Instant::now();
-        let mut vmm = Vmm::restore(
-            &state,
-            &mem,
-            None,
-            &console,
-            &RestoreOverrides::default(),
-            false,
-        )
-        .expect("restore");
+        let mut vmm = restore_here(&state, &mem, None, false);
         wait_running(&vmm, at_snapshot);
         cold.push(start.elapsed().as_secs_f64() * 1e3);
         vmm.kill();
@@ -304,15 +287,7 @@ fn main() {
             std::thread::sleep(Duration::from_millis(5));
             let waited_before = thread_runqueue_wait_ns("thread-self");
             let start = Instant::now();
-            let mut vmm = Vmm::restore(
-                &state,
-                &mem,
-                Some(prepared),
-                &console,
-                &RestoreOverrides::default(),
-                false,
-            )
-            .expect("restore");
+            let mut vmm = restore_here(&state, &mem, Some(prepared), false);
             w.returned.push(start.elapsed().as_secs_f64() * 1e3);
             let waited_main = thread_runqueue_wait_ns("thread-self").saturating_sub(waited_before);
             wait_running(&vmm, at_snapshot);

@@ -7,6 +7,9 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use tine_vmm::device_manager::RestoreOverrides;
+use tine_vmm::vmm::{ConsoleConfig, PreparedVm, Vmm};
+
 /// `inc qword [0x200000]; jmp -10`: a ring-3 guest that counts for as long
 /// as it runs.
 pub const COUNTER_LOOP: &[u8] = &[0x48, 0xff, 0x04, 0x25, 0x00, 0x00, 0x20, 0x00, 0xeb, 0xf6];
@@ -14,6 +17,21 @@ pub const COUNTER_LOOP: &[u8] = &[0x48, 0xff, 0x04, 0x25, 0x00, 0x00, 0x20, 0x00
 /// `hlt; jmp -3`: a ring-0 guest (`Privilege::Kernel`) that idles, its
 /// vCPU halted, holding no host CPU.
 pub const HALT_LOOP: &[u8] = &[0xf4, 0xeb, 0xfd];
+
+/// `Vmm::restore` of the snapshot `state` + `mem` in this process, into
+/// `prepared` (or a VM it creates), with no console and nothing
+/// overridden, its vCPUs running or `paused`.
+pub fn restore_here(state: &Path, mem: &Path, prepared: Option<PreparedVm>, paused: bool) -> Vmm {
+    Vmm::restore(
+        state,
+        mem,
+        prepared,
+        &ConsoleConfig::default(),
+        &RestoreOverrides::default(),
+        paused,
+    )
+    .expect("restore")
+}
 
 /// A `tine-vmm` control request that restores the snapshot `state` +
 /// `mem`, its vCPUs running or `paused`, as one line.
