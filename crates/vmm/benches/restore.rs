@@ -15,6 +15,8 @@
 //!   with its CPUID, guest RAM registered, vCPU and device threads started,
 //!   settled 50 ms as in a pool), restore request
 //!   until its answer (the vCPU has been resumed when the answer is sent);
+//!   then the same into a process that has just started and not sat idle
+//!   (not what a pool holds: the difference is what the idle wait costs);
 //! - process primed: what the daemon's pool holds for a memory commit, a
 //!   pre-started process with the snapshot restored into it ahead, vCPU
 //!   parked; a fork's resume request until its answer;
@@ -155,11 +157,12 @@ fn uss_pss_kib(pid: u32) -> (f64, f64) {
 }
 
 /// Starts `tine-vmm --prestart` (one vCPU, 64 MiB registered) on
-/// `socket`, connected, and let settle as a pool's process is before it is
-/// claimed (the kernel finishes the just-registered memory slot).
+/// `socket`, connected, and lets it sit idle for `settle`, as a pool's
+/// process does before a fork claims it.
 fn prestarted(
     binary: &std::path::Path,
     socket: &std::path::Path,
+    settle: Duration,
 ) -> (Child, BufReader<UnixStream>) {
     let mut child = Command::new(binary)
         .args([
@@ -177,7 +180,7 @@ fn prestarted(
     let line = read_line(&mut child);
     assert!(line.contains("ready"), "unexpected first line: {line}");
     let stream = UnixStream::connect(socket).expect("connect");
-    std::thread::sleep(Duration::from_millis(50));
+    std::thread::sleep(settle);
     (child, BufReader::new(stream))
 }
 
@@ -321,28 +324,43 @@ fn main() {
         let _ = child.wait();
     }
     // Warm: a process pre-started as a pool's is (VM, vCPU, guest RAM
-    // registered), given a restore request: request to answer.
+    // registered) and idle since, given a restore request: request to
+    // answer. And the same into a process that has just started: a pool's
+    // process waits idle, so that row is not a pool's, but the difference
+    // between the two is what the idle wait costs the restore.
     let (mut proc_warm, mut proc_warm_server) = (Vec::new(), Vec::new());
+    let (mut proc_fresh, mut proc_fresh_server) = (Vec::new(), Vec::new());
     // Primed: what the daemon's pool of a memory commit holds, the
     // snapshot restored (vCPU parked) into a pre-started process ahead of
     // any fork; a fork resumes it: resume request to answer.
     let (mut primed, mut primed_server) = (Vec::new(), Vec::new());
-    for i in 0..process_runs * 2 {
+    for i in 0..process_runs * 3 {
         let socket = dir.path().join(format!("ctl{i}.sock"));
-        let (mut child, mut control) = prestarted(&binary, &socket);
-        let ((client, server), rows) = if i % 2 == 1 {
-            ask(&mut control, &restore_request(&state, &mem, true));
-            // A pool primes its VMs well before a fork claims one.
-            std::thread::sleep(Duration::from_millis(50));
-            (
-                ask(&mut control, "{\"op\":\"resume\"}\n"),
-                (&mut primed, &mut primed_server),
-            )
+        // 50 ms: no less than a pool's process waits before a fork.
+        let settle = if i % 3 == 2 {
+            Duration::ZERO
         } else {
-            (
+            Duration::from_millis(50)
+        };
+        let (mut child, mut control) = prestarted(&binary, &socket, settle);
+        let ((client, server), rows) = match i % 3 {
+            0 => (
                 ask(&mut control, &restore_request(&state, &mem, false)),
                 (&mut proc_warm, &mut proc_warm_server),
-            )
+            ),
+            1 => {
+                ask(&mut control, &restore_request(&state, &mem, true));
+                // A pool primes its VMs well before a fork claims one.
+                std::thread::sleep(Duration::from_millis(50));
+                (
+                    ask(&mut control, "{\"op\":\"resume\"}\n"),
+                    (&mut primed, &mut primed_server),
+                )
+            }
+            _ => (
+                ask(&mut control, &restore_request(&state, &mem, false)),
+                (&mut proc_fresh, &mut proc_fresh_server),
+            ),
         };
         rows.0.push(client);
         rows.1.push(server);
@@ -361,6 +379,8 @@ fn main() {
     report("process cold (spawn)", proc_cold);
     let (pp50, pp99) = report("process warm (--prestart)", proc_warm);
     report("  of which inside tine-vmm", proc_warm_server);
+    report("  just started, not idle", proc_fresh);
+    report("    of which inside tine-vmm", proc_fresh_server);
     let (rp50, rp99) = report("process primed (resume)", primed);
     report("  of which inside tine-vmm", primed_server);
     let met = |p50: f64, p99: f64| {
