@@ -90,7 +90,7 @@ async fn prepare_guest(c: &TineClient, vm: &str) -> R<String> {
     let pid = sh_ok(
         c,
         vm,
-        "setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /mnt/mem/count; sleep 0.2; done' \
+        "setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /mnt/mem/count.new; mv /mnt/mem/count.new /mnt/mem/count; sleep 0.2; done' \
          </dev/null >/dev/null 2>&1 & echo $!",
     )
     .await?;
