@@ -71,6 +71,24 @@ pub enum Request {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         serial_log: Option<PathBuf>,
     },
+    /// Write the ranges of guest memory the restored VM has written since
+    /// its restore (its own copies of the memory file's pages) to `path`,
+    /// as a write set: a file the next VM restored from the same memory
+    /// file can copy ahead ([`Request::PopulateWriteSet`]). Refused for a
+    /// booted VM, whose memory is all its own.
+    SaveWriteSet {
+        /// The write set to write (replaced in one rename).
+        path: PathBuf,
+    },
+    /// Copy the pages a write set lists into the restored VM's memory now,
+    /// as the guest's first write of each would: its first touch of them
+    /// then costs no copy and no second fault. A pool primes its paused
+    /// VMs so, off any fork's path. Refused for a write set of another
+    /// memory size, and for a booted VM.
+    PopulateWriteSet {
+        /// The write set to read.
+        path: PathBuf,
+    },
     /// Ask the guest to shut down (Ctrl-Alt-Del); the process exits when
     /// the guest stops.
     Shutdown,
@@ -88,6 +106,8 @@ impl Request {
             Request::Snapshot { .. } => "snapshot",
             Request::SwitchDisk { .. } => "switch_disk",
             Request::Restore { .. } => "restore",
+            Request::SaveWriteSet { .. } => "save_write_set",
+            Request::PopulateWriteSet { .. } => "populate_write_set",
             Request::Shutdown => "shutdown",
             Request::Kill => "kill",
         }
@@ -109,6 +129,10 @@ pub enum Response {
         /// Why the VM stopped, if it did.
         #[serde(skip_serializing_if = "Option::is_none", default)]
         stop_reason: Option<StopReason>,
+        /// Bytes of guest memory a write set covers, for `save_write_set`
+        /// and `populate_write_set`.
+        #[serde(skip_serializing_if = "Option::is_none", default)]
+        write_set_bytes: Option<u64>,
         /// Microseconds the request took inside the VMM.
         duration_us: u64,
     },
@@ -260,6 +284,20 @@ mod tests {
         );
         let text = serde_json::to_string(&Request::Pause).expect("json");
         assert_eq!(text, r#"{"op":"pause"}"#);
+        let text = serde_json::to_string(&Request::SaveWriteSet {
+            path: "/c/write-set".into(),
+        })
+        .expect("json");
+        assert_eq!(text, r#"{"op":"save_write_set","path":"/c/write-set"}"#);
+        let req: Request =
+            serde_json::from_str(r#"{"op":"populate_write_set","path":"/c/write-set"}"#)
+                .expect("parse");
+        assert_eq!(
+            req,
+            Request::PopulateWriteSet {
+                path: "/c/write-set".into()
+            }
+        );
         let req: Request =
             serde_json::from_str(r#"{"op":"restore","state_path":"/s","mem_path":"/m"}"#)
                 .expect("restore without the optional fields");
@@ -303,12 +341,23 @@ mod tests {
             state: Some(RunState::Paused),
             snapshot: None,
             stop_reason: None,
+            write_set_bytes: None,
             duration_us: 7,
         };
         assert_eq!(
             serde_json::to_string(&ok).expect("json"),
             r#"{"status":"ok","state":"paused","duration_us":7}"#
         );
+        let populated: Response =
+            serde_json::from_str(r#"{"status":"ok","write_set_bytes":8192,"duration_us":3}"#)
+                .expect("parse");
+        assert!(matches!(
+            populated,
+            Response::Ok {
+                write_set_bytes: Some(8192),
+                ..
+            }
+        ));
         let stopped: Response = serde_json::from_str(
             r#"{"status":"ok","state":"stopped","stop_reason":{"reason":"killed"},"duration_us":1}"#,
         )

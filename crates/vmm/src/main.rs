@@ -205,6 +205,18 @@ fn ok(vmm: Option<&Vmm>, start: Instant) -> Response {
         state: vmm.map(Vmm::run_state),
         snapshot: None,
         stop_reason: vmm.and_then(|v| v.stop_signal().reason()),
+        write_set_bytes: None,
+        duration_us: start.elapsed().as_micros() as u64,
+    }
+}
+
+/// [`ok`], with the bytes a write set covers.
+fn ok_write_set(vmm: &Vmm, start: Instant, bytes: u64) -> Response {
+    Response::Ok {
+        state: Some(vmm.run_state()),
+        snapshot: None,
+        stop_reason: vmm.stop_signal().reason(),
+        write_set_bytes: Some(bytes),
         duration_us: start.elapsed().as_micros() as u64,
     }
 }
@@ -298,6 +310,16 @@ fn handle(
                 Err(e) => (error_of(&e), false),
             }
         }
+        (Request::SaveWriteSet { path }, Machine::Live(vmm)) => match vmm.save_write_set(&path) {
+            Ok(bytes) => (ok_write_set(vmm, start, bytes), false),
+            Err(e) => (error_of(&e), false),
+        },
+        (Request::PopulateWriteSet { path }, Machine::Live(vmm)) => {
+            match vmm.populate_write_set(&path) {
+                Ok(bytes) => (ok_write_set(vmm, start, bytes), false),
+                Err(e) => (error_of(&e), false),
+            }
+        }
         (Request::Resume { vsock_uds }, Machine::Live(vmm)) => {
             let moved = match &vsock_uds {
                 Some(path) => vmm.set_vsock_path(path),
@@ -320,6 +342,7 @@ fn handle(
                     state: Some(vmm.run_state()),
                     snapshot: Some(info),
                     stop_reason: None,
+                    write_set_bytes: None,
                     duration_us: start.elapsed().as_micros() as u64,
                 },
                 false,

@@ -32,9 +32,10 @@ use crate::devices::legacy::serial::{
     BoundedLog, SerialConsole, SerialState, COM1_GSI, COM1_LEN, COM1_PORT,
 };
 use crate::snapshot::format::{self, FormatError};
+use crate::snapshot::write_set::{WriteSet, WriteSetError};
 use crate::snapshot::Persist;
 use crate::spare_thread::SpareThread;
-use crate::vstate::memory::{GuestRam, MemoryError, Reservation};
+use crate::vstate::memory::{GuestRam, MemoryError, Populate, Reservation};
 use crate::vstate::vcpu::{
     host_is_amd, install_kick_handler, vcpu_thread_name, StopSignal, Vcpu, VcpuContext, VcpuError,
     VcpuHandle, VcpuState,
@@ -217,6 +218,13 @@ pub enum VmmError {
         /// Actual state.
         actual: &'static str,
     },
+    /// A write set could not be saved or read.
+    #[error(transparent)]
+    WriteSet(#[from] WriteSetError),
+    /// The operation needs a VM restored from a snapshot (its memory a
+    /// copy-on-write mapping of the memory file).
+    #[error("{0} needs a VM restored from a snapshot; this one was booted")]
+    NotRestored(&'static str),
     /// I/O failed.
     #[error("{0}")]
     Io(&'static str, #[source] std::io::Error),
@@ -837,6 +845,38 @@ impl Vmm {
         self.devices.resume();
         self.state = RunState::Running;
         Ok(())
+    }
+
+    /// Saves the pages of the memory file the guest has written since the
+    /// restore to `path` as a write set (see
+    /// [`write_set`](crate::snapshot::write_set)); returns the bytes they
+    /// cover. The VM may run meanwhile: the set is what was written when
+    /// `/proc/self/pagemap` was read.
+    pub fn save_write_set(&self, path: &Path) -> Result<u64, VmmError> {
+        if !self.ram.private {
+            return Err(VmmError::NotRestored("save_write_set"));
+        }
+        let written = self
+            .ram
+            .written_pages()
+            .map_err(|e| VmmError::Io("read /proc/self/pagemap", e))?;
+        let set = WriteSet::new(self.ram.size(), &written);
+        set.save(path)?;
+        Ok(set.bytes())
+    }
+
+    /// Copies the pages of the write set at `path` into the VM's memory,
+    /// as the guest's first write of each would (their bytes stay those of
+    /// the memory file); returns the bytes copied. A write set that does
+    /// not fit this VM is refused before any page is touched.
+    pub fn populate_write_set(&self, path: &Path) -> Result<u64, VmmError> {
+        if !self.ram.private {
+            return Err(VmmError::NotRestored("populate_write_set"));
+        }
+        let set = WriteSet::load(path, self.ram.size())?;
+        self.ram
+            .populate_ranges(&set.pairs(), Populate::Write)
+            .map_err(|e| VmmError::Io("copy a write set's pages (madvise MADV_POPULATE_WRITE)", e))
     }
 
     /// Writes a snapshot of the paused VM: the state file and a sparse

@@ -12,9 +12,14 @@ use tine_daemon::launcher::vmm::VmmLauncher;
 use tine_daemon::launcher::{Launcher, LauncherExt, PrimeSpec, RestoreSpec, Stop};
 use tine_daemon::process::{find_processes, Owner};
 use tine_proto::vmm::StopReason;
+use tine_vmm::snapshot::write_set::WriteSet;
 use tine_vmm::vmm::{BootConfig, ConsoleConfig, Vmm};
 
 const COUNTER_LOOP: &[u8] = &[0x48, 0xff, 0x04, 0x25, 0x00, 0x00, 0x20, 0x00, 0xeb, 0xf6];
+
+/// Where [`COUNTER_LOOP`] keeps its counter (guest-physical, and its
+/// offset in the memory file).
+const COUNTER: u64 = 0x20_0000;
 
 /// A snapshot of a synthetic 32 MiB guest in `dir`: its state and memory.
 fn synthetic_snapshot(dir: &Path) -> (PathBuf, PathBuf) {
@@ -240,6 +245,7 @@ async fn a_primed_vm_waits_paused_until_a_vm_takes_it_over() {
         disk,
         folder: folder.clone(),
         tap: None,
+        write_set: None,
     };
     let name = launcher.prime(&spec).await.expect("prime");
     let primed = pool_pids(&data_dir);
@@ -357,4 +363,149 @@ async fn a_primed_vm_waits_paused_until_a_vm_takes_it_over() {
     launcher.stop_now("t-1").await.expect("kill");
     assert_eq!(running.exit.await, Stop::Reported(StopReason::Killed));
     assert_eq!(adopted.exit.await, Stop::Reported(StopReason::Killed));
+}
+
+/// The pages of the synthetic guest's run (its counter page, and the page
+/// tables its CPU marks) saved as a write set, then copied into VMs primed
+/// from the same snapshot before their guests run: at priming, or later to
+/// one that waits. A write set that is not one leaves a VM primed without
+/// it, and is refused by name.
+#[tokio::test]
+async fn a_write_set_saved_from_one_run_is_copied_into_the_vms_primed_after_it() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let (state, memory) = synthetic_snapshot(dir.path());
+    let data_dir = dir.path().join("data");
+    let launcher = VmmLauncher::new(env!("CARGO_BIN_EXE_tine-vmm").into(), data_dir.clone());
+    let running = launcher
+        .restore(&RestoreSpec {
+            hostname: "t-1".into(),
+            cpus: 1,
+            ram_mib: 32,
+            state: state.clone(),
+            memory: memory.clone(),
+            paused: false,
+            disk: None,
+            tap: None,
+        })
+        .await
+        .expect("restore");
+    let mut copied = 0;
+    for _ in 0..200 {
+        copied = copied_pages(running.instance);
+        if copied > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(copied > 0, "its guest writes its counter");
+    launcher.pause("t-1").await.expect("pause");
+    let copied = copied_pages(running.instance);
+    let write_set = dir.path().join("write-set");
+    let bytes = launcher
+        .save_write_set("t-1", write_set.clone())
+        .await
+        .expect("save");
+    assert_eq!(bytes, copied * 4096, "the pages it copied");
+    let saved = WriteSet::load(&write_set, 32 << 20).expect("a write set");
+    assert_eq!(saved.bytes(), bytes);
+    assert!(
+        saved
+            .pairs()
+            .iter()
+            .any(|&(start, end)| start <= COUNTER && COUNTER < end),
+        "the counter's page: {saved:?}"
+    );
+
+    let primed = |name: &str, write_set: Option<PathBuf>| {
+        let folder = dir.path().join(name);
+        std::fs::create_dir(&folder).expect("spare folder");
+        let disk = folder.join("disk.raw");
+        std::fs::write(&disk, vec![0u8; 1 << 20]).expect("disk");
+        PrimeSpec {
+            cpus: 1,
+            ram_mib: 32,
+            state: state.clone(),
+            memory: memory.clone(),
+            disk,
+            folder,
+            tap: None,
+            write_set,
+        }
+    };
+    let instance_of = |pid: u32| tine_daemon::launcher::Instance {
+        pid,
+        pid_start: tine_daemon::process::start_time(pid).expect("start time"),
+    };
+    // Primed with it: its guest has not run, and the pages are its own.
+    let with = launcher
+        .prime(&primed("spare-1", Some(write_set.clone())))
+        .await
+        .expect("prime");
+    let with_pid = wait_pool(&data_dir, 1).await[0];
+    assert_eq!(copied_pages(instance_of(with_pid)), copied);
+
+    // Primed without: nothing copied, until it is asked to.
+    let later = launcher
+        .prime(&primed("spare-2", None))
+        .await
+        .expect("prime");
+    let later_pid = *wait_pool(&data_dir, 2)
+        .await
+        .iter()
+        .find(|&&p| p != with_pid)
+        .expect("the second");
+    assert_eq!(copied_pages(instance_of(later_pid)), 0);
+    let populated = launcher
+        .populate_primed(&later, &write_set)
+        .await
+        .expect("populate");
+    assert_eq!(populated, Some(bytes));
+    assert_eq!(copied_pages(instance_of(later_pid)), copied);
+
+    // Not a write set: primed without it; refused by name.
+    let bad = dir.path().join("bad-write-set");
+    std::fs::write(&bad, b"{}").expect("write");
+    let without = launcher
+        .prime(&primed("spare-3", Some(bad.clone())))
+        .await
+        .expect("primed all the same");
+    let without_pid = *wait_pool(&data_dir, 3)
+        .await
+        .iter()
+        .find(|&&p| p != with_pid && p != later_pid)
+        .expect("the third");
+    assert_eq!(copied_pages(instance_of(without_pid)), 0);
+    let refused = launcher
+        .populate_primed(&without, &bad)
+        .await
+        .expect_err("refused")
+        .to_string();
+    assert!(
+        refused.contains("refused populate_write_set") && refused.contains("cannot be decoded"),
+        "{refused}"
+    );
+    // One taken (or gone) is left alone.
+    launcher.discard_primed(&with);
+    assert_eq!(
+        launcher
+            .populate_primed(&with, &write_set)
+            .await
+            .expect("no error"),
+        None
+    );
+
+    // The resumed guest runs on from the copied pages.
+    std::fs::create_dir_all(data_dir.join("vms")).expect("vms folder");
+    std::fs::rename(dir.path().join("spare-2"), data_dir.join("vms").join("t-2"))
+        .expect("take the spare's folder");
+    let resumed = launcher
+        .resume_primed(&later, "t-2")
+        .await
+        .expect("resume")
+        .expect("its process runs");
+    launcher.stop_now("t-2").await.expect("kill");
+    assert_eq!(resumed.exit.await, Stop::Reported(StopReason::Killed));
+    launcher.discard_primed(&without);
+    launcher.stop_now("t-1").await.expect("kill");
+    assert_eq!(running.exit.await, Stop::Reported(StopReason::Killed));
 }

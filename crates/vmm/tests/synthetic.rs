@@ -384,3 +384,60 @@ fn test_synthetic_a_vm_restored_paused_resumes_with_the_snapshots_clock() {
         "the guest's clock moved {ran_ns} ns over a run of a few ms: the wait counted"
     );
 }
+
+/// A write set saved from one restored VM copies the same pages into
+/// another paused one, whose guest then runs on from them; a booted VM
+/// (its memory all its own) and a write set of another memory size are
+/// refused by name.
+#[test]
+fn test_synthetic_write_set_moves_between_vms_of_one_snapshot() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let (state, mem) = (dir.path().join("s"), dir.path().join("m"));
+    let mut source = Vmm::boot(&raw_config(COUNTER_LOOP), &ConsoleConfig::default()).expect("boot");
+    wait_counter_above(&source, 0);
+    source.pause().expect("pause");
+    let booted = source
+        .save_write_set(&dir.path().join("booted"))
+        .expect_err("a booted VM has no write set")
+        .to_string();
+    assert!(
+        booted.contains("needs a VM restored from a snapshot"),
+        "{booted}"
+    );
+    source.snapshot(&state, &mem).expect("snapshot");
+    source.kill();
+
+    let mut first = restore(&state, &mem, false).expect("restore");
+    wait_counter_above(&first, counter(&first));
+    first.pause().expect("pause");
+    let write_set = dir.path().join("write-set");
+    let bytes = first.save_write_set(&write_set).expect("save");
+    assert!(bytes >= 4096, "at least the counter's page: {bytes}");
+    first.kill();
+
+    let mut second = restore(&state, &mem, true).expect("restore paused");
+    assert_eq!(
+        second.populate_write_set(&write_set).expect("copy in"),
+        bytes
+    );
+    let other = dir.path().join("other-size");
+    std::fs::write(
+        &other,
+        format!(
+            r#"{{"version":1,"memory_size":{},"ranges":[]}}"#,
+            64u64 << 20
+        ),
+    )
+    .expect("write");
+    let refused = second
+        .populate_write_set(&other)
+        .expect_err("another size")
+        .to_string();
+    assert!(
+        refused.contains("is for 67108864 bytes of guest RAM"),
+        "{refused}"
+    );
+    second.resume().expect("resume");
+    wait_counter_above(&second, counter(&second));
+    second.kill();
+}

@@ -77,6 +77,15 @@ impl SnapshotFiles {
         self.dir.join("memory")
     }
 
+    /// The write set of a memory commit's snapshot: the pages its first
+    /// hot fork wrote by the end of its set-up, which the VMs primed for
+    /// the next forks copy in ahead (see `tine_vmm::snapshot::write_set`).
+    /// Not part of the snapshot proper: a snapshot without one is
+    /// complete, and a fork records it.
+    pub fn write_set(&self) -> PathBuf {
+        self.dir.join("write-set")
+    }
+
     /// Whether a complete snapshot is in place (both files; the VMM checks
     /// their content when it restores).
     pub fn is_complete(&self) -> bool {

@@ -235,6 +235,7 @@ impl Daemon {
                 disk: disk.clone(),
                 folder,
                 tap: network.map(|n| n.tap),
+                write_set: Some(files.write_set()).filter(|w| w.is_file()),
             };
             match self.launcher.prime(&spec).await {
                 Ok(process) => self.spare_book().end_priming(&disk, Some(process)),

@@ -91,6 +91,12 @@ struct Run {
 /// The first line of a fake state file; the memory number follows.
 const STATE_MAGIC: &str = "fake-tine-snapshot memory=";
 
+/// A fake write set: this, then the memory number of the run that saved it.
+const WRITE_SET_MAGIC: &str = "fake-tine-write-set memory=";
+
+/// The bytes a fake write set covers.
+pub const FAKE_WRITE_SET_BYTES: u64 = 3 * 4096;
+
 #[derive(Debug, Default)]
 struct State {
     next_pid: u32,
@@ -370,6 +376,7 @@ impl FakeLauncher {
             return error("no VM");
         };
         let mut snapshot = None;
+        let mut write_set_bytes = None;
         match request {
             VmmRequest::Pause if run.paused => {
                 return error("pause needs a running VM; it is paused")
@@ -412,6 +419,16 @@ impl FakeLauncher {
             VmmRequest::Restore { .. } => {
                 return error("this process already runs a VM; restore needs a --prestart process")
             }
+            VmmRequest::SaveWriteSet { path } => {
+                if let Err(e) = std::fs::write(path, format!("{WRITE_SET_MAGIC}{}\n", run.memory)) {
+                    return error(&format!("write set {}: {e}", path.display()));
+                }
+                write_set_bytes = Some(FAKE_WRITE_SET_BYTES);
+            }
+            VmmRequest::PopulateWriteSet { path } => match read_write_set(path, run.memory) {
+                Ok(()) => write_set_bytes = Some(FAKE_WRITE_SET_BYTES),
+                Err(why) => return error(&why),
+            },
             _ => {}
         }
         let run_state = if run.stop.borrow().is_some() {
@@ -425,9 +442,29 @@ impl FakeLauncher {
             state: Some(run_state),
             snapshot,
             stop_reason: None,
+            write_set_bytes,
             duration_us: 1,
         }
     }
+}
+
+/// Whether `path` is a fake write set saved by a run of the memory
+/// `memory`, or why not.
+fn read_write_set(path: &std::path::Path, memory: u64) -> Result<(), String> {
+    let text =
+        std::fs::read_to_string(path).map_err(|e| format!("write set {}: {e}", path.display()))?;
+    let of = text
+        .trim()
+        .strip_prefix(WRITE_SET_MAGIC)
+        .and_then(|n| n.parse::<u64>().ok())
+        .ok_or_else(|| format!("write set {} cannot be decoded", path.display()))?;
+    if of != memory {
+        return Err(format!(
+            "write set {} is of memory {of}, this VM runs memory {memory}",
+            path.display()
+        ));
+    }
+    Ok(())
 }
 
 /// The memory number of the fake snapshot in `state` and `memory`, or
@@ -522,6 +559,31 @@ impl Launcher for FakeLauncher {
             };
             self.record(hostname, Seen::ResumePrimed(spec));
             self.boot_as(hostname, Some(memory)).map(Some)
+        }
+        .boxed()
+    }
+
+    fn populate_primed<'a>(
+        &'a self,
+        name: &'a str,
+        write_set: &'a std::path::Path,
+    ) -> BoxFuture<'a, Result<Option<u64>, LaunchError>> {
+        async move {
+            let label = format!("{}/{name}", crate::process::POOL_DIR);
+            let memory = self.lock().primed.get(name).map(|(_, memory)| *memory);
+            let Some(memory) = memory else {
+                return Ok(None);
+            };
+            let request = VmmRequest::PopulateWriteSet {
+                path: write_set.to_path_buf(),
+            };
+            self.record(&label, Seen::Control(request.clone()));
+            read_write_set(write_set, memory).map_err(|error| LaunchError::Refused {
+                hostname: label,
+                request: request.name().into(),
+                error,
+            })?;
+            Ok(Some(FAKE_WRITE_SET_BYTES))
         }
         .boxed()
     }

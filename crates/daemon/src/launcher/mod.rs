@@ -102,6 +102,11 @@ pub struct PrimeSpec {
     pub folder: PathBuf,
     /// The TAP for the NIC (`net0`), when the fork will have one.
     pub tap: Option<String>,
+    /// A write set of the snapshot (the pages an earlier fork wrote by the
+    /// end of its set-up) to copy in while the VM waits, so that its fork's
+    /// guest finds them its own. One that cannot be copied leaves the VM
+    /// primed without it (logged).
+    pub write_set: Option<PathBuf>,
 }
 
 /// One run of a VM: the process (or stand-in) that runs it. A pid plus
@@ -293,6 +298,16 @@ pub trait Launcher: Send + Sync + std::fmt::Debug + 'static {
     /// Stops a primed process nobody will take.
     fn discard_primed(&self, name: &str);
 
+    /// Copies the pages of the write set `write_set` into the primed
+    /// process `name` while it waits (one primed before its snapshot had a
+    /// write set); returns the bytes copied. A process taken meanwhile is
+    /// left alone: `Ok(None)`.
+    fn populate_primed<'a>(
+        &'a self,
+        name: &'a str,
+        write_set: &'a std::path::Path,
+    ) -> BoxFuture<'a, Result<Option<u64>, LaunchError>>;
+
     /// Takes over a run a previous daemon started, if it is still that
     /// process; `None` when it is gone.
     fn adopt(&self, hostname: &str, instance: Instance) -> Option<Running>;
@@ -341,6 +356,9 @@ pub struct Done {
     pub snapshot: Option<SnapshotInfo>,
     /// Why the VM stopped, if it did.
     pub stop_reason: Option<StopReason>,
+    /// Bytes of guest memory a write set covers, for the write-set
+    /// requests.
+    pub write_set_bytes: Option<u64>,
     /// Microseconds the request took inside the VMM.
     pub duration_us: u64,
 }
@@ -364,11 +382,13 @@ pub trait LauncherExt: Launcher {
                     state,
                     snapshot,
                     stop_reason,
+                    write_set_bytes,
                     duration_us,
                 } => Ok(Done {
                     state,
                     snapshot,
                     stop_reason,
+                    write_set_bytes,
                     duration_us,
                 }),
             }
@@ -418,6 +438,21 @@ pub trait LauncherExt: Launcher {
                 path: disk,
             };
             self.request(hostname, request).await.map(drop)
+        })
+    }
+
+    /// Saves the pages the restored VM's guest has written since its
+    /// restore to `path`, as a write set; returns the bytes they cover.
+    fn save_write_set<'a>(
+        &'a self,
+        hostname: &'a str,
+        path: PathBuf,
+    ) -> BoxFuture<'a, Result<u64, LaunchError>> {
+        Box::pin(async move {
+            let done = self
+                .request(hostname, VmmRequest::SaveWriteSet { path })
+                .await?;
+            Ok(done.write_set_bytes.unwrap_or(0))
         })
     }
 

@@ -42,6 +42,9 @@ pub struct Slot {
     /// For a primed process: whether its vsock socket moved into the
     /// folder a fork takes (a VM without a vsock device has none).
     pub moved_vsock: bool,
+    /// For a primed process: the folder its files moved into (the one a
+    /// fork takes by rename).
+    pub primed_in: Option<PathBuf>,
     /// A connection to its control socket, made when it first listened:
     /// the request that hands it over needs no connect (a path lookup and
     /// a new socket) on the fork's path. The process serves any number of
@@ -167,6 +170,12 @@ impl Pool {
         if let Some(slot) = slot {
             self.primed.insert(name.to_owned(), slot);
         }
+    }
+
+    /// The folder the primed process `name` waits in, while nobody has
+    /// taken it.
+    pub fn primed_folder(&self, name: &str) -> Option<PathBuf> {
+        self.primed.get(name).and_then(|s| s.primed_in.clone())
     }
 
     /// Takes the primed process `name`.
@@ -312,6 +321,7 @@ mod tests {
                 .expect("sleep"),
             pid_start: 0,
             moved_vsock: false,
+            primed_in: None,
             control: None,
         }
     }

@@ -35,7 +35,10 @@ const PRESTART_LISTENS: Duration = Duration::from_secs(60);
 /// The answer limit of `request`.
 fn answer_limit(request: &VmmRequest) -> Duration {
     match request {
-        VmmRequest::Snapshot { .. } | VmmRequest::Restore { .. } => SNAPSHOT_ANSWER,
+        VmmRequest::Snapshot { .. }
+        | VmmRequest::Restore { .. }
+        | VmmRequest::SaveWriteSet { .. }
+        | VmmRequest::PopulateWriteSet { .. } => SNAPSHOT_ANSWER,
         _ => CONTROL_ANSWER,
     }
 }
@@ -251,6 +254,7 @@ impl VmmLauncher {
                     child,
                     pid_start,
                     moved_vsock: false,
+                    primed_in: None,
                     control: Some(control),
                 });
             }
@@ -267,6 +271,7 @@ impl VmmLauncher {
                     child,
                     pid_start,
                     moved_vsock: false,
+                    primed_in: None,
                     control: None,
                 });
                 return Err(LaunchError::Refused {
@@ -311,6 +316,11 @@ impl VmmLauncher {
                 match files_moved(moved, &spec.folder, name) {
                     Ok(moved_vsock) => {
                         slot.moved_vsock = moved_vsock;
+                        slot.primed_in = Some(spec.folder.clone());
+                        if let Some(write_set) = &spec.write_set {
+                            let primed = VmPaths::in_dir(spec.folder.clone());
+                            populate_write_set(&primed, write_set, &hostname).await;
+                        }
                         return Ok(slot);
                     }
                     Err(e) => e,
@@ -385,6 +395,37 @@ impl Drop for RefillWhenIdle {
                 runtime.spawn(async move { launcher.refill().await });
             }
         }
+    }
+}
+
+/// Has the primed process whose files are `primed` copy the pages of
+/// `write_set` in; one that cannot stays primed without them (logged: its
+/// fork's guest copies them itself, as without a write set).
+async fn populate_write_set(primed: &VmPaths, write_set: &Path, hostname: &str) {
+    let request = VmmRequest::PopulateWriteSet {
+        path: write_set.to_path_buf(),
+    };
+    match process::control(primed, &request, SNAPSHOT_ANSWER).await {
+        Ok(VmmResponse::Ok {
+            write_set_bytes,
+            duration_us,
+            ..
+        }) => tracing::info!(
+            slot = hostname,
+            bytes = write_set_bytes.unwrap_or(0),
+            duration_us,
+            "primed with the commit's write set"
+        ),
+        Ok(VmmResponse::Error { error }) => tracing::warn!(
+            slot = hostname,
+            "primed without its write set {}: {error}",
+            write_set.display()
+        ),
+        Err(e) => tracing::warn!(
+            slot = hostname,
+            "primed without its write set {}: {e}",
+            write_set.display()
+        ),
     }
 }
 
@@ -576,6 +617,37 @@ impl Launcher for VmmLauncher {
             self.hand_over(hostname, slot, &paths, io, &resume, None)
                 .await
                 .map(Some)
+        }
+        .boxed()
+    }
+
+    fn populate_primed<'a>(
+        &'a self,
+        name: &'a str,
+        write_set: &'a Path,
+    ) -> BoxFuture<'a, Result<Option<u64>, LaunchError>> {
+        async move {
+            let Some(folder) = self.pool().primed_folder(name) else {
+                return Ok(None);
+            };
+            let request = VmmRequest::PopulateWriteSet {
+                path: write_set.to_path_buf(),
+            };
+            let hostname = format!("{POOL_DIR}/{name}");
+            let paths = VmPaths::in_dir(folder);
+            match process::control(&paths, &request, SNAPSHOT_ANSWER).await {
+                Ok(VmmResponse::Ok {
+                    write_set_bytes, ..
+                }) => Ok(Some(write_set_bytes.unwrap_or(0))),
+                Ok(VmmResponse::Error { error }) => Err(LaunchError::Refused {
+                    hostname,
+                    request: request.name().into(),
+                    error,
+                }),
+                // A fork took it in between: its folder is the fork's now.
+                Err(_) if self.pool().primed_folder(name).is_none() => Ok(None),
+                Err(source) => Err(LaunchError::Control { hostname, source }),
+            }
         }
         .boxed()
     }

@@ -1,8 +1,10 @@
 //! Snapshot support: the [`Persist`] trait every stateful component
-//! implements, and (in `format`) the versioned state-file container.
+//! implements, (in `format`) the versioned state-file container, and (in
+//! `write_set`) the pages a restored VM wrote, for the next one.
 
 use serde::de::DeserializeOwned;
 pub mod format;
+pub mod write_set;
 
 use serde::Serialize;
 

@@ -345,8 +345,9 @@ impl GuestRam {
 
     /// File ranges of the pages of a private mapping that were written
     /// (copied from the file, so anonymous), from `/proc/self/pagemap`:
-    /// present and not file-backed, or swapped out.
-    fn written_pages(&self) -> std::io::Result<Vec<(u64, u64)>> {
+    /// present and not file-backed, or swapped out. Of a shared mapping
+    /// (a booted VM's memfd) no page counts as written.
+    pub fn written_pages(&self) -> std::io::Result<Vec<(u64, u64)>> {
         use std::os::unix::fs::FileExt;
         const PRESENT: u64 = 1 << 63;
         const SWAPPED: u64 = 1 << 62;
@@ -397,6 +398,31 @@ impl GuestRam {
     /// first_touch` measures what each does to a restored guest's first
     /// touch of its memory.
     pub fn populate_data(&self, how: Populate) -> std::io::Result<u64> {
+        let extents: Vec<(u64, u64)> = data_extents(&self.file, self.size())
+            .into_iter()
+            .map(|(start, end)| (start / PAGE_SIZE as u64 * PAGE_SIZE as u64, end))
+            .collect();
+        self.populate_ranges(&extents, how)
+    }
+
+    /// Maps the memory file's byte ranges `ranges` ahead, as
+    /// [`GuestRam::populate_data`] maps all its data (a write set's, say).
+    /// Each range must start on a page and end inside guest RAM; a range
+    /// that does not is refused before any is mapped. Returns the bytes
+    /// populated.
+    pub fn populate_ranges(&self, ranges: &[(u64, u64)], how: Populate) -> std::io::Result<u64> {
+        let total = self.size();
+        if let Some(&(start, end)) = ranges
+            .iter()
+            .find(|&&(start, end)| start % PAGE_SIZE as u64 != 0 || start > end || end > total)
+        {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!(
+                    "range {start:#x}..{end:#x} does not start on a page or lies outside the {total:#x} bytes of guest RAM"
+                ),
+            ));
+        }
         let advice = match how {
             Populate::Read => libc::MADV_POPULATE_READ,
             Populate::Write => libc::MADV_POPULATE_WRITE,
@@ -412,16 +438,17 @@ impl GuestRam {
             regions.push((file_off, file_off + region.len(), host));
             file_off += region.len();
         }
-        for (start, end) in data_extents(&self.file, self.size()) {
+        for &(start, end) in ranges {
             for &(off, off_end, host) in &regions {
-                let from = start.max(off) / PAGE_SIZE as u64 * PAGE_SIZE as u64;
+                let from = start.max(off);
                 let to = end.min(off_end);
                 if from >= to {
                     continue;
                 }
-                // SAFETY: `from..to` lies inside one region of guest RAM,
-                // a live mapping `self` owns; populating faults its pages
-                // in and changes no byte of them.
+                // SAFETY: `from..to` lies inside one region of guest RAM
+                // (checked above against its size, clipped to the region
+                // here), a live mapping `self` owns; populating faults its
+                // pages in and changes no byte of them.
                 let r = unsafe {
                     libc::madvise(
                         (host + (from - off)) as *mut libc::c_void,
@@ -606,6 +633,58 @@ mod tests {
             read.mem.read_obj::<u8>(GuestAddress(0x5000)).expect("r"),
             0x11,
             "a copy's write stays its own"
+        );
+    }
+
+    #[test]
+    fn test_populate_ranges_copies_those_pages_only_and_checks_them_first() {
+        let size = 16u64 << 20;
+        let ram = GuestRam::new_memfd(size).expect("ram");
+        ram.mem
+            .write_slice(&[0x44u8; 8 * PAGE_SIZE], GuestAddress(0x10_0000))
+            .expect("w");
+        let file = tempfile::NamedTempFile::new().expect("tmp");
+        ram.write_sparse(&mut file.reopen().expect("r"))
+            .expect("dump");
+        let child = GuestRam::from_snapshot_file(file.reopen().expect("r"), size).expect("map");
+        let page = PAGE_SIZE as u64;
+        let ranges = [
+            (0x10_0000 + page, 0x10_0000 + 3 * page),
+            (0x80_0000, 0x80_0000 + page),
+        ];
+        assert_eq!(
+            child
+                .populate_ranges(&ranges, Populate::Write)
+                .expect("populate"),
+            3 * page
+        );
+        assert_eq!(
+            child.written_pages().expect("pagemap"),
+            ranges.to_vec(),
+            "those pages are the guest's own copies now, a hole's too"
+        );
+        assert_eq!(
+            child
+                .mem
+                .read_obj::<u8>(GuestAddress(0x10_0000 + page))
+                .expect("r"),
+            0x44,
+            "with the file's bytes"
+        );
+        for bad in [
+            (0x800, 0x1000),
+            (size - page, size + page),
+            (0x3000, 0x2000),
+        ] {
+            let e = child
+                .populate_ranges(&[(0, page), bad], Populate::Write)
+                .expect_err("refused");
+            assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput, "{bad:?}: {e}");
+        }
+        assert_eq!(
+            child.written_pages().expect("pagemap"),
+            ranges.to_vec(),
+            "a refused list maps nothing, not even its good ranges"
         );
     }
 
