@@ -644,6 +644,13 @@ fn checks(d: &mut Daemon) -> R {
         }
         Ok::<_, Failed>(cold.elapsed_ms)
     })?;
+    // The first fork's set-up saved the commit's write set, once; the VMs
+    // primed after it copy it in.
+    let saved = d.log_lines("saved the commit's write set");
+    match &saved[..] {
+        [line] if line.contains(&format!("\"{}\"", forks[0])) => println!("{line}"),
+        _ => return Err(fail(format!("write sets saved: {saved:?}"))),
+    }
     let hot = hot_ms.iter().min().copied().unwrap_or(0);
     println!(
         "hot fork (256 MiB guest): source cold boot {boot_ms} ms; memory commit pause {:.1} ms; \

@@ -157,6 +157,9 @@ pub struct Daemon {
     pub(super) spare_sizing: tokio::sync::Mutex<()>,
     /// Hot fork launches under way: the spares are refilled once none is.
     pub(super) hot_launches: std::sync::atomic::AtomicUsize,
+    /// Memory commits whose write set a fork is saving (one fork of a
+    /// burst saves it).
+    pub(super) saving_write_sets: Mutex<std::collections::HashSet<String>>,
     /// Boot slots: at most this many VMs between launch and agent-ready.
     pub(super) boot_slots: Arc<tokio::sync::Semaphore>,
     /// Syncs of the `vms` folder, shared by the new VMs that wait for
@@ -258,6 +261,7 @@ impl Daemon {
             spares: Mutex::default(),
             spare_sizing: tokio::sync::Mutex::new(()),
             hot_launches: std::sync::atomic::AtomicUsize::new(0),
+            saving_write_sets: Mutex::default(),
             boot_slots: Arc::new(tokio::sync::Semaphore::new(boot_concurrency.max(1))),
         })
     }

@@ -185,6 +185,14 @@ impl SpareBook {
         }
     }
 
+    /// The launcher's names of `commit`'s ready primed VMs.
+    pub fn primed_of(&self, commit: &str) -> Vec<String> {
+        self.vms
+            .get(commit)
+            .map(|vms| vms.iter().map(|vm| vm.process.clone()).collect())
+            .unwrap_or_default()
+    }
+
     /// Takes the oldest primed VM of `commit`.
     pub fn take_vm(&mut self, commit: &str) -> Option<SpareVm> {
         let ready = self.vms.get_mut(commit)?;

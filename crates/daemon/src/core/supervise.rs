@@ -361,6 +361,9 @@ impl Daemon {
             fixup_steps = %fixup_steps.join(", "),
             "agent ready"
         );
+        if setup == SetUp::HotFork {
+            self.save_write_set(&vm).await;
+        }
         Ok(())
     }
 

@@ -686,6 +686,130 @@ async fn a_memory_commit_keeps_spare_disks_and_its_hot_forks_take_them() {
     assert!(!restarted.spares_dir().exists());
 }
 
+/// Waits (bounded) until `path` is a file.
+async fn file_appears(path: &Path) {
+    for _ in 0..500 {
+        if path.is_file() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("{} never appeared", path.display());
+}
+
+#[tokio::test]
+async fn the_first_hot_forks_writes_are_copied_into_the_vms_primed_for_the_next() {
+    let b = bed(true);
+    let h = b.create(Wait::Agent).await;
+    let id = b
+        .daemon
+        .commit(
+            &h,
+            CommitRequest {
+                hot_fork_pool: Some(2),
+                ..memory_commit()
+            },
+        )
+        .await
+        .expect("commit")
+        .commit_id;
+    b.daemon.fill_pools().await;
+    let commit = b.daemon.commit_record(&id).expect("commit");
+    let write_set = b
+        .daemon
+        .memory_snapshot_of(&commit)
+        .expect("snapshot")
+        .write_set();
+    assert!(!write_set.exists(), "no fork has run yet");
+    let waiting = b.daemon.spare_book().primed_of(&id);
+    assert_eq!(waiting.len(), 2, "{waiting:?}");
+    assert!(
+        b.fake.primed().iter().all(|p| p.write_set.is_none()),
+        "primed without one"
+    );
+
+    // The first fork saves its writes as the commit's write set once its
+    // set-up is done, and the VM still waiting copies them in.
+    let first = b
+        .daemon
+        .fork(&id, ForkRequest::default(), Wait::Agent, WAIT)
+        .await
+        .expect("fork")
+        .hostname;
+    file_appears(&write_set).await;
+    let saved = VmmRequest::SaveWriteSet {
+        path: write_set.clone(),
+    };
+    assert!(
+        controls(&b, &first).contains(&saved),
+        "{:?}",
+        controls(&b, &first)
+    );
+    let populate = VmmRequest::PopulateWriteSet {
+        path: write_set.clone(),
+    };
+    let populated = |name: &str| {
+        controls(&b, &format!("{}/{name}", crate::process::POOL_DIR)).contains(&populate)
+    };
+    let mut copied = Vec::new();
+    for _ in 0..500 {
+        copied = waiting.iter().filter(|n| populated(n)).cloned().collect();
+        if !copied.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // (The refill may have primed another meanwhile, with the write set
+    // or before it.)
+    let left = b.daemon.spare_book().primed_of(&id);
+    let untaken: Vec<_> = waiting
+        .iter()
+        .filter(|n| left.contains(n))
+        .cloned()
+        .collect();
+    assert_eq!(untaken.len(), 1, "{waiting:?} -> {left:?}");
+    assert_eq!(copied, untaken, "the VM the fork did not take, and only it");
+
+    // VMs primed from now on copy it in as they are primed; a later fork
+    // saves no other.
+    b.daemon
+        .set_commit_pool(&id, Some(3))
+        .expect("a larger pool");
+    b.daemon.fill_pools().await;
+    let with: Vec<_> = b
+        .fake
+        .primed()
+        .into_iter()
+        .filter(|p| p.write_set.as_deref() == Some(write_set.as_path()))
+        .collect();
+    assert!(!with.is_empty(), "{:?}", b.fake.primed());
+    let second = b
+        .daemon
+        .fork(&id, ForkRequest::default(), Wait::Agent, WAIT)
+        .await
+        .expect("fork")
+        .hostname;
+    assert!(
+        matches!(resumes(&b, &second)[..], [Resumed::Primed(_)]),
+        "{:?}",
+        resumes(&b, &second)
+    );
+    let third = b
+        .daemon
+        .fork(&id, ForkRequest::default(), Wait::Agent, WAIT)
+        .await
+        .expect("fork")
+        .hostname;
+    // Their set-ups' last step came right after their answers.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    for fork in [&second, &third] {
+        assert!(
+            !controls(&b, fork).contains(&saved),
+            "{fork} saved it again"
+        );
+    }
+}
+
 #[tokio::test]
 async fn a_restarted_daemon_finishes_the_set_up_of_a_hot_fork_it_adopts() {
     // The first daemon stops for good once the fork's process is recorded
