@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use tine_daemon::launcher::pool::{Shape, POOL_DIR};
 use tine_daemon::launcher::vmm::VmmLauncher;
-use tine_daemon::launcher::{Launcher, LauncherExt, PrimeSpec, RestoreSpec, Stop};
+use tine_daemon::launcher::{Launcher, LauncherExt, PrimeSpec, RestoreSpec, Stop, WriteSetCopy};
 use tine_daemon::process::{find_processes, Owner};
 use tine_proto::vmm::StopReason;
 use tine_vmm::snapshot::write_set::WriteSet;
@@ -247,7 +247,7 @@ async fn a_primed_vm_waits_paused_until_a_vm_takes_it_over() {
         tap: None,
         write_set: None,
     };
-    let name = launcher.prime(&spec).await.expect("prime");
+    let name = launcher.prime(&spec).await.expect("prime").name;
     let primed = pool_pids(&data_dir);
     assert_eq!(primed.len(), 1, "its process waits in the pool's folder");
     // Its files moved into the spare's folder, and the slot's folder went.
@@ -328,7 +328,8 @@ async fn a_primed_vm_waits_paused_until_a_vm_takes_it_over() {
             }
         })
         .await
-        .expect("prime");
+        .expect("prime")
+        .name;
     assert_eq!(pool_pids(&data_dir).len(), 1);
     launcher.discard_primed(&other);
     wait_pool(&data_dir, 0).await;
@@ -345,7 +346,8 @@ async fn a_primed_vm_waits_paused_until_a_vm_takes_it_over() {
             }
         })
         .await
-        .expect("prime");
+        .expect("prime")
+        .name;
     let pid = wait_pool(&data_dir, 1).await[0];
     let killed = std::process::Command::new("kill")
         .args(["-KILL", &pid.to_string()])
@@ -441,6 +443,8 @@ async fn a_write_set_saved_from_one_run_is_copied_into_the_vms_primed_after_it()
         .prime(&primed("spare-1", Some(write_set.clone())))
         .await
         .expect("prime");
+    assert_eq!(with.write_set, WriteSetCopy::Copied(bytes));
+    let with = with.name;
     let with_pid = wait_pool(&data_dir, 1).await[0];
     assert_eq!(copied_pages(instance_of(with_pid)), copied);
 
@@ -449,6 +453,8 @@ async fn a_write_set_saved_from_one_run_is_copied_into_the_vms_primed_after_it()
         .prime(&primed("spare-2", None))
         .await
         .expect("prime");
+    assert_eq!(later.write_set, WriteSetCopy::NotAsked);
+    let later = later.name;
     let later_pid = *wait_pool(&data_dir, 2)
         .await
         .iter()
@@ -469,6 +475,12 @@ async fn a_write_set_saved_from_one_run_is_copied_into_the_vms_primed_after_it()
         .prime(&primed("spare-3", Some(bad.clone())))
         .await
         .expect("primed all the same");
+    assert!(
+        matches!(&without.write_set, WriteSetCopy::Refused(why) if why.contains("cannot be decoded")),
+        "{:?}",
+        without.write_set
+    );
+    let without = without.name;
     let without_pid = *wait_pool(&data_dir, 3)
         .await
         .iter()

@@ -39,11 +39,12 @@ use super::daemon::{remove_file_logged, Daemon};
 use super::error::{chain, Error, Result};
 use super::lifecycle::{remove_dir_logged, NewFolder};
 use super::netattach::takes_group_network;
+use super::snapshot::SnapshotFiles;
 use super::spare_book::{Released, SpareVm};
 use crate::config::HostGroup;
 use crate::db::{CommitFilter, CommitRecord, VmRecord};
 use crate::launcher::pool::new_slot_name;
-use crate::launcher::PrimeSpec;
+use crate::launcher::{PrimeSpec, WriteSetCopy};
 use crate::network::{NetMode, VmNetwork};
 use crate::process::DISK_FILE;
 use crate::storage;
@@ -238,12 +239,33 @@ impl Daemon {
                 write_set: Some(files.write_set()).filter(|w| w.is_file()),
             };
             match self.launcher.prime(&spec).await {
-                Ok(process) => self.spare_book().end_priming(&disk, Some(process)),
+                Ok(primed) => {
+                    self.spare_book().end_priming(&disk, Some(primed.name));
+                    self.write_set_copied(id, &files, primed.write_set);
+                }
                 Err(e) => {
                     self.spare_book().end_priming(&disk, None);
                     tracing::warn!(commit = %id, "cannot prime a VM: {}", chain(&e));
                     return;
                 }
+            }
+        }
+    }
+
+    /// Logs what priming a VM of `commit` did with its write set, and
+    /// removes a write set its VMM refused (the next fork saves another).
+    fn write_set_copied(&self, commit: &str, files: &SnapshotFiles, copy: WriteSetCopy) {
+        match copy {
+            WriteSetCopy::NotAsked | WriteSetCopy::Copied(_) => {}
+            WriteSetCopy::Refused(why) => {
+                tracing::warn!(
+                    %commit,
+                    "its write set was refused and is removed (its next hot fork saves another): {why}"
+                );
+                remove_file_logged(&files.write_set());
+            }
+            WriteSetCopy::Failed(why) => {
+                tracing::warn!(%commit, "a VM was primed without the write set: {why}")
             }
         }
     }

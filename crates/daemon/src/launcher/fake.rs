@@ -30,8 +30,8 @@ use tine_proto::vmm::{Request as VmmRequest, Response as VmmResponse};
 use tokio::sync::watch;
 
 use super::{
-    BootSpec, GuestStream, Instance, LaunchError, Launcher, PrimeSpec, RestoreSpec, Running, Shape,
-    Stop, Stray,
+    BootSpec, GuestStream, Instance, LaunchError, Launcher, PrimeSpec, Primed, RestoreSpec,
+    Running, Shape, Stop, Stray, WriteSetCopy,
 };
 
 /// How a fake VM's guest behaves.
@@ -521,7 +521,7 @@ impl Launcher for FakeLauncher {
         .boxed()
     }
 
-    fn prime<'a>(&'a self, spec: &'a PrimeSpec) -> BoxFuture<'a, Result<String, LaunchError>> {
+    fn prime<'a>(&'a self, spec: &'a PrimeSpec) -> BoxFuture<'a, Result<Primed, LaunchError>> {
         async move {
             let name = crate::launcher::pool::new_slot_name();
             let label = format!("{}/{name}", crate::process::POOL_DIR);
@@ -542,7 +542,14 @@ impl Launcher for FakeLauncher {
             self.lock()
                 .primed
                 .insert(name.clone(), (spec.clone(), memory));
-            Ok(name)
+            let write_set = match &spec.write_set {
+                None => WriteSetCopy::NotAsked,
+                Some(path) => match read_write_set(path, memory) {
+                    Ok(()) => WriteSetCopy::Copied(FAKE_WRITE_SET_BYTES),
+                    Err(why) => WriteSetCopy::Refused(why),
+                },
+            };
+            Ok(Primed { name, write_set })
         }
         .boxed()
     }

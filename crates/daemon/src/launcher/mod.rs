@@ -109,6 +109,31 @@ pub struct PrimeSpec {
     pub write_set: Option<PathBuf>,
 }
 
+/// A VM primed ahead of a hot fork by [`Launcher::prime`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Primed {
+    /// The name [`Launcher::resume_primed`] takes it by.
+    pub name: String,
+    /// What became of the write set its spec named.
+    pub write_set: WriteSetCopy,
+}
+
+/// What priming a VM did with the write set its spec named. The VM is
+/// primed whichever it is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WriteSetCopy {
+    /// The spec named none.
+    NotAsked,
+    /// Its pages were copied in: this many bytes.
+    Copied(u64),
+    /// The VMM refused the file (not a write set of this snapshot's
+    /// memory), with its reason.
+    Refused(String),
+    /// The request went unanswered, with why: nothing is known of the
+    /// file.
+    Failed(String),
+}
+
 /// One run of a VM: the process (or stand-in) that runs it. A pid plus
 /// its start time names a process uniquely, also across daemon restarts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -279,10 +304,12 @@ pub trait Launcher: Send + Sync + std::fmt::Debug + 'static {
     fn restore<'a>(&'a self, spec: &'a RestoreSpec) -> BoxFuture<'a, Result<Running, LaunchError>>;
 
     /// Restores `spec` paused into a process of its own, ahead of any VM,
-    /// and moves its sockets and logs into `spec.folder`; returns the name
-    /// [`Launcher::resume_primed`] takes it by. Nothing of it runs until
-    /// then; a restarted daemon finds it a stray.
-    fn prime<'a>(&'a self, spec: &'a PrimeSpec) -> BoxFuture<'a, Result<String, LaunchError>>;
+    /// moves its sockets and logs into `spec.folder`, and copies in the
+    /// pages of `spec.write_set`; returns the name
+    /// [`Launcher::resume_primed`] takes it by, and what became of the
+    /// write set. Nothing of it runs until then; a restarted daemon finds
+    /// it a stray.
+    fn prime<'a>(&'a self, spec: &'a PrimeSpec) -> BoxFuture<'a, Result<Primed, LaunchError>>;
 
     /// Hands the primed process `name` to `hostname`, whose folder is the
     /// one it was primed with, renamed (its sockets, logs, disk and TAP

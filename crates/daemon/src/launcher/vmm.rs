@@ -17,7 +17,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::pool::{self, Pool, Shape, Slot, POOL_DIR};
 use super::{
-    BootSpec, GuestStream, Instance, LaunchError, Launcher, PrimeSpec, RestoreSpec, Running, Stray,
+    BootSpec, GuestStream, Instance, LaunchError, Launcher, PrimeSpec, Primed, RestoreSpec,
+    Running, Stray, WriteSetCopy,
 };
 use crate::process::{self, VmPaths};
 
@@ -285,8 +286,13 @@ impl VmmLauncher {
     }
 
     /// Starts a process named `name` and restores `spec` into it, paused,
-    /// its sockets and logs in its own folder.
-    async fn prime_slot(&self, name: &str, spec: &PrimeSpec) -> Result<Slot, LaunchError> {
+    /// its sockets and logs in its own folder, then copies its write set
+    /// in.
+    async fn prime_slot(
+        &self,
+        name: &str,
+        spec: &PrimeSpec,
+    ) -> Result<(Slot, WriteSetCopy), LaunchError> {
         let shape = Shape {
             cpus: spec.cpus,
             ram_mib: spec.ram_mib,
@@ -317,11 +323,14 @@ impl VmmLauncher {
                     Ok(moved_vsock) => {
                         slot.moved_vsock = moved_vsock;
                         slot.primed_in = Some(spec.folder.clone());
-                        if let Some(write_set) = &spec.write_set {
-                            let primed = VmPaths::in_dir(spec.folder.clone());
-                            populate_write_set(&primed, write_set, &hostname).await;
-                        }
-                        return Ok(slot);
+                        let copy = match &spec.write_set {
+                            Some(write_set) => {
+                                let primed = VmPaths::in_dir(spec.folder.clone());
+                                populate_write_set(&primed, write_set, &hostname).await
+                            }
+                            None => WriteSetCopy::NotAsked,
+                        };
+                        return Ok((slot, copy));
                     }
                     Err(e) => e,
                 }
@@ -401,7 +410,7 @@ impl Drop for RefillWhenIdle {
 /// Has the primed process whose files are `primed` copy the pages of
 /// `write_set` in; one that cannot stays primed without them (logged: its
 /// fork's guest copies them itself, as without a write set).
-async fn populate_write_set(primed: &VmPaths, write_set: &Path, hostname: &str) {
+async fn populate_write_set(primed: &VmPaths, write_set: &Path, hostname: &str) -> WriteSetCopy {
     let request = VmmRequest::PopulateWriteSet {
         path: write_set.to_path_buf(),
     };
@@ -410,22 +419,18 @@ async fn populate_write_set(primed: &VmPaths, write_set: &Path, hostname: &str) 
             write_set_bytes,
             duration_us,
             ..
-        }) => tracing::info!(
-            slot = hostname,
-            bytes = write_set_bytes.unwrap_or(0),
-            duration_us,
-            "primed with the commit's write set"
-        ),
-        Ok(VmmResponse::Error { error }) => tracing::warn!(
-            slot = hostname,
-            "primed without its write set {}: {error}",
-            write_set.display()
-        ),
-        Err(e) => tracing::warn!(
-            slot = hostname,
-            "primed without its write set {}: {e}",
-            write_set.display()
-        ),
+        }) => {
+            let bytes = write_set_bytes.unwrap_or(0);
+            tracing::info!(
+                slot = hostname,
+                bytes,
+                duration_us,
+                "primed with the commit's write set"
+            );
+            WriteSetCopy::Copied(bytes)
+        }
+        Ok(VmmResponse::Error { error }) => WriteSetCopy::Refused(error),
+        Err(e) => WriteSetCopy::Failed(e.to_string()),
     }
 }
 
@@ -560,14 +565,14 @@ impl Launcher for VmmLauncher {
         .boxed()
     }
 
-    fn prime<'a>(&'a self, spec: &'a PrimeSpec) -> BoxFuture<'a, Result<String, LaunchError>> {
+    fn prime<'a>(&'a self, spec: &'a PrimeSpec) -> BoxFuture<'a, Result<Primed, LaunchError>> {
         async move {
             let name = pool::new_slot_name();
             self.pool().priming(&name);
             match self.prime_slot(&name, spec).await {
-                Ok(slot) => {
+                Ok((slot, write_set)) => {
                     self.pool().primed(&name, Some(slot));
-                    Ok(name)
+                    Ok(Primed { name, write_set })
                 }
                 Err(e) => {
                     self.pool().primed(&name, None);

@@ -808,6 +808,24 @@ async fn the_first_hot_forks_writes_are_copied_into_the_vms_primed_for_the_next(
             "{fork} saved it again"
         );
     }
+
+    // A write set that is not one is removed when a VM is primed with it
+    // (the VM is primed all the same), and the next fork saves another.
+    std::fs::write(&write_set, "not a write set").expect("spoil it");
+    b.daemon
+        .set_commit_pool(&id, Some(4))
+        .expect("a larger pool");
+    b.daemon.fill_pools().await;
+    assert!(!write_set.exists(), "the refused write set stays");
+    assert_eq!(b.daemon.spare_book().vms_of(&id), 4);
+    let fourth = b
+        .daemon
+        .fork(&id, ForkRequest::default(), Wait::Agent, WAIT)
+        .await
+        .expect("fork")
+        .hostname;
+    file_appears(&write_set).await;
+    assert!(controls(&b, &fourth).contains(&saved));
 }
 
 #[tokio::test]
