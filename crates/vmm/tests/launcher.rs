@@ -518,6 +518,17 @@ async fn a_write_set_saved_from_one_run_is_copied_into_the_vms_primed_after_it()
     launcher.stop_now("t-2").await.expect("kill");
     assert_eq!(resumed.exit.await, Stop::Reported(StopReason::Killed));
     launcher.discard_primed(&without);
+
+    // Into a running VM, as a fork restored without a primed VM gets it.
+    launcher.resume("t-1").await.expect("resume");
+    assert_eq!(
+        launcher.copy_write_set("t-1", write_set.clone()).await,
+        WriteSetCopy::Copied(bytes)
+    );
+    assert!(matches!(
+        launcher.copy_write_set("t-1", bad.clone()).await,
+        WriteSetCopy::Refused(_)
+    ));
     launcher.stop_now("t-1").await.expect("kill");
     assert_eq!(running.exit.await, Stop::Reported(StopReason::Killed));
 }

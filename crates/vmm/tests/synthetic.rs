@@ -415,6 +415,29 @@ fn test_synthetic_write_set_moves_between_vms_of_one_snapshot() {
     assert!(bytes >= 4096, "at least the counter's page: {bytes}");
     first.kill();
 
+    // Into a running guest: the counter it wrote stays its own, and it
+    // counts on.
+    let mut third = restore(&state, &mem, false).expect("restore");
+    let before = wait_counter_above(&third, counter(&third));
+    assert_eq!(
+        third.populate_write_set(&write_set).expect("copy in"),
+        bytes
+    );
+    let after = wait_counter_above(&third, before);
+    third.pause().expect("pause");
+    let paused_at = counter(&third);
+    assert!(
+        paused_at >= after,
+        "it counted on: {after} then {paused_at}"
+    );
+    third.populate_write_set(&write_set).expect("copy in again");
+    assert_eq!(
+        counter(&third),
+        paused_at,
+        "a page it wrote is left as it is"
+    );
+    third.kill();
+
     let mut second = restore(&state, &mem, true).expect("restore paused");
     assert_eq!(
         second.populate_write_set(&write_set).expect("copy in"),

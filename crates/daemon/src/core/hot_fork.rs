@@ -30,7 +30,7 @@ use crate::config::HostGroup;
 use crate::db::{CommitRecord, VmRecord};
 use crate::failpoint::{self, Failpoint};
 use crate::launcher::pool::Shape;
-use crate::launcher::{Instance, LauncherExt, RestoreSpec, Running};
+use crate::launcher::{Instance, LauncherExt, RestoreSpec, Running, WriteSetCopy};
 use crate::network::VmNetwork;
 
 impl Daemon {
@@ -300,13 +300,40 @@ impl Daemon {
             disk: Some(PathBuf::from(&vm.disk)),
             tap: network.map(|n| n.tap),
         };
-        self.launcher
+        let running = self
+            .launcher
             .restore(&spec)
             .await
             .map_err(|source| Error::Launch {
                 what: format!("resume {} from {}", vm.hostname, files.dir.display()),
                 source,
-            })
+            })?;
+        self.copy_write_set_soon(vm, files);
+        Ok(running)
+    }
+
+    /// Has a hot fork that was restored on its own path (no primed VM was
+    /// left for it) copy its commit's write set in, in the background
+    /// while its vCPUs run: a page its guest wrote already is left as it
+    /// is, one it has only read becomes its own copy of the same bytes
+    /// (KVM drops its mapping of the shared one). A page copied so costs
+    /// a fraction of the fault and copy its guest's first write would
+    /// (`cargo bench -p tine-vmm --bench first_touch`).
+    fn copy_write_set_soon(self: &Arc<Self>, vm: &VmRecord, files: &SnapshotFiles) {
+        let (Some(commit), path) = (vm.parent_commit_id.clone(), files.write_set()) else {
+            return;
+        };
+        if !path.is_file() {
+            return;
+        }
+        let (this, hostname, files) = (self.clone(), vm.hostname.clone(), files.clone());
+        tokio::spawn(async move {
+            let copy = this.launcher.copy_write_set(&hostname, path).await;
+            if let WriteSetCopy::Copied(bytes) = copy {
+                tracing::debug!(vm = %hostname, bytes, "copied the commit's write set in");
+            }
+            this.write_set_copied(&commit, &files, copy);
+        });
     }
 
     /// After hot fork `vm`'s set-up: when its commit's snapshot has no

@@ -252,9 +252,9 @@ impl Daemon {
         }
     }
 
-    /// Logs what priming a VM of `commit` did with its write set, and
-    /// removes a write set its VMM refused (the next fork saves another).
-    fn write_set_copied(&self, commit: &str, files: &SnapshotFiles, copy: WriteSetCopy) {
+    /// Logs what copying `commit`'s write set into a VM did, and removes
+    /// a write set its VMM refused (the next fork saves another).
+    pub(super) fn write_set_copied(&self, commit: &str, files: &SnapshotFiles, copy: WriteSetCopy) {
         match copy {
             WriteSetCopy::NotAsked | WriteSetCopy::Copied(_) => {}
             WriteSetCopy::Refused(why) => {
@@ -265,7 +265,7 @@ impl Daemon {
                 remove_file_logged(&files.write_set());
             }
             WriteSetCopy::Failed(why) => {
-                tracing::warn!(%commit, "a VM was primed without the write set: {why}")
+                tracing::warn!(%commit, "a VM goes on without the commit's write set: {why}")
             }
         }
     }

@@ -483,6 +483,25 @@ pub trait LauncherExt: Launcher {
         })
     }
 
+    /// Copies the pages of the write set at `path` into the restored VM's
+    /// memory (running or paused); says what became of it.
+    fn copy_write_set<'a>(
+        &'a self,
+        hostname: &'a str,
+        path: PathBuf,
+    ) -> BoxFuture<'a, WriteSetCopy> {
+        Box::pin(async move {
+            let request = VmmRequest::PopulateWriteSet { path };
+            match self.control(hostname, &request).await {
+                Ok(VmmResponse::Ok {
+                    write_set_bytes, ..
+                }) => WriteSetCopy::Copied(write_set_bytes.unwrap_or(0)),
+                Ok(VmmResponse::Error { error }) => WriteSetCopy::Refused(error),
+                Err(e) => WriteSetCopy::Failed(e.to_string()),
+            }
+        })
+    }
+
     /// Presses Ctrl-Alt-Del.
     fn press_ctrl_alt_del<'a>(
         &'a self,

@@ -698,7 +698,7 @@ async fn file_appears(path: &Path) {
 }
 
 #[tokio::test]
-async fn the_first_hot_forks_writes_are_copied_into_the_vms_primed_for_the_next() {
+async fn the_first_hot_forks_writes_are_copied_into_the_next_forks_ahead() {
     let b = bed(true);
     let h = b.create(Wait::Agent).await;
     let id = b
@@ -826,6 +826,30 @@ async fn the_first_hot_forks_writes_are_copied_into_the_vms_primed_for_the_next(
         .hostname;
     file_appears(&write_set).await;
     assert!(controls(&b, &fourth).contains(&saved));
+
+    // A fork that finds no primed VM copies it in once it runs.
+    b.daemon.set_commit_pool(&id, Some(0)).expect("no pool");
+    b.daemon.fill_pools().await;
+    let unprimed = b
+        .daemon
+        .fork(&id, ForkRequest::default(), Wait::Agent, WAIT)
+        .await
+        .expect("fork")
+        .hostname;
+    assert!(
+        matches!(resumes(&b, &unprimed)[..], [Resumed::Restore(_)]),
+        "{:?}",
+        resumes(&b, &unprimed)
+    );
+    let mut asked = false;
+    for _ in 0..500 {
+        asked = controls(&b, &unprimed).contains(&populate);
+        if asked {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(asked, "{:?}", controls(&b, &unprimed));
 }
 
 #[tokio::test]
