@@ -508,6 +508,13 @@ pub fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
+/// The WAL of the database at `db`: `<db>-wal`, beside it.
+fn wal_path(db: &Path) -> PathBuf {
+    let mut wal = db.as_os_str().to_owned();
+    wal.push("-wal");
+    PathBuf::from(wal)
+}
+
 impl Store {
     /// Opens (creating if needed) the database at `path` and migrates it,
     /// for itself ([`Locking::Exclusive`]).
@@ -543,9 +550,7 @@ impl Store {
         // No commit checkpoints on its own (that would sync the disk
         // twice on a request's path): `checkpoint` does, when asked.
         store.lock().pragma_update(None, "wal_autocheckpoint", 0)?;
-        let mut wal = path.as_os_str().to_owned();
-        wal.push("-wal");
-        store.wal = Some(PathBuf::from(wal));
+        store.wal = Some(wal_path(path));
         Ok(store)
     }
 
@@ -1478,9 +1483,7 @@ mod tests {
     fn vms_after_a_crash(path: &Path, dir: &Path) -> usize {
         let copy = dir.join("crashed.db");
         std::fs::copy(path, &copy).expect("copy the main file");
-        let mut wal = path.as_os_str().to_owned();
-        wal.push("-wal");
-        std::fs::copy(&wal, dir.join("crashed.db-wal")).expect("copy the WAL");
+        std::fs::copy(wal_path(path), dir.join("crashed.db-wal")).expect("copy the WAL");
         let s = Store::open(&copy).expect("open the copy");
         s.list_vms(None).expect("list").len()
     }
