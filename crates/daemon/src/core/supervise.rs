@@ -227,7 +227,9 @@ impl Daemon {
         let vm = self.vm(hostname)?;
         let started_ms = vm.started_ms.unwrap_or_else(now_ms);
         let deadline = Instant::now() + self.deadlines.agent_ready;
+        let mut agent_tries = 0u32;
         let client = loop {
+            agent_tries += 1;
             match self.connect_agent(hostname).await {
                 Ok(c) => break c,
                 Err(e) if Instant::now() > deadline => {
@@ -241,8 +243,8 @@ impl Daemon {
             }
         };
         // Where the set-up's time goes, for the log: until the agent
-        // answered, then each step (those run at once each from the same
-        // start).
+        // answered (and in how many connection attempts), then each step
+        // (those run at once each from the same start).
         let agent_ms = began.elapsed().as_millis() as u64;
         let first = !vm.booted_once && setup == SetUp::Boot;
         let (set_hostname, machine_id, ssh_host_keys) = match &vm.fixups {
@@ -357,6 +359,7 @@ impl Daemon {
             boot_ms,
             setup_ms = began.elapsed().as_millis() as u64,
             agent_ms,
+            agent_tries,
             steps = %steps.join(", "),
             fixup_steps = %fixup_steps.join(", "),
             "agent ready"
