@@ -30,7 +30,7 @@ use crate::config::HostGroup;
 use crate::db::{CommitRecord, VmRecord};
 use crate::failpoint::{self, Failpoint};
 use crate::launcher::pool::Shape;
-use crate::launcher::{Instance, LauncherExt, RestoreSpec, Running, WriteSetCopy};
+use crate::launcher::{Instance, LauncherExt, RestoreSpec, Running};
 use crate::network::VmNetwork;
 
 impl Daemon {
@@ -329,9 +329,6 @@ impl Daemon {
         let (this, hostname, files) = (self.clone(), vm.hostname.clone(), files.clone());
         tokio::spawn(async move {
             let copy = this.launcher.copy_write_set(&hostname, path).await;
-            if let WriteSetCopy::Copied(bytes) = copy {
-                tracing::debug!(vm = %hostname, bytes, "copied the commit's write set in");
-            }
             this.write_set_copied(&commit, &files, copy);
         });
     }
@@ -378,17 +375,8 @@ impl Daemon {
         tracing::info!(vm = hostname, %commit, bytes, "saved the commit's write set");
         let primed = self.spare_book().primed_of(commit);
         for name in primed {
-            match self.launcher.populate_primed(&name, &path).await {
-                Ok(Some(bytes)) => {
-                    tracing::info!(%commit, primed = %name, bytes, "copied the write set in")
-                }
-                Ok(None) => {}
-                Err(e) => tracing::warn!(
-                    %commit,
-                    primed = %name,
-                    "waits without the write set: {}",
-                    chain(&e)
-                ),
+            if let Some(copy) = self.launcher.populate_primed(&name, &path).await {
+                self.write_set_copied(commit, &files, copy);
             }
         }
     }

@@ -256,7 +256,10 @@ impl Daemon {
     /// a write set its VMM refused (the next fork saves another).
     pub(super) fn write_set_copied(&self, commit: &str, files: &SnapshotFiles, copy: WriteSetCopy) {
         match copy {
-            WriteSetCopy::NotAsked | WriteSetCopy::Copied(_) => {}
+            WriteSetCopy::NotAsked => {}
+            WriteSetCopy::Copied(bytes) => {
+                tracing::debug!(%commit, bytes, "a VM copied the commit's write set in")
+            }
             WriteSetCopy::Refused(why) => {
                 tracing::warn!(
                     %commit,

@@ -574,23 +574,18 @@ impl Launcher for FakeLauncher {
         &'a self,
         name: &'a str,
         write_set: &'a std::path::Path,
-    ) -> BoxFuture<'a, Result<Option<u64>, LaunchError>> {
+    ) -> BoxFuture<'a, Option<WriteSetCopy>> {
         async move {
             let label = format!("{}/{name}", crate::process::POOL_DIR);
-            let memory = self.lock().primed.get(name).map(|(_, memory)| *memory);
-            let Some(memory) = memory else {
-                return Ok(None);
-            };
+            let memory = self.lock().primed.get(name).map(|(_, memory)| *memory)?;
             let request = VmmRequest::PopulateWriteSet {
                 path: write_set.to_path_buf(),
             };
-            self.record(&label, Seen::Control(request.clone()));
-            read_write_set(write_set, memory).map_err(|error| LaunchError::Refused {
-                hostname: label,
-                request: request.name().into(),
-                error,
-            })?;
-            Ok(Some(FAKE_WRITE_SET_BYTES))
+            self.record(&label, Seen::Control(request));
+            Some(match read_write_set(write_set, memory) {
+                Ok(()) => WriteSetCopy::Copied(FAKE_WRITE_SET_BYTES),
+                Err(why) => WriteSetCopy::Refused(why),
+            })
         }
         .boxed()
     }

@@ -327,13 +327,13 @@ pub trait Launcher: Send + Sync + std::fmt::Debug + 'static {
 
     /// Copies the pages of the write set `write_set` into the primed
     /// process `name` while it waits (one primed before its snapshot had a
-    /// write set); returns the bytes copied. A process taken meanwhile is
-    /// left alone: `Ok(None)`.
+    /// write set); says what became of them. A process taken meanwhile is
+    /// left alone: `None`.
     fn populate_primed<'a>(
         &'a self,
         name: &'a str,
         write_set: &'a std::path::Path,
-    ) -> BoxFuture<'a, Result<Option<u64>, LaunchError>>;
+    ) -> BoxFuture<'a, Option<WriteSetCopy>>;
 
     /// Takes over a run a previous daemon started, if it is still that
     /// process; `None` when it is gone.

@@ -408,8 +408,8 @@ impl Drop for RefillWhenIdle {
 }
 
 /// Has the primed process whose files are `primed` copy the pages of
-/// `write_set` in; one that cannot stays primed without them (logged: its
-/// fork's guest copies them itself, as without a write set).
+/// `write_set` in; says what became of them (one that cannot copy them
+/// stays primed without them: its fork's guest copies its pages itself).
 async fn populate_write_set(primed: &VmPaths, write_set: &Path, hostname: &str) -> WriteSetCopy {
     let request = VmmRequest::PopulateWriteSet {
         path: write_set.to_path_buf(),
@@ -630,28 +630,15 @@ impl Launcher for VmmLauncher {
         &'a self,
         name: &'a str,
         write_set: &'a Path,
-    ) -> BoxFuture<'a, Result<Option<u64>, LaunchError>> {
+    ) -> BoxFuture<'a, Option<WriteSetCopy>> {
         async move {
-            let Some(folder) = self.pool().primed_folder(name) else {
-                return Ok(None);
-            };
-            let request = VmmRequest::PopulateWriteSet {
-                path: write_set.to_path_buf(),
-            };
+            let folder = self.pool().primed_folder(name)?;
             let hostname = format!("{POOL_DIR}/{name}");
-            let paths = VmPaths::in_dir(folder);
-            match process::control(&paths, &request, SNAPSHOT_ANSWER).await {
-                Ok(VmmResponse::Ok {
-                    write_set_bytes, ..
-                }) => Ok(Some(write_set_bytes.unwrap_or(0))),
-                Ok(VmmResponse::Error { error }) => Err(LaunchError::Refused {
-                    hostname,
-                    request: request.name().into(),
-                    error,
-                }),
+            let copy = populate_write_set(&VmPaths::in_dir(folder), write_set, &hostname).await;
+            match copy {
                 // A fork took it in between: its folder is the fork's now.
-                Err(_) if self.pool().primed_folder(name).is_none() => Ok(None),
-                Err(source) => Err(LaunchError::Control { hostname, source }),
+                WriteSetCopy::Failed(_) if self.pool().primed_folder(name).is_none() => None,
+                copy => Some(copy),
             }
         }
         .boxed()
