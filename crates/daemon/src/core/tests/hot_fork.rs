@@ -54,6 +54,26 @@ fn controls(b: &Bed, hostname: &str) -> Vec<VmmRequest> {
 }
 
 impl Bed {
+    /// A memory commit, with its own warm pool of `pool`, of a running
+    /// source; its spares and primed VMs made.
+    async fn pooled_commit(&self, pool: u32) -> String {
+        let source = self.create(Wait::Agent).await;
+        let id = self
+            .daemon
+            .commit(
+                &source,
+                CommitRequest {
+                    hot_fork_pool: Some(pool),
+                    ..memory_commit()
+                },
+            )
+            .await
+            .expect("commit")
+            .commit_id;
+        self.daemon.fill_pools().await;
+        id
+    }
+
     /// A running source and a memory commit of it.
     async fn memory_committed(&self) -> (String, String) {
         let source = self.create(Wait::Agent).await;
@@ -587,20 +607,7 @@ fn spare_disks(b: &Bed, id: &str) -> Vec<(std::path::PathBuf, u64, u64)> {
 #[tokio::test]
 async fn a_memory_commit_keeps_spare_disks_and_its_hot_forks_take_them() {
     let b = bed(true);
-    let h = b.create(Wait::Agent).await;
-    let id = b
-        .daemon
-        .commit(
-            &h,
-            CommitRequest {
-                hot_fork_pool: Some(2),
-                ..memory_commit()
-            },
-        )
-        .await
-        .expect("commit")
-        .commit_id;
-    b.daemon.fill_pools().await;
+    let id = b.pooled_commit(2).await;
     let made = spare_disks(&b, &id);
     assert_eq!(made.len(), 2, "{made:?}");
     // Each held by a VM primed on it.
@@ -700,20 +707,7 @@ async fn file_appears(path: &Path) {
 #[tokio::test]
 async fn the_first_hot_forks_writes_are_copied_into_the_next_forks_ahead() {
     let b = bed(true);
-    let h = b.create(Wait::Agent).await;
-    let id = b
-        .daemon
-        .commit(
-            &h,
-            CommitRequest {
-                hot_fork_pool: Some(2),
-                ..memory_commit()
-            },
-        )
-        .await
-        .expect("commit")
-        .commit_id;
-    b.daemon.fill_pools().await;
+    let id = b.pooled_commit(2).await;
     let commit = b.daemon.commit_record(&id).expect("commit");
     let write_set = b
         .daemon
