@@ -74,6 +74,15 @@ impl Bed {
         id
     }
 
+    /// A fork of `commit` with the defaults, once its agent answers.
+    async fn fork_of(&self, commit: &str) -> String {
+        self.daemon
+            .fork(commit, ForkRequest::default(), Wait::Agent, WAIT)
+            .await
+            .expect("fork")
+            .hostname
+    }
+
     /// A running source and a memory commit of it.
     async fn memory_committed(&self) -> (String, String) {
         let source = self.create(Wait::Agent).await;
@@ -628,12 +637,7 @@ async fn a_memory_commit_keeps_spare_disks_and_its_hot_forks_take_them() {
 
     // A hot fork's folder is one of theirs, renamed (the same folder and
     // disk), and the spares are made up again.
-    let fork = b
-        .daemon
-        .fork(&id, ForkRequest::default(), Wait::Agent, WAIT)
-        .await
-        .expect("fork")
-        .hostname;
+    let fork = b.fork_of(&id).await;
     let disk = b.daemon.vm(&fork).expect("fork").disk;
     let (inode, folder_inode) = {
         use std::os::unix::fs::MetadataExt;
@@ -724,12 +728,7 @@ async fn the_first_hot_forks_writes_are_copied_into_the_next_forks_ahead() {
 
     // The first fork saves its writes as the commit's write set once its
     // set-up is done, and the VM still waiting copies them in.
-    let first = b
-        .daemon
-        .fork(&id, ForkRequest::default(), Wait::Agent, WAIT)
-        .await
-        .expect("fork")
-        .hostname;
+    let first = b.fork_of(&id).await;
     file_appears(&write_set).await;
     let saved = VmmRequest::SaveWriteSet {
         path: write_set.clone(),
@@ -777,23 +776,13 @@ async fn the_first_hot_forks_writes_are_copied_into_the_next_forks_ahead() {
         .filter(|p| p.write_set.as_deref() == Some(write_set.as_path()))
         .collect();
     assert!(!with.is_empty(), "{:?}", b.fake.primed());
-    let second = b
-        .daemon
-        .fork(&id, ForkRequest::default(), Wait::Agent, WAIT)
-        .await
-        .expect("fork")
-        .hostname;
+    let second = b.fork_of(&id).await;
     assert!(
         matches!(resumes(&b, &second)[..], [Resumed::Primed(_)]),
         "{:?}",
         resumes(&b, &second)
     );
-    let third = b
-        .daemon
-        .fork(&id, ForkRequest::default(), Wait::Agent, WAIT)
-        .await
-        .expect("fork")
-        .hostname;
+    let third = b.fork_of(&id).await;
     // Their set-ups' last step came right after their answers.
     tokio::time::sleep(Duration::from_millis(200)).await;
     for fork in [&second, &third] {
@@ -812,24 +801,14 @@ async fn the_first_hot_forks_writes_are_copied_into_the_next_forks_ahead() {
     b.daemon.fill_pools().await;
     assert!(!write_set.exists(), "the refused write set stays");
     assert_eq!(b.daemon.spare_book().vms_of(&id), 4);
-    let fourth = b
-        .daemon
-        .fork(&id, ForkRequest::default(), Wait::Agent, WAIT)
-        .await
-        .expect("fork")
-        .hostname;
+    let fourth = b.fork_of(&id).await;
     file_appears(&write_set).await;
     assert!(controls(&b, &fourth).contains(&saved));
 
     // A fork that finds no primed VM copies it in once it runs.
     b.daemon.set_commit_pool(&id, Some(0)).expect("no pool");
     b.daemon.fill_pools().await;
-    let unprimed = b
-        .daemon
-        .fork(&id, ForkRequest::default(), Wait::Agent, WAIT)
-        .await
-        .expect("fork")
-        .hostname;
+    let unprimed = b.fork_of(&id).await;
     assert!(
         matches!(resumes(&b, &unprimed)[..], [Resumed::Restore(_)]),
         "{:?}",
