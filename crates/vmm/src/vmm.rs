@@ -33,7 +33,7 @@ use crate::devices::legacy::serial::{
 };
 use crate::snapshot::format::{self, FormatError};
 use crate::snapshot::write_set::{WriteSet, WriteSetError};
-use crate::snapshot::Persist;
+use crate::snapshot::{temp_name, Persist};
 use crate::spare_thread::SpareThread;
 use crate::vstate::memory::{GuestRam, MemoryError, Populate, Reservation};
 use crate::vstate::vcpu::{
@@ -860,7 +860,7 @@ impl Vmm {
             .ram
             .written_pages()
             .map_err(|e| VmmError::Io("read /proc/self/pagemap", e))?;
-        let set = WriteSet::new(self.ram.size(), &written);
+        let set = WriteSet::new(self.ram.size(), written);
         set.save(path)?;
         Ok(set.bytes())
     }
@@ -875,7 +875,7 @@ impl Vmm {
         }
         let set = WriteSet::load(path, self.ram.size())?;
         self.ram
-            .populate_ranges(&set.pairs(), Populate::Write)
+            .populate_ranges(&set.ranges, Populate::Write)
             .map_err(|e| VmmError::Io("copy a write set's pages (madvise MADV_POPULATE_WRITE)", e))
     }
 
@@ -1002,10 +1002,4 @@ impl Vmm {
             }
         }
     }
-}
-
-fn temp_name(path: &Path) -> PathBuf {
-    let mut name = path.as_os_str().to_os_string();
-    name.push(format!(".tmp-{}", std::process::id()));
-    PathBuf::from(name)
 }

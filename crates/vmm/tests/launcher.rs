@@ -412,7 +412,7 @@ async fn a_write_set_saved_from_one_run_is_copied_into_the_vms_primed_after_it()
     assert_eq!(saved.bytes(), bytes);
     assert!(
         saved
-            .pairs()
+            .ranges
             .iter()
             .any(|&(start, end)| start <= COUNTER && COUNTER < end),
         "the counter's page: {saved:?}"

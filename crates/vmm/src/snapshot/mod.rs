@@ -7,6 +7,16 @@ pub mod format;
 pub mod write_set;
 
 use serde::Serialize;
+use std::path::{Path, PathBuf};
+
+/// A temporary name beside `path`, this process's own (`<path>.tmp-<pid>`):
+/// a file is written there and renamed over `path`, so that no reader and
+/// no crash ever finds it half written.
+pub(crate) fn temp_name(path: &Path) -> PathBuf {
+    let mut name = path.as_os_str().to_os_string();
+    name.push(format!(".tmp-{}", std::process::id()));
+    PathBuf::from(name)
+}
 
 /// Save and restore-by-construction, one implementation per component.
 ///

@@ -21,6 +21,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use super::temp_name;
 use crate::vstate::memory::PAGE_SIZE;
 
 /// The write-set format this build writes and reads.
@@ -36,8 +37,13 @@ pub struct WriteSet {
     pub version: u32,
     /// Bytes of guest RAM of the VMs it is for.
     pub memory_size: u64,
-    /// Byte ranges `[start, end)` of the memory file.
-    pub ranges: Vec<[u64; 2]>,
+    /// Byte ranges `start..end` of the memory file (each `[start, end]` in
+    /// the file), as
+    /// [`GuestRam::written_pages`](crate::vstate::memory::GuestRam::written_pages)
+    /// gives them and
+    /// [`GuestRam::populate_ranges`](crate::vstate::memory::GuestRam::populate_ranges)
+    /// takes them.
+    pub ranges: Vec<(u64, u64)>,
 }
 
 /// Why a write set cannot be read or written.
@@ -107,14 +113,12 @@ pub enum WriteSetError {
 }
 
 impl WriteSet {
-    /// A write set of the ranges `ranges` (as
-    /// [`GuestRam::written_pages`](crate::vstate::memory::GuestRam::written_pages)
-    /// gives them) of `memory_size` bytes of RAM.
-    pub fn new(memory_size: u64, ranges: &[(u64, u64)]) -> Self {
+    /// A write set of the ranges `ranges` of `memory_size` bytes of RAM.
+    pub fn new(memory_size: u64, ranges: Vec<(u64, u64)>) -> Self {
         WriteSet {
             version: WRITE_SET_VERSION,
             memory_size,
-            ranges: ranges.iter().map(|&(start, end)| [start, end]).collect(),
+            ranges,
         }
     }
 
@@ -122,16 +126,8 @@ impl WriteSet {
     pub fn bytes(&self) -> u64 {
         self.ranges
             .iter()
-            .map(|[start, end]| end.saturating_sub(*start))
+            .map(|(start, end)| end.saturating_sub(*start))
             .sum()
-    }
-
-    /// Its ranges as `(start, end)` pairs.
-    pub fn pairs(&self) -> Vec<(u64, u64)> {
-        self.ranges
-            .iter()
-            .map(|&[start, end]| (start, end))
-            .collect()
     }
 
     /// Writes it to `path`: to a temporary name beside it, synced, then
@@ -142,13 +138,8 @@ impl WriteSet {
             path: path.to_path_buf(),
             source,
         };
-        let mut tmp = path.as_os_str().to_os_string();
-        tmp.push(format!(".tmp-{}", std::process::id()));
-        let tmp = PathBuf::from(tmp);
-        let encoded = serde_json::to_vec(self).map_err(|source| WriteSetError::Decode {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let tmp = temp_name(path);
+        let encoded = serde_json::to_vec(self).map_err(|e| io(std::io::Error::other(e)))?;
         let written = File::create(&tmp)
             .and_then(|mut f| f.write_all(&encoded).and_then(|()| f.sync_all()))
             .and_then(|()| std::fs::rename(&tmp, path));
@@ -204,7 +195,7 @@ impl WriteSet {
         }
         let page = PAGE_SIZE as u64;
         let mut previous_end = 0u64;
-        for (index, &[start, end]) in set.ranges.iter().enumerate() {
+        for (index, &(start, end)) in set.ranges.iter().enumerate() {
             let why = if start >= end {
                 Some("is empty")
             } else if start % page != 0 || end % page != 0 {
@@ -246,12 +237,16 @@ mod tests {
     #[test]
     fn test_a_saved_write_set_loads_as_it_was() {
         let dir = tempfile::tempdir().expect("tmp");
-        let set = WriteSet::new(16 * MIB, &[(0, 0x2000), (0x5000, 0x6000)]);
+        let set = WriteSet::new(16 * MIB, vec![(0, 0x2000), (0x5000, 0x6000)]);
         let path = saved(dir.path(), &set);
+        let text = std::fs::read_to_string(&path).expect("read");
+        assert_eq!(
+            text, r#"{"version":1,"memory_size":16777216,"ranges":[[0,8192],[20480,24576]]}"#,
+            "the format docs/vmm-control.md gives"
+        );
         let loaded = WriteSet::load(&path, 16 * MIB).expect("load");
         assert_eq!(loaded, set);
         assert_eq!(loaded.bytes(), 0x3000);
-        assert_eq!(loaded.pairs(), vec![(0, 0x2000), (0x5000, 0x6000)]);
         let names: Vec<_> = std::fs::read_dir(dir.path())
             .expect("ls")
             .map(|e| e.expect("entry").file_name())
@@ -269,16 +264,16 @@ mod tests {
                 .to_string()
         };
         let cases = [
-            (vec![[0x1000, 0x1000]], "is empty"),
-            (vec![[0x1000, 0x1800]], "is not page-aligned"),
-            (vec![[0x800, 0x1000]], "is not page-aligned"),
-            (vec![[15 * MIB, 17 * MIB]], "ends past the guest's RAM"),
+            (vec![(0x1000, 0x1000)], "is empty"),
+            (vec![(0x1000, 0x1800)], "is not page-aligned"),
+            (vec![(0x800, 0x1000)], "is not page-aligned"),
+            (vec![(15 * MIB, 17 * MIB)], "ends past the guest's RAM"),
             (
-                vec![[0x4000, 0x6000], [0x5000, 0x7000]],
+                vec![(0x4000, 0x6000), (0x5000, 0x7000)],
                 "overlaps or precedes",
             ),
             (
-                vec![[0x4000, 0x5000], [0x1000, 0x2000]],
+                vec![(0x4000, 0x5000), (0x1000, 0x2000)],
                 "overlaps or precedes",
             ),
         ];
@@ -290,14 +285,14 @@ mod tests {
             });
             assert!(message.contains(why), "{ranges:?}: {message}");
         }
-        let other_size = refused(WriteSet::new(32 * MIB, &[]));
+        let other_size = refused(WriteSet::new(32 * MIB, vec![]));
         assert!(
             other_size.contains("is for 33554432 bytes of guest RAM, this VM has 16777216"),
             "{other_size}"
         );
         let other_version = refused(WriteSet {
             version: 9,
-            ..WriteSet::new(16 * MIB, &[])
+            ..WriteSet::new(16 * MIB, vec![])
         });
         assert!(
             other_version.contains("format version 9"),
