@@ -467,6 +467,16 @@ fn read_write_set(path: &std::path::Path, memory: u64) -> Result<(), String> {
     Ok(())
 }
 
+/// What a fake VM of the memory `memory` does with the write set at
+/// `path`: copies it when a run of that memory saved it, refuses it
+/// otherwise.
+fn copy_write_set(path: &std::path::Path, memory: u64) -> WriteSetCopy {
+    match read_write_set(path, memory) {
+        Ok(()) => WriteSetCopy::Copied(FAKE_WRITE_SET_BYTES),
+        Err(why) => WriteSetCopy::Refused(why),
+    }
+}
+
 /// The memory number of the fake snapshot in `state` and `memory`, or
 /// why it is none.
 fn read_snapshot(state: &std::path::Path, memory: &std::path::Path) -> Result<u64, String> {
@@ -544,10 +554,7 @@ impl Launcher for FakeLauncher {
                 .insert(name.clone(), (spec.clone(), memory));
             let write_set = match &spec.write_set {
                 None => WriteSetCopy::NotAsked,
-                Some(path) => match read_write_set(path, memory) {
-                    Ok(()) => WriteSetCopy::Copied(FAKE_WRITE_SET_BYTES),
-                    Err(why) => WriteSetCopy::Refused(why),
-                },
+                Some(path) => copy_write_set(path, memory),
             };
             Ok(Primed { name, write_set })
         }
@@ -582,10 +589,7 @@ impl Launcher for FakeLauncher {
                 path: write_set.to_path_buf(),
             };
             self.record(&label, Seen::Control(request));
-            Some(match read_write_set(write_set, memory) {
-                Ok(()) => WriteSetCopy::Copied(FAKE_WRITE_SET_BYTES),
-                Err(why) => WriteSetCopy::Refused(why),
-            })
+            Some(copy_write_set(write_set, memory))
         }
         .boxed()
     }

@@ -134,6 +134,19 @@ pub enum WriteSetCopy {
     Failed(String),
 }
 
+impl WriteSetCopy {
+    /// What a VMM's answer to `populate_write_set` says of the copy.
+    pub fn answered<E: std::fmt::Display>(answer: Result<VmmResponse, E>) -> Self {
+        match answer {
+            Ok(VmmResponse::Ok {
+                write_set_bytes, ..
+            }) => WriteSetCopy::Copied(write_set_bytes.unwrap_or(0)),
+            Ok(VmmResponse::Error { error }) => WriteSetCopy::Refused(error),
+            Err(e) => WriteSetCopy::Failed(e.to_string()),
+        }
+    }
+}
+
 /// One run of a VM: the process (or stand-in) that runs it. A pid plus
 /// its start time names a process uniquely, also across daemon restarts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -492,13 +505,7 @@ pub trait LauncherExt: Launcher {
     ) -> BoxFuture<'a, WriteSetCopy> {
         Box::pin(async move {
             let request = VmmRequest::PopulateWriteSet { path };
-            match self.control(hostname, &request).await {
-                Ok(VmmResponse::Ok {
-                    write_set_bytes, ..
-                }) => WriteSetCopy::Copied(write_set_bytes.unwrap_or(0)),
-                Ok(VmmResponse::Error { error }) => WriteSetCopy::Refused(error),
-                Err(e) => WriteSetCopy::Failed(e.to_string()),
-            }
+            WriteSetCopy::answered(self.control(hostname, &request).await)
         })
     }
 

@@ -414,24 +414,21 @@ async fn populate_write_set(primed: &VmPaths, write_set: &Path, hostname: &str) 
     let request = VmmRequest::PopulateWriteSet {
         path: write_set.to_path_buf(),
     };
-    match process::control(primed, &request, SNAPSHOT_ANSWER).await {
-        Ok(VmmResponse::Ok {
-            write_set_bytes,
+    let answer = process::control(primed, &request, SNAPSHOT_ANSWER).await;
+    if let Ok(VmmResponse::Ok {
+        write_set_bytes,
+        duration_us,
+        ..
+    }) = &answer
+    {
+        tracing::info!(
+            slot = hostname,
+            bytes = write_set_bytes.unwrap_or(0),
             duration_us,
-            ..
-        }) => {
-            let bytes = write_set_bytes.unwrap_or(0);
-            tracing::info!(
-                slot = hostname,
-                bytes,
-                duration_us,
-                "primed with the commit's write set"
-            );
-            WriteSetCopy::Copied(bytes)
-        }
-        Ok(VmmResponse::Error { error }) => WriteSetCopy::Refused(error),
-        Err(e) => WriteSetCopy::Failed(e.to_string()),
+            "primed with the commit's write set"
+        );
     }
+    WriteSetCopy::answered(answer)
 }
 
 /// Stops a pooled process nobody will use and removes its folder (a primed
