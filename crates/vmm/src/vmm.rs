@@ -746,14 +746,7 @@ impl Vmm {
         };
         let mut handles = Vec::with_capacity(restored.len());
         for (vcpu, thread) in restored.into_iter().zip(vcpu_threads) {
-            // Tells the guest's kvmclock the vCPU was stopped, so its
-            // soft-lockup watchdog does not fire. Fails when the guest has no
-            // kvmclock (synthetic guests): nothing to tell then.
-            if let Err(e) = vcpu.fd.kvmclock_ctrl() {
-                if e.errno() != libc::EINVAL {
-                    eprintln!("tine-vmm: KVM_KVMCLOCK_CTRL on vCPU {}: {e}", vcpu.index);
-                }
-            }
+            vcpu.tell_clock_stopped();
             // A restore that runs the guest starts each vCPU running: its
             // state is set, and a start parked then resumed costs two more
             // hand-overs to the vCPU thread on the fork's path.

@@ -25,6 +25,25 @@ while [ $i -lt 100000 ]; do
 done
 "#;
 
+/// Ticks like `TICKER_INIT`, each tick followed by the guest's uptime,
+/// while a second loop keeps RCU busy (each process that exits frees its
+/// task through RCU), so that a grace period is nearly always under way
+/// when the VM is paused.
+const CHURN_INIT: &str = r#"#!/bin/sh
+/bin/busybox mount -t proc proc /proc
+/bin/busybox mkdir -p /dev
+/bin/busybox mount -t devtmpfs devtmpfs /dev
+echo "tine-test: init reached"
+( while :; do /bin/busybox true; done ) &
+i=0
+while [ $i -lt 100000 ]; do
+  echo "tick $i"
+  echo "up $(/bin/busybox cut -d' ' -f1 /proc/uptime)"
+  i=$((i + 1))
+  /bin/busybox sleep 0.3
+done
+"#;
+
 const REBOOT_INIT: &str = r#"#!/bin/sh
 /bin/busybox mount -t proc proc /proc
 echo "tine-test: init reached, boottime $(/bin/busybox cut -d' ' -f1 /proc/uptime)"
@@ -397,6 +416,59 @@ echo "tine-test: init reached"
 while true; do /bin/busybox sleep 1; done
 "#;
 
+/// Longer than the guest kernel's RCU stall timeout
+/// (`CONFIG_RCU_CPU_STALL_TIMEOUT`, 21 s).
+const LONG_PAUSE: Duration = Duration::from_secs(30);
+
+/// A guest paused for longer than its kernel's stall timeouts runs on
+/// without reporting a stall: its clock jumps when it resumes, and the
+/// paused flag of its kvmclock (`KVM_KVMCLOCK_CTRL`, set by the pause)
+/// tells the kernel's RCU stall detector (and soft-lockup watchdog) the
+/// time went to the host, not to a stuck CPU.
+fn long_pause_reports_no_stall() -> Result<(), Failed> {
+    let dir = scratch("pause")?;
+    let init = initramfs(&dir, CHURN_INIT)?;
+    let log = dir.join("serial.log");
+    let mut vmm = Vmm::boot(&boot_config(&init)?, &console(&log))?;
+    wait_for(&log, "tick 3", Duration::from_secs(180))?;
+    vmm.pause()?;
+    let before = std::fs::read_to_string(&log)?;
+    let paused_at = last_tick(&before).ok_or("no tick before the pause")?;
+    std::thread::sleep(LONG_PAUSE);
+    let during = std::fs::read_to_string(&log)?;
+    if last_tick(&during) != Some(paused_at) {
+        return Err(format!(
+            "the guest ticked while paused (tick {paused_at} then {:?})",
+            last_tick(&during)
+        )
+        .into());
+    }
+    vmm.resume()?;
+    // The stall check runs at the scheduler tick, the first after resume.
+    let goal = format!("tick {}", paused_at + 10);
+    let text = wait_for(&log, &goal, Duration::from_secs(180))?;
+    vmm.kill();
+    let uptimes: Vec<f64> = text
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("up ")?.trim().parse().ok())
+        .collect();
+    let jump = uptimes.windows(2).map(|w| w[1] - w[0]).fold(0.0, f64::max);
+    println!("long pause: the guest's uptime jumped {jump:.1} s over a {LONG_PAUSE:?} pause");
+    let stalls: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("detected stall") || l.contains("soft lockup"))
+        .collect();
+    if !stalls.is_empty() {
+        return Err(format!(
+            "the guest reported a stall after a {LONG_PAUSE:?} pause:\n{}",
+            stalls.join("\n")
+        )
+        .into());
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
 fn graceful_shutdown_reaches_init() -> Result<(), Failed> {
     let dir = scratch("shutdown")?;
     let init = initramfs(&dir, SHUTDOWN_INIT)?;
@@ -434,6 +506,10 @@ fn main() {
         Trial::test(
             "linux_virtio_blk_rng_vsock_and_snapshot",
             devices_work_and_survive_snapshot,
+        ),
+        Trial::test(
+            "linux_long_pause_reports_no_stall",
+            long_pause_reports_no_stall,
         ),
         Trial::test("linux_boots_to_init_and_reboots", boots_to_init_and_reboots),
         Trial::test("linux_bzimage_two_vcpus_boots", bzimage_boots_too),

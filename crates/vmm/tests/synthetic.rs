@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use tine_proto::vmm::{RunState, StopReason};
 use tine_vmm::device_manager::RestoreOverrides;
-use tine_vmm::vmm::{BootConfig, ConsoleConfig, Vmm};
+use tine_vmm::vmm::{BootConfig, ConsoleConfig, Privilege, Vmm};
 use vm_memory::{Bytes, GuestAddress};
 
 const CODE_ADDR: u64 = 0x10_0000;
@@ -463,4 +463,61 @@ fn test_synthetic_write_set_moves_between_vms_of_one_snapshot() {
     second.resume().expect("resume");
     wait_counter_above(&second, counter(&second));
     second.kill();
+}
+
+/// Where the kvmclock guest has KVM write its time, and the offset of the
+/// flags byte in it (`struct pvclock_vcpu_time_info`).
+const PVCLOCK_ADDR: u64 = 0x30_0000;
+const PVCLOCK_FLAGS: u64 = 29;
+/// `PVCLOCK_GUEST_STOPPED`: the host stopped the vCPU since the guest last
+/// looked (the guest clears it).
+const PVCLOCK_GUEST_STOPPED: u8 = 1 << 1;
+
+/// In ring 0: enables kvmclock at `PVCLOCK_ADDR` (`MSR_KVM_SYSTEM_TIME_NEW`),
+/// then counts as `COUNTER_LOOP` does.
+const KVMCLOCK_COUNTER: &[u8] = &[
+    0xb9, 0x01, 0x4d, 0x56, 0x4b, // mov ecx, 0x4b564d01
+    0xb8, 0x01, 0x00, 0x30, 0x00, // mov eax, 0x300001 (enabled)
+    0x31, 0xd2, // xor edx, edx
+    0x0f, 0x30, // wrmsr
+    0x48, 0xff, 0x04, 0x25, 0x00, 0x00, 0x20, 0x00, // inc qword [0x200000]
+    0xeb, 0xf6, // jmp inc
+];
+
+fn pvclock_flags(vmm: &Vmm) -> u8 {
+    vmm.ram()
+        .mem
+        .read_obj(GuestAddress(PVCLOCK_ADDR + PVCLOCK_FLAGS))
+        .expect("the kvmclock page is inside guest RAM")
+}
+
+/// A pause tells the guest's kvmclock that the vCPU was stopped, as a
+/// restore does, so that a kernel does not take the paused time for a
+/// stuck CPU (the Linux bed test `linux_long_pause_reports_no_stall` shows
+/// what it would report).
+#[test]
+fn test_synthetic_a_pause_tells_the_guests_kvmclock() {
+    let mut config = raw_config(KVMCLOCK_COUNTER);
+    if let Some(raw) = config.raw.as_mut() {
+        raw.privilege = Privilege::Kernel;
+    }
+    let mut vmm = Vmm::boot(&config, &ConsoleConfig::default()).expect("boot a ring-0 guest");
+    wait_counter_above(&vmm, 0);
+    assert_eq!(
+        pvclock_flags(&vmm) & PVCLOCK_GUEST_STOPPED,
+        0,
+        "stopped before any pause"
+    );
+    vmm.pause().expect("pause");
+    vmm.resume().expect("resume");
+    let start = Instant::now();
+    while pvclock_flags(&vmm) & PVCLOCK_GUEST_STOPPED == 0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the guest's kvmclock never said its vCPU was stopped (flags {:#x})",
+            pvclock_flags(&vmm)
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    vmm.kill();
 }

@@ -284,6 +284,18 @@ impl Vcpu {
         self.msr_indices = state.msrs.iter().map(|m| m.index).collect();
         Ok(())
     }
+
+    /// Tells the guest's kvmclock the vCPU was stopped (`KVM_KVMCLOCK_CTRL`),
+    /// so that the time it did not run is not taken for a stuck CPU by the
+    /// guest's soft-lockup watchdog and RCU stall detector. Fails when the
+    /// guest has no kvmclock (synthetic guests): nothing to tell then.
+    pub fn tell_clock_stopped(&self) {
+        if let Err(e) = self.fd.kvmclock_ctrl() {
+            if e.errno() != libc::EINVAL {
+                eprintln!("tine-vmm: KVM_KVMCLOCK_CTRL on vCPU {}: {e}", self.index);
+            }
+        }
+    }
 }
 
 /// The name of vCPU `index`'s thread.
@@ -680,9 +692,18 @@ fn run_loop(
 ) -> Vcpu {
     // Whoever started or resumed this vCPU may still be answering for it.
     settle_after_wake(home.as_ref());
+    // Whether the guest ran since the vCPU last parked (a restore tells
+    // the guest's clock itself).
+    let mut ran = false;
     loop {
         if pause.load(Ordering::SeqCst) {
             let _ = responses.send(Response::Paused);
+            if std::mem::take(&mut ran) {
+                // The guest's clock jumps by the paused time when it
+                // resumes: without this, a pause longer than its kernel's
+                // stall timeouts reads as a stuck CPU (an RCU stall report).
+                vcpu.tell_clock_stopped();
+            }
             loop {
                 match commands.recv() {
                     // The flag says whether to run: a pause may have
@@ -702,6 +723,7 @@ fn run_loop(
                 }
             }
         }
+        ran = true;
         let stop = match vcpu.fd.run() {
             Ok(exit) => handle_exit(exit, &ctx),
             Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => None,
