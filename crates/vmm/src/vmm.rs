@@ -37,8 +37,8 @@ use crate::snapshot::{temp_name, Persist};
 use crate::spare_thread::SpareThread;
 use crate::vstate::memory::{GuestRam, MemoryError, Populate, Reservation};
 use crate::vstate::vcpu::{
-    host_is_amd, install_kick_handler, vcpu_thread_name, StopSignal, Vcpu, VcpuContext, VcpuError,
-    VcpuHandle, VcpuState,
+    host_is_amd, install_kick_handler, vcpu_thread_name, ResetState, StopSignal, Vcpu, VcpuContext,
+    VcpuError, VcpuHandle, VcpuState,
 };
 use crate::vstate::vm::{Vm, VmError, VmState};
 
@@ -384,8 +384,11 @@ impl PreparedVm {
                 msr_indices: Vec::new(),
                 cpuid: Vec::new(),
                 tsc_khz,
+                reset: None,
             };
             vcpu.set_cpuid(cpuid::vcpu_cpuid(&cpuid_base, index, num_vcpus)?.as_slice())?;
+            // Not needed to run: without it a restore sets every part.
+            vcpu.reset = ResetState::read(&vcpu.fd).ok();
             vcpus.push(vcpu);
             vcpu_threads.push(
                 SpareThread::spawn(vcpu_thread_name(index))
@@ -599,7 +602,9 @@ impl Vmm {
 
         let mut handles = Vec::with_capacity(vcpus.len());
         // `PreparedVm::new` set each vCPU's CPUID for `config.vcpus`.
-        for (vcpu, thread) in vcpus.into_iter().zip(vcpu_threads) {
+        for (mut vcpu, thread) in vcpus.into_iter().zip(vcpu_threads) {
+            // Set for a boot from here on.
+            vcpu.reset = None;
             msr::set_msrs(&vcpu.fd, &msr::boot_msrs())?;
             let kvm_err = |op| move |source| VmError::Kvm { op, source };
             if vcpu.index == 0 {
@@ -745,8 +750,12 @@ impl Vmm {
             stop: stop.clone(),
         };
         let mut handles = Vec::with_capacity(restored.len());
-        for (vcpu, thread) in restored.into_iter().zip(vcpu_threads) {
-            vcpu.tell_clock_stopped();
+        for ((vcpu, thread), saved) in restored.into_iter().zip(vcpu_threads).zip(&state.vcpus) {
+            // Only a guest with a kvmclock has one to tell (the ioctl
+            // fails otherwise, at the cost of one that succeeds).
+            if saved.kvmclock_enabled() {
+                vcpu.tell_clock_stopped();
+            }
             // A restore that runs the guest starts each vCPU running: its
             // state is set, and a start parked then resumed costs two more
             // hand-overs to the vCPU thread on the fork's path.

@@ -521,3 +521,57 @@ fn test_synthetic_a_pause_tells_the_guests_kvmclock() {
     }
     vmm.kill();
 }
+
+/// A restore into a pre-started VM sets only the parts of a vCPU's state
+/// that differ from what KVM made the vCPU with: debug registers changed in
+/// the state file are what the restored vCPU holds, and the parts the
+/// snapshot holds as KVM made them (a ring-3 guest's extended control
+/// registers, its multiprocessing state and pending events) are still what
+/// the snapshot says.
+#[test]
+fn test_synthetic_a_restore_sets_the_parts_that_differ_from_a_new_vcpu() {
+    use tine_vmm::snapshot::format;
+    use tine_vmm::vmm::{MicrovmState, PreparedVm};
+    let dir = tempfile::tempdir().expect("tmp");
+    let (state, mem) = (dir.path().join("vm.state"), dir.path().join("vm.mem"));
+    let mut parent = Vmm::boot(&raw_config(COUNTER_LOOP), &ConsoleConfig::default()).expect("boot");
+    let before = wait_counter_above(&parent, 0);
+    parent.pause().expect("pause");
+    parent.snapshot(&state, &mem).expect("snapshot");
+    parent.kill();
+    let decode = |path: &std::path::Path| {
+        MicrovmState::decode(&std::fs::read(path).expect("read state")).expect("decode")
+    };
+    let mut saved = decode(&state);
+    // Breakpoint addresses, none enabled (DR7 unchanged): the guest runs
+    // the same.
+    saved.vcpus[0].debugregs.db = [0x1234_5000, 0, 0, 0x9abc_d000];
+    std::fs::write(&state, format::encode(&saved).expect("encode")).expect("write");
+
+    let prepared = PreparedVm::with_memory(1, 32 << 20).expect("prepare");
+    let mut child = Vmm::restore(
+        &state,
+        &mem,
+        Some(prepared),
+        &ConsoleConfig::default(),
+        &RestoreOverrides::default(),
+        false,
+    )
+    .expect("restore into a pre-started VM");
+    assert!(wait_counter_above(&child, before) > before);
+    child.pause().expect("pause");
+    let again = dir.path().join("again.state");
+    child
+        .snapshot(&again, &dir.path().join("again.mem"))
+        .expect("snapshot");
+    child.kill();
+    let (was, now) = (&saved.vcpus[0], &decode(&again).vcpus[0]);
+    assert_eq!(
+        now.debugregs.db, was.debugregs.db,
+        "changed debug registers"
+    );
+    assert_eq!(now.debugregs.dr7, was.debugregs.dr7);
+    assert_eq!(now.xcrs, was.xcrs);
+    assert_eq!(now.mp_state, was.mp_state);
+    assert_eq!(now.vcpu_events, was.vcpu_events);
+}

@@ -20,7 +20,9 @@ use serde::{Deserialize, Serialize};
 use tine_proto::vmm::StopReason;
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::arch::x86_64::msr::{self, MsrError, MSR_IA32_TSC_DEADLINE};
+use crate::arch::x86_64::msr::{
+    self, MsrError, MSR_IA32_TSC_DEADLINE, MSR_KVM_SYSTEM_TIME, MSR_KVM_SYSTEM_TIME_NEW,
+};
 use crate::devices::bus::Bus;
 use crate::spare_thread::{SpareThread, Worker};
 
@@ -70,7 +72,7 @@ pub enum VcpuError {
 }
 
 /// Everything KVM holds for one vCPU, in a serializable form.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Default, Serialize, Deserialize)]
 pub struct VcpuState {
     /// CPUID as set at creation (restored from here, never recomputed).
     pub cpuid: Vec<kvm_cpuid_entry2>,
@@ -94,6 +96,44 @@ pub struct VcpuState {
     pub vcpu_events: kvm_vcpu_events,
     /// TSC frequency in kHz, when KVM reports it.
     pub tsc_khz: Option<u32>,
+}
+
+impl VcpuState {
+    /// Whether the guest had enabled its kvmclock (a saved state without
+    /// the MSRs is taken to have).
+    pub fn kvmclock_enabled(&self) -> bool {
+        let clock_msrs: Vec<u64> = self
+            .msrs
+            .iter()
+            .filter(|m| m.index == MSR_KVM_SYSTEM_TIME_NEW || m.index == MSR_KVM_SYSTEM_TIME)
+            .map(|m| m.data)
+            .collect();
+        clock_msrs.is_empty() || clock_msrs.iter().any(|data| data & 1 == 1)
+    }
+}
+
+/// The parts of a vCPU's state that a guest often holds as KVM made them,
+/// read when the vCPU is made (off a pre-started VM's restore path): a
+/// restore sets only those the snapshot holds otherwise. Each set is an
+/// ioctl that loads the vCPU, about 10 us on a nested host.
+#[derive(Debug, Clone, Copy)]
+pub struct ResetState {
+    mp_state: kvm_mp_state,
+    debugregs: kvm_debugregs,
+    xcrs: kvm_xcrs,
+    vcpu_events: kvm_vcpu_events,
+}
+
+impl ResetState {
+    /// Reads them from a vCPU that has neither run nor been set.
+    pub fn read(fd: &VcpuFd) -> Result<Self, kvm_ioctls::Error> {
+        Ok(Self {
+            mp_state: fd.get_mp_state()?,
+            debugregs: fd.get_debug_regs()?,
+            xcrs: fd.get_xcrs()?,
+            vcpu_events: fd.get_vcpu_events()?,
+        })
+    }
 }
 
 /// Where the first stop reason is recorded and announced.
@@ -148,6 +188,9 @@ pub struct Vcpu {
     /// The TSC frequency KVM gives it (`None`: KVM did not say), read when
     /// it is created so that a restore need not ask.
     pub tsc_khz: Option<u32>,
+    /// What KVM made it with, while nothing has been set since (`None`
+    /// once anything was, or when it was not read).
+    pub reset: Option<ResetState>,
 }
 
 impl Vcpu {
@@ -243,9 +286,13 @@ impl Vcpu {
                 }
             }
         }
-        self.fd
-            .set_mp_state(state.mp_state)
-            .map_err(self.err("KVM_SET_MP_STATE"))?;
+        // What the snapshot holds as KVM made the vCPU is not set again.
+        let reset = self.reset.take();
+        if reset.is_none_or(|r| r.mp_state != state.mp_state) {
+            self.fd
+                .set_mp_state(state.mp_state)
+                .map_err(self.err("KVM_SET_MP_STATE"))?;
+        }
         self.fd
             .set_regs(&state.regs)
             .map_err(self.err("KVM_SET_REGS"))?;
@@ -257,12 +304,16 @@ impl Vcpu {
         // same CPUID (checked through the template fingerprint), so its size
         // and layout match what this vCPU expects.
         unsafe { self.fd.set_xsave(&state.xsave) }.map_err(self.err("KVM_SET_XSAVE"))?;
-        self.fd
-            .set_xcrs(&state.xcrs)
-            .map_err(self.err("KVM_SET_XCRS"))?;
-        self.fd
-            .set_debug_regs(&state.debugregs)
-            .map_err(self.err("KVM_SET_DEBUGREGS"))?;
+        if reset.is_none_or(|r| r.xcrs != state.xcrs) {
+            self.fd
+                .set_xcrs(&state.xcrs)
+                .map_err(self.err("KVM_SET_XCRS"))?;
+        }
+        if reset.is_none_or(|r| r.debugregs != state.debugregs) {
+            self.fd
+                .set_debug_regs(&state.debugregs)
+                .map_err(self.err("KVM_SET_DEBUGREGS"))?;
+        }
         self.fd
             .set_lapic(&state.lapic)
             .map_err(self.err("KVM_SET_LAPIC"))?;
@@ -278,9 +329,14 @@ impl Vcpu {
             index: self.index,
             source,
         })?;
-        self.fd
-            .set_vcpu_events(&state.vcpu_events)
-            .map_err(self.err("KVM_SET_VCPU_EVENTS"))?;
+        // None of the sets above changes the pending events unless the
+        // snapshot's differ from the reset ones too (an interrupt the
+        // special registers queue is also in the saved events).
+        if reset.is_none_or(|r| r.vcpu_events != state.vcpu_events) {
+            self.fd
+                .set_vcpu_events(&state.vcpu_events)
+                .map_err(self.err("KVM_SET_VCPU_EVENTS"))?;
+        }
         self.msr_indices = state.msrs.iter().map(|m| m.index).collect();
         Ok(())
     }
@@ -740,6 +796,31 @@ fn run_loop(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kvmclock_is_enabled_by_bit_0_of_either_system_time_msr() {
+        let with = |msrs: &[(u32, u64)]| VcpuState {
+            msrs: msrs
+                .iter()
+                .map(|&(index, data)| kvm_msr_entry {
+                    index,
+                    data,
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        };
+        assert!(with(&[]).kvmclock_enabled(), "not saved: taken as enabled");
+        assert!(!with(&[
+            (MSR_KVM_SYSTEM_TIME_NEW, 0x30_0000),
+            (MSR_KVM_SYSTEM_TIME, 0)
+        ])
+        .kvmclock_enabled());
+        assert!(with(&[(MSR_KVM_SYSTEM_TIME_NEW, 0x30_0001)]).kvmclock_enabled());
+        assert!(
+            with(&[(MSR_KVM_SYSTEM_TIME_NEW, 0), (MSR_KVM_SYSTEM_TIME, 0x1001)]).kvmclock_enabled()
+        );
+    }
 
     #[test]
     fn a_busy_tss_is_restored_as_the_vmcb_held_it_on_amd_only() {

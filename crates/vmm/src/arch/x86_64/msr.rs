@@ -8,6 +8,11 @@ use kvm_ioctls::{Kvm, VcpuFd};
 pub const MSR_IA32_TSC: u32 = 0x10;
 /// IA32_TSC_DEADLINE: restored last, after TSC and the LAPIC.
 pub const MSR_IA32_TSC_DEADLINE: u32 = 0x6e0;
+/// KVM's paravirtual clock, the old and the current MSR: where the guest
+/// has KVM write its time, bit 0 set while it is enabled.
+pub const MSR_KVM_SYSTEM_TIME: u32 = 0x12;
+/// See [`MSR_KVM_SYSTEM_TIME`].
+pub const MSR_KVM_SYSTEM_TIME_NEW: u32 = 0x4b56_4d01;
 const MSR_IA32_SYSENTER_CS: u32 = 0x174;
 const MSR_IA32_SYSENTER_ESP: u32 = 0x175;
 const MSR_IA32_SYSENTER_EIP: u32 = 0x176;
