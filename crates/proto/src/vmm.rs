@@ -20,6 +20,10 @@ pub enum Request {
     Status,
     /// Park the vCPUs.
     Pause,
+    /// Park the vCPUs and hold the guest's clock where it is until the
+    /// resume: the guest does not see the time it waited pass (a VM primed
+    /// for a hot fork, run ahead until its agent answered).
+    PauseHoldingClock,
     /// Run them again.
     Resume {
         /// The vsock socket's file was moved here while the VM was paused
@@ -102,6 +106,7 @@ impl Request {
         match self {
             Request::Status => "status",
             Request::Pause => "pause",
+            Request::PauseHoldingClock => "pause_holding_clock",
             Request::Resume { .. } => "resume",
             Request::Snapshot { .. } => "snapshot",
             Request::SwitchDisk { .. } => "switch_disk",
@@ -441,6 +446,7 @@ mod tests {
         let requests = [
             Request::Status,
             Request::Pause,
+            Request::PauseHoldingClock,
             Request::Resume { vsock_uds: None },
             Request::Resume {
                 vsock_uds: Some("v".into()),

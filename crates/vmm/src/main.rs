@@ -304,6 +304,10 @@ fn handle(
             Ok(()) => (ok(Some(vmm), start), false),
             Err(e) => (error_of(&e), false),
         },
+        (Request::PauseHoldingClock, Machine::Live(vmm)) => match vmm.pause_holding_clock() {
+            Ok(()) => (ok(Some(vmm), start), false),
+            Err(e) => (error_of(&e), false),
+        },
         (Request::SwitchDisk { drive, path }, Machine::Live(vmm)) => {
             match vmm.switch_disk(&drive, &path) {
                 Ok(()) => (ok(Some(vmm), start), false),

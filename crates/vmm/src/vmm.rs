@@ -453,9 +453,10 @@ pub struct Vmm {
     state: RunState,
     cpu_fingerprint: u64,
     boot: BootConfig,
-    /// The snapshot's kvmclock while a VM restored paused has not run yet:
-    /// the first resume sets it again, so that the guest's clock goes on
-    /// from the snapshot however long the restored VM waited.
+    /// The guest's kvmclock to go on from at the next resume: the
+    /// snapshot's while a VM restored paused has not run yet, or the one a
+    /// pause holding the clock read. The resume sets it again, so that the
+    /// guest's clock does not count the wait.
     restored_clock: Option<kvm_bindings::kvm_clock_data>,
 }
 
@@ -834,6 +835,16 @@ impl Vmm {
         Ok(())
     }
 
+    /// Parks every vCPU, and holds the guest's clock where it is until
+    /// [`Vmm::resume`]: the guest does not see the time it waits pass, as
+    /// a VM restored paused does not (a VM primed for a hot fork that ran
+    /// ahead until its agent answered).
+    pub fn pause_holding_clock(&mut self) -> Result<(), VmmError> {
+        self.pause()?;
+        self.restored_clock = Some(self.vm.clock()?);
+        Ok(())
+    }
+
     /// Lets every vCPU run again.
     pub fn resume(&mut self) -> Result<(), VmmError> {
         self.require("resume", RunState::Paused)?;
@@ -895,7 +906,11 @@ impl Vmm {
         for vcpu in &self.vcpus {
             vcpu_states.push(vcpu.save_state()?);
         }
-        let vm_state = self.vm.save_state()?;
+        let mut vm_state = self.vm.save_state()?;
+        // A clock held for the next resume is the guest's own.
+        if let Some(held) = self.restored_clock {
+            vm_state.clock = held;
+        }
         let serial = self.serial.lock().unwrap_or_else(|p| p.into_inner()).save();
         let state = MicrovmState {
             mem_size: self.ram.size(),

@@ -385,6 +385,47 @@ fn test_synthetic_a_vm_restored_paused_resumes_with_the_snapshots_clock() {
     );
 }
 
+/// A pause holding the clock: over a second's wait the guest's kvmclock
+/// stands (a snapshot then saves the held clock), and after the resume it
+/// goes on from there; over a plain pause it runs on.
+#[test]
+fn test_synthetic_a_pause_holding_the_clock_hides_the_wait_from_the_guest() {
+    use tine_vmm::vmm::MicrovmState;
+    let dir = tempfile::tempdir().expect("tmp");
+    let (state, mem) = (dir.path().join("vm.state"), dir.path().join("vm.mem"));
+    let clock_now = |vmm: &mut Vmm| {
+        vmm.snapshot(&state, &mem).expect("snapshot");
+        MicrovmState::decode(&std::fs::read(&state).expect("read"))
+            .expect("decode")
+            .vm
+            .clock
+            .clock
+    };
+    let mut vmm = Vmm::boot(&raw_config(COUNTER_LOOP), &ConsoleConfig::default()).expect("boot");
+    wait_counter_above(&vmm, 0);
+
+    vmm.pause_holding_clock().expect("pause holding the clock");
+    let held = clock_now(&mut vmm);
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(clock_now(&mut vmm), held, "the held clock moved");
+    vmm.resume().expect("resume");
+    vmm.pause().expect("pause");
+    let ran = clock_now(&mut vmm).saturating_sub(held);
+    assert!(
+        ran < 500_000_000,
+        "the guest's clock moved {ran} ns over a run of a few ms: the wait counted"
+    );
+
+    let paused = clock_now(&mut vmm);
+    std::thread::sleep(Duration::from_secs(1));
+    let waited = clock_now(&mut vmm).saturating_sub(paused);
+    assert!(
+        waited >= 1_000_000_000,
+        "a plain pause held the clock ({waited} ns over a 1 s wait)"
+    );
+    vmm.kill();
+}
+
 /// A write set saved from one restored VM copies the same pages into
 /// another paused one, whose guest then runs on from them; a booted VM
 /// (its memory all its own) and a write set of another memory size are

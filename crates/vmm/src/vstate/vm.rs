@@ -123,9 +123,7 @@ impl Vm {
                 .map_err(kvm_err("KVM_GET_IRQCHIP"))?;
             Ok(chip)
         };
-        let mut clock = self.fd.get_clock().map_err(kvm_err("KVM_GET_CLOCK"))?;
-        // Only the clock value is restorable; the flags describe the host.
-        clock.flags &= !KVM_CLOCK_TSC_STABLE;
+        let clock = self.clock()?;
         Ok(VmState {
             pic_master: chip(KVM_IRQCHIP_PIC_MASTER)?,
             pic_slave: chip(KVM_IRQCHIP_PIC_SLAVE)?,
@@ -133,6 +131,14 @@ impl Vm {
             pit: self.fd.get_pit2().map_err(kvm_err("KVM_GET_PIT2"))?,
             clock,
         })
+    }
+
+    /// The guest's kvmclock now, as [`Vm::set_clock`] takes it back.
+    pub fn clock(&self) -> Result<kvm_clock_data, VmError> {
+        let mut clock = self.fd.get_clock().map_err(kvm_err("KVM_GET_CLOCK"))?;
+        // Only the clock value is restorable; the flags describe the host.
+        clock.flags &= !KVM_CLOCK_TSC_STABLE;
+        Ok(clock)
     }
 
     /// Sets kvmclock to a saved value.
