@@ -9,9 +9,11 @@ use std::time::Duration;
 
 use tine_daemon::launcher::pool::{Shape, POOL_DIR};
 use tine_daemon::launcher::vmm::VmmLauncher;
-use tine_daemon::launcher::{Launcher, LauncherExt, PrimeSpec, RestoreSpec, Stop, WriteSetCopy};
+use tine_daemon::launcher::{
+    Launcher, LauncherExt, PrimeSpec, RestoreSpec, Stop, WarmUp, WriteSetCopy,
+};
 use tine_daemon::process::{find_processes, Owner};
-use tine_proto::vmm::StopReason;
+use tine_proto::vmm::{RunState, StopReason};
 use tine_vmm::snapshot::write_set::WriteSet;
 use tine_vmm::vmm::{BootConfig, ConsoleConfig, Vmm};
 
@@ -221,6 +223,76 @@ fn copied_pages(instance: tine_daemon::launcher::Instance) -> u64 {
         / 4096
 }
 
+/// Asked to warm its agent, a primed VM runs until its agent answers (a
+/// synthetic guest has no vsock device: the launcher says so at once, and
+/// the nested bed's hot fork test shows a guest's agent answering), then
+/// waits paused again, and a VM takes it over as any primed one.
+#[tokio::test]
+async fn a_primed_vm_warmed_ahead_waits_paused_again() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let (state, memory) = synthetic_snapshot(dir.path());
+    let data_dir = dir.path().join("data");
+    let vmm: PathBuf = env!("CARGO_BIN_EXE_tine-vmm").into();
+    let launcher = VmmLauncher::new(vmm, data_dir.clone());
+    let folder = dir.path().join("spare-1");
+    std::fs::create_dir(&folder).expect("spare folder");
+    let disk = folder.join("disk.raw");
+    std::fs::write(&disk, vec![0u8; 1 << 20]).expect("disk");
+    let spec = PrimeSpec {
+        cpus: 1,
+        ram_mib: 32,
+        state,
+        memory,
+        disk,
+        folder: folder.clone(),
+        tap: None,
+        write_set: None,
+        warm_agent: true,
+    };
+    let began = std::time::Instant::now();
+    let primed = launcher.prime(&spec).await.expect("prime");
+    match &primed.warm_up {
+        WarmUp::NoAnswer(why) => assert!(why.contains("socket"), "{why}"),
+        other => panic!("a guest without vsock: {other:?}"),
+    }
+    assert!(
+        began.elapsed() < Duration::from_secs(10),
+        "a guest without vsock was waited for"
+    );
+    let pid = pool_pids(&data_dir)[0];
+    let instance = tine_daemon::launcher::Instance {
+        pid,
+        pid_start: tine_daemon::process::start_time(pid).expect("start time"),
+    };
+    let status = tine_daemon::process::control(
+        &tine_daemon::process::VmPaths::in_dir(folder.clone()),
+        &tine_proto::vmm::Request::Status,
+        Duration::from_secs(5),
+    )
+    .await
+    .expect("status");
+    assert!(
+        matches!(
+            status,
+            tine_proto::vmm::Response::Ok {
+                state: Some(RunState::Paused),
+                ..
+            }
+        ),
+        "{status:?}"
+    );
+    std::fs::create_dir_all(data_dir.join("vms")).expect("vms folder");
+    std::fs::rename(&folder, data_dir.join("vms").join("t-1")).expect("take the folder");
+    let running = launcher
+        .resume_primed(&primed.name, "t-1")
+        .await
+        .expect("resume")
+        .expect("its process runs");
+    assert_eq!(running.instance, instance);
+    launcher.stop_now("t-1").await.expect("kill");
+    assert_eq!(running.exit.await, Stop::Reported(StopReason::Killed));
+}
+
 #[tokio::test]
 async fn a_primed_vm_waits_paused_until_a_vm_takes_it_over() {
     let dir = tempfile::tempdir().expect("tmp");
@@ -246,8 +318,11 @@ async fn a_primed_vm_waits_paused_until_a_vm_takes_it_over() {
         folder: folder.clone(),
         tap: None,
         write_set: None,
+        warm_agent: false,
     };
-    let name = launcher.prime(&spec).await.expect("prime").name;
+    let primed = launcher.prime(&spec).await.expect("prime");
+    assert_eq!(primed.warm_up, WarmUp::NotAsked);
+    let name = primed.name;
     let primed = pool_pids(&data_dir);
     assert_eq!(primed.len(), 1, "its process waits in the pool's folder");
     // Its files moved into the spare's folder, and the slot's folder went.
@@ -432,6 +507,7 @@ async fn a_write_set_saved_from_one_run_is_copied_into_the_vms_primed_after_it()
             folder,
             tap: None,
             write_set,
+            warm_agent: false,
         }
     };
     let instance_of = |pid: u32| tine_daemon::launcher::Instance {

@@ -44,7 +44,7 @@ use super::spare_book::{Released, SpareVm};
 use crate::config::HostGroup;
 use crate::db::{CommitFilter, CommitRecord, VmRecord};
 use crate::launcher::pool::new_slot_name;
-use crate::launcher::{PrimeSpec, WriteSetCopy};
+use crate::launcher::{PrimeSpec, WarmUp, WriteSetCopy};
 use crate::network::{NetMode, VmNetwork};
 use crate::process::DISK_FILE;
 use crate::storage;
@@ -237,11 +237,22 @@ impl Daemon {
                 folder,
                 tap: network.map(|n| n.tap),
                 write_set: Some(files.write_set()).filter(|w| w.is_file()),
+                warm_agent: true,
             };
             match self.launcher.prime(&spec).await {
                 Ok(primed) => {
                     self.spare_book().end_priming(&disk, Some(primed.name));
                     self.write_set_copied(id, &files, primed.write_set);
+                    match primed.warm_up {
+                        WarmUp::NotAsked => {}
+                        WarmUp::Answered(ms) => {
+                            tracing::debug!(commit = %id, ms, "a primed VM's agent answered")
+                        }
+                        WarmUp::NoAnswer(why) => tracing::warn!(
+                            commit = %id,
+                            "a primed VM's agent did not answer (its fork's will, later): {why}"
+                        ),
+                    }
                 }
                 Err(e) => {
                     self.spare_book().end_priming(&disk, None);

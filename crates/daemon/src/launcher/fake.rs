@@ -31,7 +31,7 @@ use tokio::sync::watch;
 
 use super::{
     BootSpec, GuestStream, Instance, LaunchError, Launcher, PrimeSpec, Primed, RestoreSpec,
-    Running, Shape, Stop, Stray, WriteSetCopy,
+    Running, Shape, Stop, Stray, WarmUp, WriteSetCopy,
 };
 
 /// How a fake VM's guest behaves.
@@ -378,10 +378,11 @@ impl FakeLauncher {
         let mut snapshot = None;
         let mut write_set_bytes = None;
         match request {
-            VmmRequest::Pause if run.paused => {
+            VmmRequest::Pause | VmmRequest::PauseHoldingClock if run.paused => {
                 return error("pause needs a running VM; it is paused")
             }
-            VmmRequest::Pause => run.paused = true,
+            // A fake guest has no clock to hold.
+            VmmRequest::Pause | VmmRequest::PauseHoldingClock => run.paused = true,
             VmmRequest::Resume { .. } if !run.paused => {
                 return error("resume needs a paused VM; it is running")
             }
@@ -556,7 +557,17 @@ impl Launcher for FakeLauncher {
                 None => WriteSetCopy::NotAsked,
                 Some(path) => copy_write_set(path, memory),
             };
-            Ok(Primed { name, write_set })
+            // A fake guest's agent answers at once, its clock is nobody's.
+            let warm_up = if spec.warm_agent {
+                WarmUp::Answered(0)
+            } else {
+                WarmUp::NotAsked
+            };
+            Ok(Primed {
+                name,
+                write_set,
+                warm_up,
+            })
         }
         .boxed()
     }

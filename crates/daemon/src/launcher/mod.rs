@@ -107,6 +107,13 @@ pub struct PrimeSpec {
     /// guest finds them its own. One that cannot be copied leaves the VM
     /// primed without it (logged).
     pub write_set: Option<PathBuf>,
+    /// Run the guest, once restored, until its agent answers a handshake,
+    /// then pause it again holding its clock (`pause_holding_clock`): what
+    /// a restored guest does once (the kernel's work after the restore,
+    /// the agent's first answer) is done before any fork, and the fork's
+    /// guest goes on from the same instant of its clock however long it
+    /// waited. Its TAP stays in quarantine.
+    pub warm_agent: bool,
 }
 
 /// A VM primed ahead of a hot fork by [`Launcher::prime`].
@@ -116,6 +123,21 @@ pub struct Primed {
     pub name: String,
     /// What became of the write set its spec named.
     pub write_set: WriteSetCopy,
+    /// What running it until its agent answered did.
+    pub warm_up: WarmUp,
+}
+
+/// What running a primed VM until its agent answered did
+/// ([`PrimeSpec::warm_agent`]). The VM is primed (paused, its clock held)
+/// whichever it is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WarmUp {
+    /// The spec did not ask for it.
+    NotAsked,
+    /// The agent answered after this many milliseconds.
+    Answered(u64),
+    /// It did not, with why (a guest without an agent or a vsock device).
+    NoAnswer(String),
 }
 
 /// What priming a VM did with the write set its spec named. The VM is

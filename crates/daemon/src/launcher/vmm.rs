@@ -12,13 +12,14 @@ use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
+use tine_proto::agent::{client_handshake, Hello, AGENT_VSOCK_PORT, PROTOCOL_VERSION};
 use tine_proto::vmm::{Request as VmmRequest, Response as VmmResponse};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::pool::{self, Pool, Shape, Slot, POOL_DIR};
 use super::{
     BootSpec, GuestStream, Instance, LaunchError, Launcher, PrimeSpec, Primed, RestoreSpec,
-    Running, Stray, WriteSetCopy,
+    Running, Stray, WarmUp, WriteSetCopy,
 };
 use crate::process::{self, VmPaths};
 
@@ -292,7 +293,7 @@ impl VmmLauncher {
         &self,
         name: &str,
         spec: &PrimeSpec,
-    ) -> Result<(Slot, WriteSetCopy), LaunchError> {
+    ) -> Result<(Slot, WriteSetCopy, WarmUp), LaunchError> {
         let shape = Shape {
             cpus: spec.cpus,
             ram_mib: spec.ram_mib,
@@ -323,14 +324,22 @@ impl VmmLauncher {
                     Ok(moved_vsock) => {
                         slot.moved_vsock = moved_vsock;
                         slot.primed_in = Some(spec.folder.clone());
+                        let primed = VmPaths::in_dir(spec.folder.clone());
                         let copy = match &spec.write_set {
                             Some(write_set) => {
-                                let primed = VmPaths::in_dir(spec.folder.clone());
                                 populate_write_set(&primed, write_set, &hostname).await
                             }
                             None => WriteSetCopy::NotAsked,
                         };
-                        return Ok((slot, copy));
+                        let warmed = if spec.warm_agent {
+                            warm_up(&primed, &hostname).await
+                        } else {
+                            Ok(WarmUp::NotAsked)
+                        };
+                        match warmed {
+                            Ok(warmed) => return Ok((slot, copy, warmed)),
+                            Err(e) => e,
+                        }
                     }
                     Err(e) => e,
                 }
@@ -429,6 +438,65 @@ async fn populate_write_set(primed: &VmPaths, write_set: &Path, hostname: &str) 
         );
     }
     WriteSetCopy::answered(answer)
+}
+
+/// How long a primed VM's agent may take to answer its first handshake
+/// (seconds in a nested test bed).
+const WARM_UP_ANSWER: Duration = Duration::from_secs(30);
+
+/// Runs the primed VM at `primed` until its agent answers a handshake, and
+/// pauses it again holding its clock ([`PrimeSpec::warm_agent`]). An error
+/// is a VM that did not run or could not be paused again: it must not wait
+/// as primed.
+async fn warm_up(primed: &VmPaths, hostname: &str) -> Result<WarmUp, LaunchError> {
+    let ask = |request: VmmRequest| async move {
+        match process::control(primed, &request, CONTROL_ANSWER).await {
+            Ok(VmmResponse::Ok { .. }) => Ok(()),
+            Ok(VmmResponse::Error { error }) => Err(LaunchError::Refused {
+                hostname: hostname.to_owned(),
+                request: request.name().into(),
+                error,
+            }),
+            Err(source) => Err(LaunchError::Control {
+                hostname: hostname.to_owned(),
+                source,
+            }),
+        }
+    };
+    ask(VmmRequest::Resume { vsock_uds: None }).await?;
+    let began = std::time::Instant::now();
+    let warmed = match tokio::time::timeout(WARM_UP_ANSWER, agent_handshake(&primed.vsock)).await {
+        Ok(Ok(())) => WarmUp::Answered(began.elapsed().as_millis() as u64),
+        Ok(Err(why)) => WarmUp::NoAnswer(why),
+        Err(_) => WarmUp::NoAnswer(format!(
+            "no handshake within {}",
+            humantime::format_duration(WARM_UP_ANSWER)
+        )),
+    };
+    ask(VmmRequest::PauseHoldingClock).await?;
+    Ok(warmed)
+}
+
+/// Connects to the agent through the vsock socket `vsock` and runs the
+/// protocol's handshake, then hangs up. A guest still taking the
+/// connection is asked again; a VM without a vsock socket is not.
+async fn agent_handshake(vsock: &Path) -> Result<(), String> {
+    let hello = Hello {
+        version: PROTOCOL_VERSION,
+        client: format!("tine-daemon {} (warm-up)", env!("CARGO_PKG_VERSION")),
+    };
+    loop {
+        match vsock_connect(vsock, AGENT_VSOCK_PORT).await {
+            Ok(mut io) => {
+                return client_handshake(&mut io, &hello)
+                    .await
+                    .map(drop)
+                    .map_err(|e| tine_proto::error_chain(&e));
+            }
+            Err(why) if !vsock.exists() => return Err(why),
+            Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+        }
+    }
 }
 
 /// Stops a pooled process nobody will use and removes its folder (a primed
@@ -567,9 +635,13 @@ impl Launcher for VmmLauncher {
             let name = pool::new_slot_name();
             self.pool().priming(&name);
             match self.prime_slot(&name, spec).await {
-                Ok((slot, write_set)) => {
+                Ok((slot, write_set, warm_up)) => {
                     self.pool().primed(&name, Some(slot));
-                    Ok(Primed { name, write_set })
+                    Ok(Primed {
+                        name,
+                        write_set,
+                        warm_up,
+                    })
                 }
                 Err(e) => {
                     self.pool().primed(&name, None);

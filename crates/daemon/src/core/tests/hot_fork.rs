@@ -708,6 +708,18 @@ async fn file_appears(path: &Path) {
     panic!("{} never appeared", path.display());
 }
 
+/// Every VM primed for a commit's hot forks is asked to run until its
+/// agent answers, ahead of any fork (the launcher then pauses it again,
+/// holding its clock).
+#[tokio::test]
+async fn primed_vms_run_ahead_until_their_agent_answers() {
+    let b = bed(true);
+    b.pooled_commit(2).await;
+    let primed = b.fake.primed();
+    assert_eq!(primed.len(), 2, "{primed:?}");
+    assert!(primed.iter().all(|p| p.warm_agent), "{primed:?}");
+}
+
 #[tokio::test]
 async fn the_first_hot_forks_writes_are_copied_into_the_next_forks_ahead() {
     let b = bed(true);
