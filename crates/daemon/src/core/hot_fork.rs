@@ -206,6 +206,9 @@ impl Daemon {
         let group = self.group(&vm.host_group)?.clone();
         self.take_forced(hostname);
         let claimed = self.spare_book().unclaim(hostname);
+        // For the log: whether the set-up's times are those of a VM primed
+        // (and run until its agent answered) ahead.
+        let claimed_primed = claimed.is_some();
         let running = match claimed {
             Some(primed) => self.resume_spare_vm(&group, vm, primed, files).await?,
             None => self.restore_hot_fork(&group, vm, files, None).await?,
@@ -218,7 +221,12 @@ impl Daemon {
         }
         self.notify(hostname);
         failpoint::hit(Failpoint::BootRecorded);
-        tracing::info!(vm = hostname, pid, "resumed from a memory commit");
+        tracing::info!(
+            vm = hostname,
+            pid,
+            claimed_primed,
+            "resumed from a memory commit"
+        );
         self.supervise(
             hostname.to_owned(),
             running,
