@@ -9,6 +9,7 @@
 use std::io;
 use std::net::{IpAddr, Ipv4Addr};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 use super::fs::write_atomic;
@@ -185,14 +186,24 @@ pub fn is_up(iface: &str) -> Result<bool, NetError> {
 }
 
 /// Writes `ROOT/etc/resolv.conf` with one `nameserver` line per server
-/// (atomically; a symlink there is replaced by the file).
+/// (atomically and synced; a symlink there is replaced by the file). A
+/// file that says that already, with the same permissions, is left as it
+/// is: every boot sets the same servers again, and a hot fork's guest has
+/// its source's file, its group's servers; the write would cost a sync.
 pub fn write_resolv_conf(root: &Path, dns: &[IpAddr]) -> Result<(), NetError> {
+    const MODE: u32 = 0o644;
     let mut text = String::from("# Written by tine-agent\n");
     for d in dns {
         text.push_str(&format!("nameserver {d}\n"));
     }
     let path = root.join("etc/resolv.conf");
-    write_atomic(&path, text.as_bytes(), 0o644).map_err(|source| NetError::Resolv { path, source })
+    let unchanged = std::fs::symlink_metadata(&path)
+        .is_ok_and(|m| m.file_type().is_file() && m.permissions().mode() & 0o7777 == MODE)
+        && std::fs::read(&path).is_ok_and(|old| old == text.as_bytes());
+    if unchanged {
+        return Ok(());
+    }
+    write_atomic(&path, text.as_bytes(), MODE).map_err(|source| NetError::Resolv { path, source })
 }
 
 fn prefix_to_mask(prefix: u8) -> Ipv4Addr {
@@ -485,6 +496,46 @@ mod tests {
         assert!(
             text.contains("nameserver 9.9.9.9\nnameserver 2620:fe::fe\n"),
             "{text}"
+        );
+    }
+
+    #[test]
+    fn test_resolv_conf_is_written_only_when_it_would_change() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::create_dir(dir.path().join("etc")).expect("mkdir");
+        let path = dir.path().join("etc/resolv.conf");
+        let inode = || std::fs::symlink_metadata(&path).expect("stat").ino();
+        let quad9: Vec<IpAddr> = vec!["9.9.9.9".parse().expect("ip")];
+        write_resolv_conf(dir.path(), &quad9).expect("write");
+        let first = inode();
+        write_resolv_conf(dir.path(), &quad9).expect("write the same");
+        assert_eq!(inode(), first, "the same servers: the file is left alone");
+
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+        write_resolv_conf(dir.path(), &quad9).expect("write");
+        assert_ne!(inode(), first, "other permissions: written again");
+        let mode = std::fs::metadata(&path).expect("stat").permissions().mode();
+        assert_eq!(mode & 0o7777, 0o644);
+
+        let second = inode();
+        write_resolv_conf(dir.path(), &["1.1.1.1".parse().expect("ip")]).expect("write");
+        assert_ne!(inode(), second, "other servers: written again");
+        let text = std::fs::read_to_string(&path).expect("read");
+        assert!(text.contains("nameserver 1.1.1.1\n"), "{text}");
+
+        // A link to a file that says the same is replaced by a file.
+        let target = dir.path().join("stub.conf");
+        std::fs::copy(&path, &target).expect("copy");
+        std::fs::remove_file(&path).expect("rm");
+        std::os::unix::fs::symlink(&target, &path).expect("symlink");
+        write_resolv_conf(dir.path(), &["1.1.1.1".parse().expect("ip")]).expect("write");
+        assert!(
+            std::fs::symlink_metadata(&path)
+                .expect("stat")
+                .file_type()
+                .is_file(),
+            "the link was replaced"
         );
     }
 }
