@@ -215,6 +215,27 @@ async fn a_restore_takes_a_pooled_process_which_a_restarted_daemon_knows_as_the_
     assert_eq!(own.exit.await, Stop::Reported(StopReason::Killed));
 }
 
+/// A spare's folder `name` under `dir`, with its disk (a VM takes the
+/// folder by rename), and the spec that primes the snapshot `state` +
+/// `memory` into it: no TAP, no write set, no warm-up.
+fn spare_spec(dir: &Path, name: &str, state: &Path, memory: &Path) -> PrimeSpec {
+    let folder = dir.join(name);
+    std::fs::create_dir(&folder).expect("spare folder");
+    let disk = folder.join("disk.raw");
+    std::fs::write(&disk, vec![0u8; 1 << 20]).expect("disk");
+    PrimeSpec {
+        cpus: 1,
+        ram_mib: 32,
+        state: state.to_path_buf(),
+        memory: memory.to_path_buf(),
+        disk,
+        folder,
+        tap: None,
+        write_set: None,
+        warm_agent: false,
+    }
+}
+
 /// Guest pages the run `instance` has copied from its memory file.
 fn copied_pages(instance: tine_daemon::launcher::Instance) -> u64 {
     tine_daemon::host_stats::vm_memory(instance.pid, instance.pid_start, 32 << 20)
@@ -234,21 +255,11 @@ async fn a_primed_vm_warmed_ahead_waits_paused_again() {
     let data_dir = dir.path().join("data");
     let vmm: PathBuf = env!("CARGO_BIN_EXE_tine-vmm").into();
     let launcher = VmmLauncher::new(vmm, data_dir.clone());
-    let folder = dir.path().join("spare-1");
-    std::fs::create_dir(&folder).expect("spare folder");
-    let disk = folder.join("disk.raw");
-    std::fs::write(&disk, vec![0u8; 1 << 20]).expect("disk");
     let spec = PrimeSpec {
-        cpus: 1,
-        ram_mib: 32,
-        state,
-        memory,
-        disk,
-        folder: folder.clone(),
-        tap: None,
-        write_set: None,
         warm_agent: true,
+        ..spare_spec(dir.path(), "spare-1", &state, &memory)
     };
+    let folder = spec.folder.clone();
     let began = std::time::Instant::now();
     let primed = launcher.prime(&spec).await.expect("prime");
     match &primed.warm_up {
@@ -300,26 +311,8 @@ async fn a_primed_vm_waits_paused_until_a_vm_takes_it_over() {
     let data_dir = dir.path().join("data");
     let vmm: PathBuf = env!("CARGO_BIN_EXE_tine-vmm").into();
     let launcher = VmmLauncher::new(vmm.clone(), data_dir.clone());
-    // A spare: its disk in the folder a VM takes by rename.
-    let spare = |name: &str| {
-        let folder = dir.path().join(name);
-        std::fs::create_dir(&folder).expect("spare folder");
-        let disk = folder.join("disk.raw");
-        std::fs::write(&disk, vec![0u8; 1 << 20]).expect("disk");
-        (disk, folder)
-    };
-    let (disk, folder) = spare("spare-1");
-    let spec = PrimeSpec {
-        cpus: 1,
-        ram_mib: 32,
-        state,
-        memory,
-        disk,
-        folder: folder.clone(),
-        tap: None,
-        write_set: None,
-        warm_agent: false,
-    };
+    let spec = spare_spec(dir.path(), "spare-1", &state, &memory);
+    let folder = spec.folder.clone();
     let primed = launcher.prime(&spec).await.expect("prime");
     assert_eq!(primed.warm_up, WarmUp::NotAsked);
     let name = primed.name;
@@ -394,14 +387,7 @@ async fn a_primed_vm_waits_paused_until_a_vm_takes_it_over() {
 
     // One nobody takes is stopped, and its folder removed.
     let other = launcher
-        .prime(&{
-            let (disk, folder) = spare("spare-2");
-            PrimeSpec {
-                disk,
-                folder,
-                ..spec.clone()
-            }
-        })
+        .prime(&spare_spec(dir.path(), "spare-2", &state, &memory))
         .await
         .expect("prime")
         .name;
@@ -412,14 +398,7 @@ async fn a_primed_vm_waits_paused_until_a_vm_takes_it_over() {
 
     // One whose process ended meanwhile is none: the VM restores instead.
     let dead = launcher
-        .prime(&{
-            let (disk, folder) = spare("spare-3");
-            PrimeSpec {
-                disk,
-                folder,
-                ..spec
-            }
-        })
+        .prime(&spare_spec(dir.path(), "spare-3", &state, &memory))
         .await
         .expect("prime")
         .name;
@@ -493,22 +472,9 @@ async fn a_write_set_saved_from_one_run_is_copied_into_the_vms_primed_after_it()
         "the counter's page: {saved:?}"
     );
 
-    let primed = |name: &str, write_set: Option<PathBuf>| {
-        let folder = dir.path().join(name);
-        std::fs::create_dir(&folder).expect("spare folder");
-        let disk = folder.join("disk.raw");
-        std::fs::write(&disk, vec![0u8; 1 << 20]).expect("disk");
-        PrimeSpec {
-            cpus: 1,
-            ram_mib: 32,
-            state: state.clone(),
-            memory: memory.clone(),
-            disk,
-            folder,
-            tap: None,
-            write_set,
-            warm_agent: false,
-        }
+    let primed = |name: &str, write_set: Option<PathBuf>| PrimeSpec {
+        write_set,
+        ..spare_spec(dir.path(), name, &state, &memory)
     };
     let instance_of = |pid: u32| tine_daemon::launcher::Instance {
         pid,

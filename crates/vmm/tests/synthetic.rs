@@ -3,6 +3,7 @@
 //! handling, pause, snapshot, restore into several VMs, copy-on-write
 //! isolation.
 
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use tine_proto::vmm::{RunState, StopReason};
@@ -46,6 +47,33 @@ fn wait_counter_above(vmm: &Vmm, value: u64) -> u64 {
         );
         std::thread::sleep(Duration::from_millis(1));
     }
+}
+
+/// Boots the counter guest, lets it count (unless `counted` is false),
+/// and snapshots it into `dir` as `vm.state` and `vm.mem`: those two
+/// files, and the counter the snapshot holds.
+fn counter_snapshot(dir: &Path, counted: bool) -> (PathBuf, PathBuf, u64) {
+    let (state, mem) = (dir.join("vm.state"), dir.join("vm.mem"));
+    let mut parent = Vmm::boot(&raw_config(COUNTER_LOOP), &ConsoleConfig::default()).expect("boot");
+    if counted {
+        wait_counter_above(&parent, 0);
+    }
+    parent.pause().expect("pause");
+    let at_snapshot = counter(&parent);
+    parent.snapshot(&state, &mem).expect("snapshot");
+    parent.kill();
+    (state, mem, at_snapshot)
+}
+
+/// Pauses `vmm`, snapshots it into `dir` as `again.state` and
+/// `again.mem`, and kills it: the state file.
+fn last_snapshot(mut vmm: Vmm, dir: &Path) -> PathBuf {
+    vmm.pause().expect("pause");
+    let state = dir.join("again.state");
+    vmm.snapshot(&state, &dir.join("again.mem"))
+        .expect("snapshot");
+    vmm.kill();
+    state
 }
 
 /// Restores the snapshot `state` + `mem` with no overrides, paused or
@@ -199,12 +227,7 @@ fn test_synthetic_snapshot_restores_into_isolated_children() {
 #[test]
 fn test_synthetic_restore_corrupt_state_is_refused() {
     let dir = tempfile::tempdir().expect("tmp");
-    let state = dir.path().join("vm.state");
-    let mem = dir.path().join("vm.mem");
-    let mut parent = Vmm::boot(&raw_config(COUNTER_LOOP), &ConsoleConfig::default()).expect("boot");
-    parent.pause().expect("pause");
-    parent.snapshot(&state, &mem).expect("snapshot");
-    parent.kill();
+    let (state, mem, _) = counter_snapshot(dir.path(), false);
     let mut bytes = std::fs::read(&state).expect("state");
     let middle = bytes.len() / 2;
     bytes[middle] ^= 0xff;
@@ -285,12 +308,7 @@ fn test_synthetic_restore_other_cpu_template_is_refused() {
     use tine_vmm::snapshot::format;
     use tine_vmm::vmm::MicrovmState;
     let dir = tempfile::tempdir().expect("tmp");
-    let state = dir.path().join("vm.state");
-    let mem = dir.path().join("vm.mem");
-    let mut parent = Vmm::boot(&raw_config(COUNTER_LOOP), &ConsoleConfig::default()).expect("boot");
-    parent.pause().expect("pause");
-    parent.snapshot(&state, &mem).expect("snapshot");
-    parent.kill();
+    let (state, mem, _) = counter_snapshot(dir.path(), false);
     let mut saved: MicrovmState =
         format::decode(&std::fs::read(&state).expect("read")).expect("decode");
     saved.cpu_fingerprint ^= 1;
@@ -318,13 +336,7 @@ fn test_synthetic_restore_of_a_format_1_state_file_runs() {
     use tine_vmm::snapshot::format;
     use tine_vmm::vmm::MicrovmState;
     let dir = tempfile::tempdir().expect("tmp");
-    let state = dir.path().join("vm.state");
-    let mem = dir.path().join("vm.mem");
-    let mut parent = Vmm::boot(&raw_config(COUNTER_LOOP), &ConsoleConfig::default()).expect("boot");
-    let before = wait_counter_above(&parent, 0);
-    parent.pause().expect("pause");
-    parent.snapshot(&state, &mem).expect("snapshot");
-    parent.kill();
+    let (state, mem, before) = counter_snapshot(dir.path(), true);
     let bytes = std::fs::read(&state).expect("read");
     let (version, payload) = format::open(&bytes).expect("open");
     assert_eq!(version, format::FORMAT_VERSION);
@@ -356,12 +368,7 @@ fn test_synthetic_restore_of_a_format_1_state_file_runs() {
 fn test_synthetic_a_vm_restored_paused_resumes_with_the_snapshots_clock() {
     use tine_vmm::vmm::MicrovmState;
     let dir = tempfile::tempdir().expect("tmp");
-    let (state, mem) = (dir.path().join("vm.state"), dir.path().join("vm.mem"));
-    let mut parent = Vmm::boot(&raw_config(COUNTER_LOOP), &ConsoleConfig::default()).expect("boot");
-    wait_counter_above(&parent, 0);
-    parent.pause().expect("pause");
-    parent.snapshot(&state, &mem).expect("snapshot");
-    parent.kill();
+    let (state, mem, _) = counter_snapshot(dir.path(), true);
     let clock_of = |path: &std::path::Path| {
         let bytes = std::fs::read(path).expect("read state");
         MicrovmState::decode(&bytes).expect("decode").vm.clock.clock
@@ -372,12 +379,7 @@ fn test_synthetic_a_vm_restored_paused_resumes_with_the_snapshots_clock() {
     let mut child = restore(&state, &mem, true).expect("restore");
     std::thread::sleep(Duration::from_secs(1));
     child.resume().expect("resume");
-    child.pause().expect("pause");
-    let again = dir.path().join("again.state");
-    child
-        .snapshot(&again, &dir.path().join("again.mem"))
-        .expect("snapshot");
-    child.kill();
+    let again = last_snapshot(child, dir.path());
     let ran_ns = clock_of(&again).saturating_sub(clock_of(&state));
     assert!(
         ran_ns < 500_000_000,
@@ -574,12 +576,7 @@ fn test_synthetic_a_restore_sets_the_parts_that_differ_from_a_new_vcpu() {
     use tine_vmm::snapshot::format;
     use tine_vmm::vmm::{MicrovmState, PreparedVm};
     let dir = tempfile::tempdir().expect("tmp");
-    let (state, mem) = (dir.path().join("vm.state"), dir.path().join("vm.mem"));
-    let mut parent = Vmm::boot(&raw_config(COUNTER_LOOP), &ConsoleConfig::default()).expect("boot");
-    let before = wait_counter_above(&parent, 0);
-    parent.pause().expect("pause");
-    parent.snapshot(&state, &mem).expect("snapshot");
-    parent.kill();
+    let (state, mem, before) = counter_snapshot(dir.path(), true);
     let decode = |path: &std::path::Path| {
         MicrovmState::decode(&std::fs::read(path).expect("read state")).expect("decode")
     };
@@ -590,7 +587,7 @@ fn test_synthetic_a_restore_sets_the_parts_that_differ_from_a_new_vcpu() {
     std::fs::write(&state, format::encode(&saved).expect("encode")).expect("write");
 
     let prepared = PreparedVm::with_memory(1, 32 << 20).expect("prepare");
-    let mut child = Vmm::restore(
+    let child = Vmm::restore(
         &state,
         &mem,
         Some(prepared),
@@ -600,12 +597,7 @@ fn test_synthetic_a_restore_sets_the_parts_that_differ_from_a_new_vcpu() {
     )
     .expect("restore into a pre-started VM");
     assert!(wait_counter_above(&child, before) > before);
-    child.pause().expect("pause");
-    let again = dir.path().join("again.state");
-    child
-        .snapshot(&again, &dir.path().join("again.mem"))
-        .expect("snapshot");
-    child.kill();
+    let again = last_snapshot(child, dir.path());
     let (was, now) = (&saved.vcpus[0], &decode(&again).vcpus[0]);
     assert_eq!(
         now.debugregs.db, was.debugregs.db,
