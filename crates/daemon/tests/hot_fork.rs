@@ -6,7 +6,9 @@
 //! in quarantine until then), out of quarantine (the host answers their
 //! ARP), with private writes, and each fork's own kernel
 //! logged one CRNG reseed for its VM generation ID change (the source
-//! none); the urandom bytes of `ENTROPY_FORKS` forks differ pairwise (46
+//! none); the first fork's clock goes on from the commit although its
+//! primed VM waited `PRIMED_WAIT` (it ran until its agent answered, then
+//! held its clock); the urandom bytes of `ENTROPY_FORKS` forks differ pairwise (46
 //! forks, 1035 pairs), of which 10 (`TINE_DENSITY_FORKS`) run at once for the density figure (USS, PSS
 //! and guest pages copied of each after one exec, from describe); a file
 //! the source wrote after the commit is in no fork; a changed CPU
@@ -140,6 +142,18 @@ async fn counter_goes_on(c: &TineClient, vm: &str, pid: &str, boot: &str, from: 
     }
     Ok(n2)
 }
+
+/// `vm`'s uptime (its monotonic clock), in seconds.
+async fn uptime(c: &TineClient, vm: &str) -> R<f64> {
+    let out = sh_ok(c, vm, "cut -d' ' -f1 /proc/uptime").await?;
+    out.trim()
+        .parse()
+        .map_err(|_| fail(format!("{vm}: no uptime in {out:?}")))
+}
+
+/// How long the first hot fork's primed VM waits before the fork takes
+/// it: its guest's clock must not count it.
+const PRIMED_WAIT: Duration = Duration::from_secs(20);
 
 /// The guest kernel's log line when its vmgenid driver saw a new VM
 /// generation ID and reseeded the CRNG.
@@ -432,8 +446,9 @@ fn checks(d: &mut Daemon) -> R {
         Ok::<_, Failed>(())
     })?;
 
-    let (id, pause_us, at_commit) = r.block_on(async {
+    let (id, pause_us, at_commit, uptime_at_commit) = r.block_on(async {
         let (_, at_commit) = counter(&c, &src, &pid).await?;
+        let uptime_at_commit = uptime(&c, &src).await?;
         let info = c.commit(&src, &memory_commit("warm")).await.or_fail()?;
         if info.mode != CommitMode::Memory || info.memory_bytes.unwrap_or(0) == 0 {
             return Err(fail(format!("the memory commit answered {info:?}")));
@@ -454,7 +469,7 @@ fn checks(d: &mut Daemon) -> R {
         if listed.len() != 1 || listed[0].commit_id != info.commit_id {
             return Err(fail(format!("memory commits listed: {listed:?}")));
         }
-        Ok::<_, Failed>((info.commit_id, pause_us, at_commit))
+        Ok::<_, Failed>((info.commit_id, pause_us, at_commit, uptime_at_commit))
     })?;
     println!(
         "{src}: memory commit {id}, paused {:.1} ms",
@@ -472,9 +487,12 @@ fn checks(d: &mut Daemon) -> R {
         }
         let mut forks = Vec::new();
         let mut hot_ms = Vec::new();
-        for _ in 0..2 {
+        for round in 0..2 {
             // The fork runs in the process primed ahead for it.
             let pooled = primed_pid(&data).await?;
+            if round == 0 {
+                tokio::time::sleep(PRIMED_WAIT).await;
+            }
             // And with the network made ahead for it, in quarantine.
             let spare = spare_tap().await?;
             let t = Instant::now();
@@ -501,6 +519,19 @@ fn checks(d: &mut Daemon) -> R {
             }
             hot_ms.push(f.elapsed_ms);
             let vm = f.hostname;
+            if round == 0 {
+                // Its clock went on from the commit: the guest ran until its
+                // agent answered, then stood while the primed VM waited.
+                let gained = uptime(&c, &vm).await? - uptime_at_commit;
+                println!(
+                    "{vm}: uptime {gained:.1} s past the source's at the commit, its primed VM having waited {PRIMED_WAIT:?}"
+                );
+                if gained >= PRIMED_WAIT.as_secs_f64() {
+                    return Err(fail(format!(
+                        "{vm}: its clock counted its primed VM's wait ({gained:.1} s past the commit)"
+                    )));
+                }
+            }
             // Its exec works at once; the source's processes run on.
             let echo = sh_ok(&c, &vm, "echo ready").await?;
             println!(
