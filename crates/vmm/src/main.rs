@@ -25,7 +25,9 @@ use tine_proto::vmm::{Event, Request, Response, StopReason};
 use tine_vmm::device_manager::{
     DeviceConfigs, DriveConfig, NetConfig, RestoreOverrides, VsockConfig,
 };
-use tine_vmm::vmm::{validate, BootConfig, ConsoleConfig, PreparedVm, Vmm, DEFAULT_CMDLINE};
+use tine_vmm::vmm::{
+    validate, BootConfig, ConsoleConfig, PreparedVm, Vmm, VmmError, DEFAULT_CMDLINE,
+};
 
 /// Guest RAM of a boot without `--mem-mib`.
 const DEFAULT_MEM_MIB: u64 = 256;
@@ -233,6 +235,14 @@ fn error_of(e: &dyn std::error::Error) -> Response {
     }
 }
 
+/// The answer to a request that changes `vmm` and reports nothing else.
+fn answer(vmm: &Vmm, start: Instant, done: Result<(), VmmError>) -> Response {
+    match done {
+        Ok(()) => ok(Some(vmm), start),
+        Err(e) => error_of(&e),
+    }
+}
+
 /// Handles one request; returns true when the process should exit.
 fn handle(
     machine: &mut Machine,
@@ -296,23 +306,21 @@ fn handle(
         ),
         (_, Machine::Prepared(_)) => (error("no VM yet: send a restore request first"), false),
         (Request::Status, Machine::Live(vmm)) => (ok(Some(vmm), start), false),
-        (Request::Shutdown, Machine::Live(vmm)) => match vmm.request_shutdown() {
-            Ok(()) => (ok(Some(vmm), start), false),
-            Err(e) => (error_of(&e), false),
-        },
-        (Request::Pause, Machine::Live(vmm)) => match vmm.pause() {
-            Ok(()) => (ok(Some(vmm), start), false),
-            Err(e) => (error_of(&e), false),
-        },
-        (Request::PauseHoldingClock, Machine::Live(vmm)) => match vmm.pause_holding_clock() {
-            Ok(()) => (ok(Some(vmm), start), false),
-            Err(e) => (error_of(&e), false),
-        },
+        (Request::Shutdown, Machine::Live(vmm)) => {
+            let done = vmm.request_shutdown();
+            (answer(vmm, start, done), false)
+        }
+        (Request::Pause, Machine::Live(vmm)) => {
+            let done = vmm.pause();
+            (answer(vmm, start, done), false)
+        }
+        (Request::PauseHoldingClock, Machine::Live(vmm)) => {
+            let done = vmm.pause_holding_clock();
+            (answer(vmm, start, done), false)
+        }
         (Request::SwitchDisk { drive, path }, Machine::Live(vmm)) => {
-            match vmm.switch_disk(&drive, &path) {
-                Ok(()) => (ok(Some(vmm), start), false),
-                Err(e) => (error_of(&e), false),
-            }
+            let done = vmm.switch_disk(&drive, &path);
+            (answer(vmm, start, done), false)
         }
         (Request::SaveWriteSet { path }, Machine::Live(vmm)) => match vmm.save_write_set(&path) {
             Ok(bytes) => (ok_write_set(vmm, start, bytes), false),
@@ -329,10 +337,8 @@ fn handle(
                 Some(path) => vmm.set_vsock_path(path),
                 None => Ok(()),
             };
-            match moved.and_then(|()| vmm.resume()) {
-                Ok(()) => (ok(Some(vmm), start), false),
-                Err(e) => (error_of(&e), false),
-            }
+            let done = moved.and_then(|()| vmm.resume());
+            (answer(vmm, start, done), false)
         }
         (
             Request::Snapshot {

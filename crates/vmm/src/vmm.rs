@@ -388,7 +388,13 @@ impl PreparedVm {
             };
             vcpu.set_cpuid(cpuid::vcpu_cpuid(&cpuid_base, index, num_vcpus)?.as_slice())?;
             // Not needed to run: without it a restore sets every part.
-            vcpu.reset = ResetState::read(&vcpu.fd).ok();
+            vcpu.reset = match ResetState::read(&vcpu.fd) {
+                Ok(reset) => Some(reset),
+                Err(e) => {
+                    eprintln!("tine-vmm: vCPU {index}: a restore will set all its state: {e}");
+                    None
+                }
+            };
             vcpus.push(vcpu);
             vcpu_threads.push(
                 SpareThread::spawn(vcpu_thread_name(index))

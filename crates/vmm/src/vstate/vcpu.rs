@@ -102,13 +102,12 @@ impl VcpuState {
     /// Whether the guest had enabled its kvmclock (a saved state without
     /// the MSRs is taken to have).
     pub fn kvmclock_enabled(&self) -> bool {
-        let clock_msrs: Vec<u64> = self
+        let mut clock_msrs = self
             .msrs
             .iter()
             .filter(|m| m.index == MSR_KVM_SYSTEM_TIME_NEW || m.index == MSR_KVM_SYSTEM_TIME)
-            .map(|m| m.data)
-            .collect();
-        clock_msrs.is_empty() || clock_msrs.iter().any(|data| data & 1 == 1)
+            .peekable();
+        clock_msrs.peek().is_none() || clock_msrs.any(|m| m.data & 1 == 1)
     }
 }
 
