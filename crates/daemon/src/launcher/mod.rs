@@ -437,7 +437,7 @@ pub trait LauncherExt: Launcher {
             match self.control(hostname, &request).await? {
                 VmmResponse::Error { error } => Err(LaunchError::Refused {
                     hostname: hostname.to_owned(),
-                    request: format!("{request:?}"),
+                    request: request.name().into(),
                     error,
                 }),
                 VmmResponse::Ok {

@@ -171,20 +171,9 @@ impl VmmLauncher {
             Some(moved) => files_moved(moved.await, &paths.dir, &slot.name),
             None => Ok(()),
         };
-        let failed = match (answer, moved) {
-            (Ok(VmmResponse::Ok { .. }), Ok(())) => {
-                return Ok(self.spawned(slot.child, slot.pid_start, paths.clone()));
-            }
-            (Ok(VmmResponse::Error { error }), _) => LaunchError::Refused {
-                hostname: hostname.to_owned(),
-                request: request.name().into(),
-                error,
-            },
-            (Err(source), _) => LaunchError::Control {
-                hostname: hostname.to_owned(),
-                source,
-            },
-            (Ok(VmmResponse::Ok { .. }), Err(e)) => e,
+        let failed = match carried_out(hostname, request, answer).and(moved) {
+            Ok(()) => return Ok(self.spawned(slot.child, slot.pid_start, paths.clone())),
+            Err(e) => e,
         };
         stop_slot(slot);
         Err(failed)
@@ -313,8 +302,9 @@ impl VmmLauncher {
             serial_log: Some(slot.paths.serial.clone()),
         };
         let hostname = format!("{POOL_DIR}/{name}");
-        let failed = match process::control(&slot.paths, &request, answer_limit(&request)).await {
-            Ok(VmmResponse::Ok { .. }) => {
+        let answer = process::control(&slot.paths, &request, answer_limit(&request)).await;
+        let failed = match carried_out(&hostname, &request, answer) {
+            Ok(()) => {
                 // Its files go into the folder a fork will take by rename,
                 // so that they move with it.
                 let (from, to) = (slot.paths.clone(), VmPaths::in_dir(spec.folder.clone()));
@@ -344,12 +334,7 @@ impl VmmLauncher {
                     Err(e) => e,
                 }
             }
-            Ok(VmmResponse::Error { error }) => LaunchError::Refused {
-                hostname,
-                request: "restore".into(),
-                error,
-            },
-            Err(source) => LaunchError::Control { hostname, source },
+            Err(e) => e,
         };
         stop_slot(slot);
         Err(failed)
@@ -440,6 +425,27 @@ async fn populate_write_set(primed: &VmPaths, write_set: &Path, hostname: &str) 
     WriteSetCopy::answered(answer)
 }
 
+/// `answer`, the one `hostname`'s VMM gave to `request`, as the launcher
+/// reports it: a refusal and a control connection that failed are errors.
+fn carried_out(
+    hostname: &str,
+    request: &VmmRequest,
+    answer: std::io::Result<VmmResponse>,
+) -> Result<(), LaunchError> {
+    match answer {
+        Ok(VmmResponse::Ok { .. }) => Ok(()),
+        Ok(VmmResponse::Error { error }) => Err(LaunchError::Refused {
+            hostname: hostname.to_owned(),
+            request: request.name().into(),
+            error,
+        }),
+        Err(source) => Err(LaunchError::Control {
+            hostname: hostname.to_owned(),
+            source,
+        }),
+    }
+}
+
 /// How long a primed VM's agent may take to answer its first handshake
 /// (seconds in a nested test bed).
 const WARM_UP_ANSWER: Duration = Duration::from_secs(30);
@@ -450,18 +456,8 @@ const WARM_UP_ANSWER: Duration = Duration::from_secs(30);
 /// as primed.
 async fn warm_up(primed: &VmPaths, hostname: &str) -> Result<WarmUp, LaunchError> {
     let ask = |request: VmmRequest| async move {
-        match process::control(primed, &request, CONTROL_ANSWER).await {
-            Ok(VmmResponse::Ok { .. }) => Ok(()),
-            Ok(VmmResponse::Error { error }) => Err(LaunchError::Refused {
-                hostname: hostname.to_owned(),
-                request: request.name().into(),
-                error,
-            }),
-            Err(source) => Err(LaunchError::Control {
-                hostname: hostname.to_owned(),
-                source,
-            }),
-        }
+        let answer = process::control(primed, &request, CONTROL_ANSWER).await;
+        carried_out(hostname, &request, answer)
     };
     ask(VmmRequest::Resume { vsock_uds: None }).await?;
     let began = std::time::Instant::now();
