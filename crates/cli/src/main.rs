@@ -49,7 +49,9 @@ fn main() {
             )),
         },
     };
-    let _ = std::io::stdout().flush();
+    if let Err(e) = std::io::stdout().flush() {
+        eprintln!("tine: cannot write to standard output: {e}");
+    }
     std::process::exit(code);
 }
 

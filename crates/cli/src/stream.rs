@@ -185,9 +185,9 @@ pub async fn shell(c: &TineClient, args: ShellArgs) -> anyhow::Result<i32> {
                     if let Err(e) = stdout.write_all(&bytes).await {
                         break Err(anyhow::Error::new(e).context("cannot write to the terminal"));
                     }
-                    // A terminal that stopped reading loses nothing worth
-                    // an error here; the next write reports it.
-                    let _ = stdout.flush().await;
+                    if let Err(e) = stdout.flush().await {
+                        break Err(anyhow::Error::new(e).context("cannot write to the terminal"));
+                    }
                 }
                 Ok(Some(ShellEvent::Exit(code))) => break Ok(code),
                 Ok(None) => break Err(anyhow!("the daemon closed the shell without its exit code")),
@@ -406,7 +406,9 @@ async fn download(
         Err(e) => {
             drop(file);
             // Leave no half-written file behind.
-            let _ = tokio::fs::remove_file(&target).await;
+            if let Err(rm) = tokio::fs::remove_file(&target).await {
+                eprintln!("tine: cannot remove the partial {}: {rm}", target.display());
+            }
             Err(e.into())
         }
     }

@@ -30,9 +30,12 @@ impl RawMode {
 
 impl Drop for RawMode {
     fn drop(&mut self) {
-        // Nothing more can be done if restoring fails; the shell said
-        // goodbye already.
-        let _ = termios::tcsetattr(std::io::stdin().as_fd(), SetArg::TCSADRAIN, &self.saved);
+        // Nothing more can be done if restoring fails than to say so (the
+        // shell said goodbye already): `stty sane` mends it.
+        if let Err(e) = termios::tcsetattr(std::io::stdin().as_fd(), SetArg::TCSADRAIN, &self.saved)
+        {
+            eprintln!("tine: cannot restore the terminal's mode (`stty sane` does): {e}");
+        }
     }
 }
 

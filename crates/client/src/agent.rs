@@ -778,7 +778,9 @@ impl AgentClient {
             // A process that exits without reading everything closes the
             // stream early; its output still counts.
             if control.write(input).await.is_ok() {
-                let _ = control.close_stdin().await;
+                if let Err(e) = control.close_stdin().await {
+                    tracing::debug!("exec: cannot close the process's stdin: {e}");
+                }
             }
             Ok::<(), ClientError>(())
         };

@@ -716,8 +716,10 @@ impl TineClient {
         io.discard_writes_after_peer_closed = true;
         let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(io)).await?;
         tokio::spawn(async move {
-            // Errors surface through the request and its body.
-            let _ = conn.await;
+            // Errors surface through the request and its body too.
+            if let Err(e) = conn.await {
+                tracing::debug!("REST connection: {e}");
+            }
         });
         Ok(sender.send_request(request).await?)
     }
@@ -1688,7 +1690,9 @@ impl ForwardConnection {
                 received += data.len() as u64;
             }
             // The peer may be gone already; nothing more to tell it.
-            let _ = local_tx.shutdown().await;
+            if let Err(e) = local_tx.shutdown().await {
+                tracing::debug!("port forward: cannot end the local side: {e}");
+            }
             Ok::<u64, ApiError>(received)
         };
         tokio::pin!(upstream, downstream);

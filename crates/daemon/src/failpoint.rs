@@ -197,7 +197,9 @@ pub mod freeze {
         });
         if let Some((_, reached)) = armed {
             // The test may have given up already; the thread stops anyway.
-            let _ = reached.send(point);
+            if reached.send(point).is_err() {
+                tracing::debug!(?point, "failpoint reached after its test gave up");
+            }
             loop {
                 std::thread::park();
             }

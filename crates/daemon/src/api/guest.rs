@@ -468,7 +468,9 @@ async fn exec_stream(
                 }
             }
             if open {
-                let _ = control.close_stdin().await;
+                if let Err(e) = control.close_stdin().await {
+                    tracing::debug!("exec: cannot close the process's stdin: {e}");
+                }
             }
         }));
     }
@@ -502,7 +504,9 @@ async fn exec_stream(
                                 error,
                                 code: ErrorCode::Timeout,
                             };
-                            let _ = tx.send(Ok(frame_line(&frame))).await;
+                            if tx.send(Ok(frame_line(&frame))).await.is_err() {
+                                tracing::debug!("exec: the client left before its timeout frame");
+                            }
                             // Every handle of the stream must go for the
                             // agent to see it closed (and kill the process).
                             if let Some(feeder) = feeder.take() {
@@ -681,7 +685,12 @@ fn download_body(client: AgentClient, path: String, tar: bool, exclude: Vec<Stri
         if let Err(e) = &result {
             tracing::warn!("download {path}: {e}");
         }
-        let _ = done_tx.send(result.map_err(|e| format!("download {path}: {e}")));
+        if done_tx
+            .send(result.map_err(|e| format!("download {path}: {e}")))
+            .is_err()
+        {
+            tracing::debug!("download {path}: the client left before its end");
+        }
     });
     let end = futures_util::stream::once(async move {
         match done_rx.await {
@@ -850,13 +859,17 @@ async fn pump_shell(socket: WebSocket, mut session: tine_client::agent::ShellSes
             Ok(Some(ShellEvent::Exit(s))) => {
                 let code = shell_exit_code(&s).to_be_bytes();
                 let msg = shell_frames::encode(shell_frames::SESSION_CLOSE, &code);
-                let _ = sink.send(Message::Binary(msg.into())).await;
+                if let Err(e) = sink.send(Message::Binary(msg.into())).await {
+                    tracing::debug!("shell: cannot send the session's exit status: {e}");
+                }
                 break;
             }
             Ok(None) | Err(_) => break,
         }
     }
-    let _ = sink.send(Message::Close(None)).await;
+    if let Err(e) = sink.send(Message::Close(None)).await {
+        tracing::debug!("shell: cannot close the WebSocket: {e}");
+    }
     input.abort();
 }
 
@@ -951,7 +964,9 @@ pub(super) async fn forward(
                         if fwd.write(&data).await.is_err() { break; }
                     }
                     Some(Ok(Message::Close(_))) | None | Some(Err(_)) => {
-                        let _ = fwd.shutdown_write().await;
+                        if let Err(e) = fwd.shutdown_write().await {
+                            tracing::debug!("port forward: cannot end the guest's input: {e}");
+                        }
                         // Drain what the guest still sends.
                         while let Ok(Some(data)) = fwd.read().await {
                             if sink.send(Message::Binary(data.into())).await.is_err() { break; }
@@ -968,7 +983,9 @@ pub(super) async fn forward(
                 },
             }
         }
-        let _ = sink.send(Message::Close(None)).await;
+        if let Err(e) = sink.send(Message::Close(None)).await {
+            tracing::debug!("port forward: cannot close the WebSocket: {e}");
+        }
     }))
 }
 

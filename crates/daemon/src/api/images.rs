@@ -96,12 +96,15 @@ pub(super) async fn import(State(d): State<AppState>, uri: Uri, body: Body) -> A
         }
     };
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let _ = tx.send(ImportEvent::Progress {
+    let received_event = ImportEvent::Progress {
         stage: ImportStage::Received,
         done: Some(received),
         total: Some(received),
         message: format!("received {received} bytes"),
-    });
+    };
+    if tx.send(received_event).is_err() {
+        tracing::debug!("image upload: its progress stream has gone");
+    }
     let source = format!("upload ({format}, {received} bytes)");
     tokio::spawn(async move {
         let last = match d

@@ -209,7 +209,10 @@ pub(super) async fn watch(
                     Ok(None) => return,
                     Err(e) => {
                         tracing::debug!("watch: {e}");
-                        let _ = tx.send(Err(std::io::Error::other(format!("the watch ended: {e}")))).await;
+                        let ended = Err(std::io::Error::other(format!("the watch ended: {e}")));
+                        if tx.send(ended).await.is_err() {
+                            tracing::debug!("watch: the client left before its end");
+                        }
                         return;
                     }
                 },

@@ -793,7 +793,7 @@ impl FakeAgent {
         if let Request::Exec(req) = &request {
             if let Some(options) = &req.background {
                 let reply = self.start_job(req, options.ring_bytes);
-                let _ = stream.send_msg(&reply).await;
+                send_reply(&stream, &reply).await;
                 return;
             }
         }
@@ -801,7 +801,7 @@ impl FakeAgent {
             return run_exec(stream, req).await;
         }
         if let Some(reply) = self.answer_job(&stream, &request).await {
-            let _ = stream.send_msg(&reply).await;
+            send_reply(&stream, &reply).await;
             return;
         }
         if let Request::List(req) = &request {
@@ -818,7 +818,7 @@ impl FakeAgent {
                 }
                 Err(e) => io_reply(e),
             };
-            let _ = stream.send_msg(&reply).await;
+            send_reply(&stream, &reply).await;
             return;
         }
         let reply = match request {
@@ -1024,7 +1024,10 @@ impl FakeAgent {
                         i32::try_from(job.pid),
                         nix::sys::signal::Signal::try_from(req.signal),
                     ) {
-                        let _ = nix::sys::signal::killpg(nix::unistd::Pid::from_raw(pid), sig);
+                        let group = nix::unistd::Pid::from_raw(pid);
+                        if let Err(e) = nix::sys::signal::killpg(group, sig) {
+                            tracing::debug!("fake agent: signal {sig} to job {pid}: {e}");
+                        }
                     }
                 }
                 Response::Ok
@@ -1057,7 +1060,9 @@ impl FakeAgent {
                 }
                 if req.follow {
                     let mut exit = job.exit.clone();
-                    let _ = exit.wait_for(Option::is_some).await;
+                    if exit.wait_for(Option::is_some).await.is_err() {
+                        tracing::debug!("fake agent: job {} ended without a status", job.pid);
+                    }
                 }
                 let (o, e) = job.out.lock().unwrap_or_else(|p| p.into_inner()).clone();
                 let window = |data: &[u8], from: Option<u64>| {
@@ -1110,6 +1115,13 @@ fn op_name(bytes: &[u8]) -> String {
 /// Relays one stream to a new connection to the agent `serve` runs: the
 /// request, then every message, data frame and EOF both ways until
 /// either side ends.
+/// Sends the fake agent's `reply`; a client that has gone is logged.
+async fn send_reply(stream: &Stream, reply: &Response) {
+    if let Err(e) = stream.send_msg(reply).await {
+        tracing::debug!("fake agent: cannot send a reply: {e}");
+    }
+}
+
 async fn relay(ours: Stream, request: &Request, serve: &ServeAgent) {
     use tine_proto::agent::mux::StreamSender;
     use tine_proto::agent::{client_handshake, Hello};
@@ -1121,7 +1133,7 @@ async fn relay(ours: Stream, request: &Request, serve: &ServeAgent) {
     };
     if let Err(e) = client_handshake(&mut io, &hello).await {
         let reply = Response::error(ErrorCode::Other, format!("relay handshake: {e}"));
-        let _ = ours.send_msg(&reply).await;
+        send_reply(&ours, &reply).await;
         return;
     }
     let config = MuxConfig {
@@ -1132,9 +1144,8 @@ async fn relay(ours: Stream, request: &Request, serve: &ServeAgent) {
     let theirs = match mux.open_with_msg(request) {
         Ok(stream) => stream,
         Err(e) => {
-            let _ = ours
-                .send_msg(&Response::error(ErrorCode::Other, format!("relay: {e}")))
-                .await;
+            let reply = Response::error(ErrorCode::Other, format!("relay: {e}"));
+            send_reply(&ours, &reply).await;
             return;
         }
     };
@@ -1196,7 +1207,7 @@ async fn run_exec(stream: Stream, req: tine_proto::agent::ExecRequest) {
     let mut cmd = match host_command(&req) {
         Ok(cmd) => cmd,
         Err(reply) => {
-            let _ = stream.send_msg(&reply).await;
+            send_reply(&stream, &reply).await;
             return;
         }
     };
@@ -1213,7 +1224,7 @@ async fn run_exec(stream: Stream, req: tine_proto::agent::ExecRequest) {
         Ok(child) => child,
         Err(e) => {
             let reply = Response::error(ErrorCode::SpawnFailed, format!("spawn: {e}"));
-            let _ = stream.send_msg(&reply).await;
+            send_reply(&stream, &reply).await;
             return;
         }
     };
@@ -1283,9 +1294,10 @@ async fn run_exec(stream: Stream, req: tine_proto::agent::ExecRequest) {
             }
         }
         Err(e) => {
-            let _ = tx
-                .send_msg(&Response::error(ErrorCode::Other, format!("wait: {e}")))
-                .await;
+            let reply = Response::error(ErrorCode::Other, format!("wait: {e}"));
+            if let Err(e) = tx.send_msg(&reply).await {
+                tracing::debug!("fake agent: cannot send a reply: {e}");
+            }
             return;
         }
     };
