@@ -770,7 +770,7 @@ impl TineClient {
 
     /// `GET /healthz`: whether the daemon answers.
     pub async fn healthz(&self) -> Result<()> {
-        let _: serde_json::Value = self.get("/healthz").await?;
+        let _: tine_proto::api::HealthResponse = self.get("/healthz").await?;
         Ok(())
     }
 

@@ -52,6 +52,45 @@ impl ErrorCode {
     }
 }
 
+/// `GET /healthz`: the daemon answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HealthResponse {
+    /// Always `ok`.
+    pub status: HealthStatus,
+}
+
+/// What `GET /healthz` says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HealthStatus {
+    /// The daemon serves requests.
+    Ok,
+}
+
+/// `POST /daemon/shutdown`: the daemon exits once this is sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DaemonShutdownResponse {
+    /// Always `shutting down`.
+    pub status: DaemonShutdownStatus,
+}
+
+/// What `POST /daemon/shutdown` says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DaemonShutdownStatus {
+    /// The daemon stops after this answer; its VMs run on.
+    #[serde(rename = "shutting down")]
+    ShuttingDown,
+}
+
+/// `DELETE /vm/{hostname}/fs/remove`: what was removed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FsRemoveResponse {
+    /// The guest path removed.
+    pub path: String,
+    /// Always true (a path that could not be removed is an error).
+    pub removed: bool,
+}
+
 /// `GET /info`: the daemon itself.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DaemonInfo {
@@ -1338,6 +1377,32 @@ mod tests {
         assert_eq!(
             rfc3339_millis(1_796_083_200_000),
             "2026-12-01T00:00:00.000Z"
+        );
+    }
+
+    #[test]
+    fn status_answers_keep_their_wire_words() {
+        let health = HealthResponse {
+            status: HealthStatus::Ok,
+        };
+        assert_eq!(
+            serde_json::to_string(&health).expect("encode"),
+            r#"{"status":"ok"}"#
+        );
+        let stopping = DaemonShutdownResponse {
+            status: DaemonShutdownStatus::ShuttingDown,
+        };
+        assert_eq!(
+            serde_json::to_string(&stopping).expect("encode"),
+            r#"{"status":"shutting down"}"#
+        );
+        let removed = FsRemoveResponse {
+            path: "/tmp/x".into(),
+            removed: true,
+        };
+        assert_eq!(
+            serde_json::to_string(&removed).expect("encode"),
+            r#"{"path":"/tmp/x","removed":true}"#
         );
     }
 

@@ -132,7 +132,7 @@ pub(super) async fn remove(
     State(d): State<AppState>,
     Path(hostname): Path<String>,
     uri: Uri,
-) -> ApiResult<Json<serde_json::Value>> {
+) -> ApiResult<Json<tine_proto::api::FsRemoveResponse>> {
     let q = query_pairs(&uri);
     query_only(&q, &["path", "recursive"])?;
     let path = absolute(query_get(&q, "path"))?;
@@ -153,5 +153,8 @@ pub(super) async fn remove(
         .remove(&path, recursive)
         .await
         .map_err(|e| fs_err(&path, e))?;
-    Ok(Json(serde_json::json!({ "path": path, "removed": true })))
+    Ok(Json(tine_proto::api::FsRemoveResponse {
+        path,
+        removed: true,
+    }))
 }

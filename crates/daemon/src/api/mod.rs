@@ -200,8 +200,10 @@ async fn method_not_allowed(req: Request) -> Response {
     r
 }
 
-async fn healthz() -> Json<serde_json::Value> {
-    Json(serde_json::json!({"status": "ok"}))
+async fn healthz() -> Json<tine_proto::api::HealthResponse> {
+    Json(tine_proto::api::HealthResponse {
+        status: tine_proto::api::HealthStatus::Ok,
+    })
 }
 
 async fn openapi() -> impl IntoResponse {

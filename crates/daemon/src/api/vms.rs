@@ -338,11 +338,15 @@ pub(super) async fn restore(
 
 /// `POST /daemon/shutdown`: the daemon exits; VMs keep running (as on
 /// SIGTERM) and the next `tine up` finds them.
-pub(super) async fn daemon_shutdown(State(d): State<AppState>) -> Json<serde_json::Value> {
+pub(super) async fn daemon_shutdown(
+    State(d): State<AppState>,
+) -> Json<tine_proto::api::DaemonShutdownResponse> {
     // After the answer is out.
     tokio::spawn(async move {
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         d.request_stop();
     });
-    Json(serde_json::json!({"status": "shutting down"}))
+    Json(tine_proto::api::DaemonShutdownResponse {
+        status: tine_proto::api::DaemonShutdownStatus::ShuttingDown,
+    })
 }
