@@ -336,10 +336,8 @@ pub(crate) async fn start(jobs: &Jobs, req: ExecRequest) -> Result<Response, OpE
     let (_, stdout, stderr) = match pipes {
         Ok(pipes) => pipes,
         Err(e) => {
-            let _ = signal_group(pid, libc::SIGKILL);
-            tokio::spawn(async move {
-                let _ = exit.wait().await;
-            });
+            process::kill_group(pid);
+            tokio::spawn(async move { process::wait_killed(&exit).await });
             return Err(OpError::io("set up process pipes", &e));
         }
     };
@@ -379,9 +377,7 @@ pub(crate) async fn start(jobs: &Jobs, req: ExecRequest) -> Result<Response, OpE
         ));
         let stderr = tokio::spawn(pump_ring(stderr, Channel::Stderr, job.clone(), exited_rx));
         let waited = process::wait_with_timeout(&exit, pid, timeout).await;
-        let _ = exited_tx.send(true);
-        let _ = stdout.await;
-        let _ = stderr.await;
+        process::drain_output(&exited_tx, [stdout, stderr], pid).await;
         let exit = match waited {
             Ok((status, timed_out)) => process::exit_status(status, started, timed_out),
             Err(e) => {

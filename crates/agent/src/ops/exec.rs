@@ -45,15 +45,13 @@ pub(crate) async fn run(
     let (stdin, stdout, stderr) = match pipes {
         Ok(pipes) => pipes,
         Err(e) => {
-            let _ = signal_group(pid, libc::SIGKILL);
-            let _ = exit.wait().await;
+            process::kill_and_wait(pid, &exit).await;
             return Err(OpError::io("set up process pipes", &e));
         }
     };
 
     if tx.send_msg(&Response::Started { pid }).await.is_err() {
-        let _ = signal_group(pid, libc::SIGKILL);
-        let _ = exit.wait().await;
+        process::kill_and_wait(pid, &exit).await;
         return Err(OpError::cancelled());
     }
     let (exited_tx, exited_rx) = watch::channel(false);
@@ -65,9 +63,7 @@ pub(crate) async fn run(
     let waited = process::wait_with_timeout(&exit, pid, timeout).await;
     // The group leader is reaped: stop taking signals for its id.
     control.abort();
-    let _ = exited_tx.send(true);
-    let _ = stdout.await;
-    let _ = stderr.await;
+    process::drain_output(&exited_tx, [stdout, stderr], pid).await;
     let (status, timed_out) =
         waited.map_err(|e| OpError::io(format_args!("waiting for process {pid}"), &e))?;
     Ok(Response::Exited(process::exit_status(
@@ -97,7 +93,9 @@ pub(crate) async fn pump<R: AsyncRead + Unpin>(
             }
         }
     }
-    let _ = tx.send_eof(channel).await;
+    if let Err(e) = tx.send_eof(channel).await {
+        tracing::trace!("no EOF of {channel:?} for a client that has gone: {e}");
+    }
 }
 
 /// Handles what the client sends after the request: stdin bytes and EOF,
@@ -117,7 +115,9 @@ pub(crate) async fn control_loop<W: AsyncWrite + Unpin + Send + 'static>(
         match rx.recv().await {
             Some(Inbound::Data(Channel::Data, chunk)) => {
                 if let Some(input) = &input_tx {
-                    let _ = input.send(chunk);
+                    if input.send(chunk).is_err() {
+                        tracing::trace!("input for {pgid} dropped: it has no stdin");
+                    }
                 }
             }
             Some(Inbound::Eof(Channel::Data)) => input_tx = None,
@@ -131,7 +131,7 @@ pub(crate) async fn control_loop<W: AsyncWrite + Unpin + Send + 'static>(
             },
             Some(_) => {}
             None => {
-                let _ = signal_group(pgid, libc::SIGKILL);
+                process::kill_group(pgid);
                 // Keep the writer alive until this task is aborted.
                 std::future::pending::<()>().await;
             }
@@ -151,7 +151,9 @@ pub(crate) async fn write_input<W: AsyncWrite + Unpin>(
             open = false;
         }
     }
-    let _ = stdin.shutdown().await;
+    if let Err(e) = stdin.shutdown().await {
+        tracing::debug!("cannot close a process's stdin: {e}");
+    }
 }
 
 /// Aborts a task when dropped.

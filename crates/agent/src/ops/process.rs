@@ -20,6 +20,7 @@ use nix::unistd::Pid;
 use tine_proto::agent::{Command, ErrorCode, ExitStatus, ProcessOptions};
 use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::sync::watch;
+use tokio::task::JoinHandle;
 
 use crate::error::OpError;
 use crate::system::reaper::{ExitWatch, ReapMode, Reaper};
@@ -176,6 +177,47 @@ pub(crate) fn signal_group(pgid: u32, signal: i32) -> Result<(), OpError> {
     }
 }
 
+/// Kills group `pgid` with SIGKILL on the agent's own account. A group that
+/// has already gone is no failure; any other error is logged, as the group
+/// may live on.
+pub(crate) fn kill_group(pgid: u32) {
+    if let Err(e) = signal_group(pgid, libc::SIGKILL) {
+        tracing::warn!("SIGKILL not delivered: {e}");
+    }
+}
+
+/// Waits until the killed process behind `exit` has been reaped; nobody
+/// needs its status, so only a status that was lost is worth a line.
+pub(crate) async fn wait_killed(exit: &ExitWatch) {
+    if let Err(e) = exit.wait().await {
+        tracing::debug!("after SIGKILL: {e}");
+    }
+}
+
+/// [`kill_group`], then [`wait_killed`]: ends a process that was started
+/// but is not wanted after all.
+pub(crate) async fn kill_and_wait(pgid: u32, exit: &ExitWatch) {
+    kill_group(pgid);
+    wait_killed(exit).await;
+}
+
+/// Tells the output pumps of process `pid` that it has exited, then waits
+/// until they have passed on what is left of its output.
+pub(crate) async fn drain_output(
+    exited: &watch::Sender<bool>,
+    pumps: impl IntoIterator<Item = JoinHandle<()>>,
+    pid: u32,
+) {
+    if exited.send(true).is_err() {
+        tracing::trace!("the output of {pid} had already ended");
+    }
+    for pump in pumps {
+        if let Err(e) = pump.await {
+            tracing::warn!("an output pump of {pid} failed: {e}");
+        }
+    }
+}
+
 /// Protocol form of an exit status.
 pub(crate) fn exit_status(
     status: std::process::ExitStatus,
@@ -283,7 +325,7 @@ pub(crate) async fn wait_with_timeout(
     match tokio::time::timeout(timeout, exit.wait()).await {
         Ok(status) => Ok((status.map_err(io::Error::other)?, false)),
         Err(_) => {
-            let _ = signal_group(pgid, libc::SIGKILL);
+            kill_group(pgid);
             Ok((exit.wait().await.map_err(io::Error::other)?, true))
         }
     }

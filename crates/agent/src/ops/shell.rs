@@ -193,8 +193,7 @@ pub(crate) async fn run(
         })?));
 
     if tx.send_msg(&Response::Started { pid }).await.is_err() {
-        let _ = signal_group(pid, libc::SIGKILL);
-        let _ = exit.wait().await;
+        process::kill_and_wait(pid, &exit).await;
         return Err(OpError::cancelled());
     }
     let (exited_tx, exited_rx) = watch::channel(false);
@@ -207,8 +206,7 @@ pub(crate) async fn run(
     let control = tokio::spawn(control_loop(rx, pty, pid));
     let waited = exit.wait().await.map_err(io::Error::other);
     control.abort();
-    let _ = exited_tx.send(true);
-    let _ = output.await;
+    process::drain_output(&exited_tx, [output], pid).await;
     let status = waited.map_err(|e| OpError::io(format_args!("waiting for shell {pid}"), &e))?;
     Ok(Response::Exited(process::exit_status(
         status, started, false,
@@ -221,7 +219,9 @@ async fn control_loop(mut rx: StreamReceiver, pty: Pty, pid: u32) {
     loop {
         match rx.recv().await {
             Some(Inbound::Data(Channel::Data, chunk)) => {
-                let _ = input_tx.send(chunk);
+                if input_tx.send(chunk).is_err() {
+                    tracing::trace!("input for {pid} dropped: its PTY writer has stopped");
+                }
             }
             Some(Inbound::Msg(bytes)) => match serde_json::from_slice::<Control>(&bytes) {
                 Ok(Control::Resize { rows, cols }) => {
@@ -230,14 +230,18 @@ async fn control_loop(mut rx: StreamReceiver, pty: Pty, pid: u32) {
                     }
                 }
                 Ok(Control::Signal { signal }) => {
-                    let _ = signal_group(pid, signal);
+                    if let Err(e) = signal_group(pid, signal) {
+                        tracing::debug!("signal {signal} to {pid}: {e}");
+                    }
                 }
                 Err(_) => {}
             },
             Some(_) => {}
             None => {
-                let _ = signal_group(pid, libc::SIGHUP);
-                let _ = signal_group(pid, libc::SIGKILL);
+                if let Err(e) = signal_group(pid, libc::SIGHUP) {
+                    tracing::warn!("SIGHUP not delivered: {e}");
+                }
+                process::kill_group(pid);
                 std::future::pending::<()>().await;
             }
         }
