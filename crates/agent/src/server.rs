@@ -6,7 +6,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tine_proto::agent::mux::{Inbound, Mux, MuxConfig, Stream, StreamReceiver, StreamSender};
+use tine_proto::agent::mux::{
+    Inbound, Mux, MuxConfig, MuxError, Stream, StreamReceiver, StreamSender,
+};
 use tine_proto::agent::{
     server_handshake, ErrorCode, Request, Response, Welcome, MAX_FRAME_LEN, PROTOCOL_VERSION,
 };
@@ -166,8 +168,17 @@ async fn handle_stream(agent: Arc<Agent>, stream: Stream) {
             e.to_response()
         }
     };
-    // The client may be gone; nothing more to do then.
-    let _ = tx.send_msg(&reply).await;
+    match tx.send_msg(&reply).await {
+        Ok(()) => {}
+        // The client is gone; nothing more to do then.
+        Err(MuxError::ConnectionLost(_) | MuxError::StreamClosed) => {
+            tracing::trace!(
+                "stream {}: the client left before the final message",
+                tx.id()
+            );
+        }
+        Err(e) => tracing::warn!("stream {}: cannot send the final message: {e}", tx.id()),
+    }
 }
 
 async fn read_request(rx: &mut StreamReceiver) -> Result<Request, OpError> {

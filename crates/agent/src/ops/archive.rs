@@ -393,8 +393,13 @@ fn unpack(reader: ChannelReader, req: &UploadTarRequest) -> Result<Response, OpE
     // Consume any padding after the end-of-archive blocks.
     let mut rest = archive.into_inner();
     io::copy(&mut rest, &mut io::sink()).map_err(|e| tar_error("read", &e))?;
-    if let Ok(dir) = fs::File::open(&root) {
-        let _ = nix::unistd::syncfs(&dir);
+    match fs::File::open(&root) {
+        Ok(dir) => {
+            if let Err(e) = nix::unistd::syncfs(&dir) {
+                tracing::warn!("cannot sync the file system of {}: {e}", root.display());
+            }
+        }
+        Err(e) => tracing::warn!("cannot open {} to sync it: {e}", root.display()),
     }
     Ok(Response::TarDone { entries, skipped })
 }
@@ -420,7 +425,9 @@ fn write_file(
     file.set_permissions(fs::Permissions::from_mode(mode))
         .map_err(|e| OpError::path("chmod", target, &e))?;
     if let Some(mtime) = mtime {
-        let _ = file.set_modified(UNIX_EPOCH + Duration::from_secs(mtime));
+        if let Err(e) = file.set_modified(UNIX_EPOCH + Duration::from_secs(mtime)) {
+            tracing::debug!("cannot set the mtime of {}: {e}", target.display());
+        }
     }
     temp.persist(target)
         .map_err(|e| OpError::path("rename onto", target, &e.error))?;
@@ -451,7 +458,9 @@ pub(crate) async fn upload(
                 }
             }
             Some(Inbound::Eof(Channel::Data)) => {
-                let _ = feed_tx.send(Feed::Eof).await;
+                if feed_tx.send(Feed::Eof).await.is_err() {
+                    tracing::trace!("the unpack worker stopped first; its result says why");
+                }
                 break;
             }
             Some(_) => {}
@@ -552,7 +561,11 @@ pub(crate) async fn download(
     while let Some(chunk) = chunk_rx.recv().await {
         if tx.send_data_vec(Channel::Data, chunk).await.is_err() {
             drop(chunk_rx);
-            let _ = worker.await;
+            // The client has gone, so what the pack came to no longer
+            // matters; only a worker that did not finish is worth a line.
+            if let Err(e) = worker.await {
+                tracing::warn!("pack worker failed: {e}");
+            }
             return Err(OpError::cancelled());
         }
     }

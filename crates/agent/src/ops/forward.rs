@@ -23,7 +23,9 @@ pub(crate) async fn run(
             let socket = tokio::net::TcpStream::connect((host.as_str(), port))
                 .await
                 .map_err(|e| OpError::io(format_args!("connect to {host}:{port}"), &e))?;
-            let _ = socket.set_nodelay(true);
+            if let Err(e) = socket.set_nodelay(true) {
+                tracing::debug!("cannot set TCP_NODELAY on {host}:{port}: {e}");
+            }
             relay(socket, tx, rx).await
         }
         ForwardTarget::Unix { path } => {
@@ -65,7 +67,9 @@ async fn relay<S: AsyncRead + AsyncWrite + Send + 'static>(
             None => return Err(OpError::cancelled()),
         }
     }
-    let _ = writer.shutdown().await;
+    if let Err(e) = writer.shutdown().await {
+        tracing::debug!("cannot shut down the write side of the forwarded socket: {e}");
+    }
     // Keep reading the client's side so that a late close is noticed.
     let mut upstream = upstream;
     tokio::select! {

@@ -225,8 +225,14 @@ impl Watcher {
             .map(|(wd, _)| *wd)
             .collect();
         for wd in gone {
-            // The kernel may have dropped it already.
-            let _ = self.inotify().rm_watch(wd);
+            match self.inotify().rm_watch(wd) {
+                // EINVAL: the kernel has dropped it already.
+                Ok(()) | Err(Errno::EINVAL) => {}
+                Err(e) => tracing::debug!(
+                    "cannot remove an inotify watch below {}: {e}",
+                    path.display()
+                ),
+            }
             self.watched.remove(&wd);
         }
     }
