@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use tine_proto::agent::{FixupStep, FixupStepTime};
 
-use super::fs::{sync_paths, under, write_atomic_unsynced};
+use super::fs::{remove_temporary, sync_paths, under, write_atomic_unsynced};
 use super::hostname::{valid_hostname, write_hostname_files};
 use super::ssh;
 
@@ -328,11 +328,11 @@ fn write_machine_id(root: &Path) -> Result<(String, Vec<String>), String> {
         Ok(_) => {
             // A stale copy: replace it by the symlink Debian ships.
             let tmp = dbus.with_file_name(".machine-id.tine-tmp");
-            let _ = fs::remove_file(&tmp);
+            remove_temporary(&tmp);
             if let Err(e) = std::os::unix::fs::symlink("/etc/machine-id", &tmp)
                 .and_then(|()| fs::rename(&tmp, &dbus))
             {
-                let _ = fs::remove_file(&tmp);
+                remove_temporary(&tmp);
                 errs.push(format!(
                     "machine-id: cannot link /var/lib/dbus/machine-id to /etc/machine-id: {e}"
                 ));

@@ -67,13 +67,13 @@ fn replace(path: &Path, data: &[u8], mode: u32, sync: bool) -> io::Result<()> {
         Ok(())
     };
     if let Err(e) = write() {
-        let _ = fs::remove_file(&tmp);
+        remove_temporary(&tmp);
         return Err(e);
     }
     match fs::rename(&tmp, path) {
         Ok(()) => Ok(()),
         Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
-            let _ = fs::remove_file(&tmp);
+            remove_temporary(&tmp);
             let mut f = fs::OpenOptions::new()
                 .write(true)
                 .truncate(true)
@@ -85,9 +85,20 @@ fn replace(path: &Path, data: &[u8], mode: u32, sync: bool) -> io::Result<()> {
             Ok(())
         }
         Err(e) => {
-            let _ = fs::remove_file(&tmp);
+            remove_temporary(&tmp);
             Err(e)
         }
+    }
+}
+
+/// Removes the temporary file of a write that did not go through. One that
+/// was never created is no failure; any other error is logged, as the file
+/// stays behind.
+pub(crate) fn remove_temporary(tmp: &Path) {
+    match fs::remove_file(tmp) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => tracing::warn!("cannot remove {}: {e}", tmp.display()),
     }
 }
 

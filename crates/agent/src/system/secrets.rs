@@ -10,7 +10,7 @@ use std::path::Path;
 
 use tine_proto::agent::SecretFile;
 
-use super::fs::under;
+use super::fs::{remove_temporary, under};
 
 /// Where the secrets are.
 pub const SECRETS_DIR: &str = "/run/tine/secrets";
@@ -128,10 +128,8 @@ fn write_secret(dir: &Path, s: &Secret) -> io::Result<()> {
         f.write_all(&s.data)?;
         fs::rename(&tmp, dir.join(&s.name))
     };
-    write().inspect_err(|_| {
-        // The error that matters is the write's.
-        let _ = fs::remove_file(&tmp);
-    })
+    // The error that matters is the write's.
+    write().inspect_err(|_| remove_temporary(&tmp))
 }
 
 fn is_tmpfs(dir: &Path) -> io::Result<bool> {

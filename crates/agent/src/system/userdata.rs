@@ -123,7 +123,7 @@ pub fn run_once(root: &Path) -> Result<UserdataStatus, UserdataError> {
     if started.exists() {
         // The last boot started it and never finished: do not run it twice.
         write(&done, "interrupted\n")?;
-        let _ = fs::remove_file(&started);
+        remove_started_marker(&started);
         return Ok(status(root));
     }
 
@@ -180,7 +180,7 @@ pub fn run_once(root: &Path) -> Result<UserdataStatus, UserdataError> {
         Err(source) => {
             // Never started: mark it so that it is not retried on every boot.
             write(&done, "interrupted\n")?;
-            let _ = fs::remove_file(&started);
+            remove_started_marker(&started);
             return Err(UserdataError::Spawn {
                 path: script,
                 source,
@@ -188,8 +188,19 @@ pub fn run_once(root: &Path) -> Result<UserdataStatus, UserdataError> {
         }
     };
     write(&done, &result)?;
-    let _ = fs::remove_file(&started);
+    remove_started_marker(&started);
     Ok(status(root))
+}
+
+/// Removes [`STARTED`] once [`DONE`] holds the outcome. A marker that stays
+/// behind is logged to stderr, like the rest of userdata's outcome.
+fn remove_started_marker(started: &Path) {
+    if let Err(e) = fs::remove_file(started) {
+        eprintln!(
+            "tine-agent: userdata: cannot remove {}: {e}",
+            started.display()
+        );
+    }
 }
 
 /// Runs [`run_once`] on a thread of its own, logging failures to stderr.
