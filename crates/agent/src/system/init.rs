@@ -459,10 +459,13 @@ pub fn shutdown(action: ShutdownAction, grace: Duration) -> ! {
                 eprintln!("tine-agent: no ACPI: resetting instead of powering off");
                 nix::sys::reboot::RebootMode::RB_AUTOBOOT
             };
-            let _ = nix::sys::reboot::reboot(mode);
+            let Err(e) = nix::sys::reboot::reboot(mode);
+            eprintln!("tine-agent: reboot({mode:?}) failed: {e}");
         }
         ShutdownAction::Reboot => {
-            let _ = nix::sys::reboot::reboot(nix::sys::reboot::RebootMode::RB_AUTOBOOT);
+            let mode = nix::sys::reboot::RebootMode::RB_AUTOBOOT;
+            let Err(e) = nix::sys::reboot::reboot(mode);
+            eprintln!("tine-agent: reboot({mode:?}) failed: {e}");
         }
     }
     eprintln!("tine-agent: the kernel did not stop the VM; waiting forever");
@@ -501,17 +504,24 @@ pub fn request_shutdown(action: ShutdownAction) -> Result<(), InitError> {
 /// `SIGTERM` (and `SIGCONT`) to every process but us, up to `grace` for
 /// them to go, then `SIGKILL`.
 fn terminate_all(grace: Duration) {
-    use nix::sys::signal::{kill, Signal};
-    use nix::unistd::Pid;
-    let everyone = Pid::from_raw(-1);
-    let _ = kill(everyone, Signal::SIGTERM);
-    let _ = kill(everyone, Signal::SIGCONT);
+    use nix::sys::signal::Signal;
+    signal_everyone(Signal::SIGTERM);
+    signal_everyone(Signal::SIGCONT);
     if wait_all_gone(grace) {
         return;
     }
     eprintln!("tine-agent: processes left after {grace:?}; sending SIGKILL");
-    let _ = kill(everyone, Signal::SIGKILL);
+    signal_everyone(Signal::SIGKILL);
     wait_all_gone(Duration::from_secs(2));
+}
+
+/// Sends `signal` to every process but this one. None being left (ESRCH)
+/// is no failure; any other error goes to the console.
+fn signal_everyone(signal: nix::sys::signal::Signal) {
+    match nix::sys::signal::kill(nix::unistd::Pid::from_raw(-1), signal) {
+        Ok(()) | Err(nix::errno::Errno::ESRCH) => {}
+        Err(e) => eprintln!("tine-agent: cannot send {signal} to every process: {e}"),
+    }
 }
 
 /// Waits until no process other than this one is left (zombies count, so

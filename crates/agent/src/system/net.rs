@@ -13,6 +13,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 use super::fs::write_atomic;
+use crate::error::describe_error;
 
 /// A static IPv4 configuration for one interface.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -115,7 +116,13 @@ pub fn configure_link(cfg: &NetConfig) -> Result<(), NetError> {
         // Replace, not add: a fork re-addressed with a new gateway must not
         // keep the parent's route.
         let mut old = default_route(None, &cfg.iface)?;
-        let _ = route_ioctl(&sock, libc::SIOCDELRT, "SIOCDELRT", &cfg.iface, &mut old);
+        match route_ioctl(&sock, libc::SIOCDELRT, "SIOCDELRT", &cfg.iface, &mut old) {
+            Ok(()) => {}
+            // ESRCH: there was no default route to replace.
+            Err(NetError::Ioctl { source, .. }) if source.raw_os_error() == Some(libc::ESRCH) => {}
+            // The route added next reports what stands in its way.
+            Err(e) => tracing::debug!("old default route not deleted: {}", describe_error(&e)),
+        }
         let mut rt = default_route(Some(gw), &cfg.iface)?;
         route_ioctl(&sock, libc::SIOCADDRT, "SIOCADDRT", &cfg.iface, &mut rt)?;
     }

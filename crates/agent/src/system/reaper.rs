@@ -389,17 +389,22 @@ impl Reaper {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         let (mut child, exit) = self.spawn(cmd)?;
+        let pid = child.id();
         let stderr = child.stderr.take();
         let err_thread = std::thread::spawn(move || {
             let mut buf = Vec::new();
             if let Some(mut e) = stderr {
-                let _ = e.read_to_end(&mut buf);
+                if let Err(err) = e.read_to_end(&mut buf) {
+                    tracing::warn!("stderr of pid {pid} cut short: {err}");
+                }
             }
             buf
         });
         let mut stdout = Vec::new();
         if let Some(mut o) = child.stdout.take() {
-            let _ = o.read_to_end(&mut stdout);
+            if let Err(e) = o.read_to_end(&mut stdout) {
+                tracing::warn!("stdout of pid {pid} cut short: {e}");
+            }
         }
         let stderr = err_thread.join().unwrap_or_default();
         let status = exit.wait_blocking().map_err(io::Error::other)?;
@@ -442,7 +447,9 @@ impl Drop for Reaper {
         self.shared.stop.store(true, Ordering::SeqCst);
         self.shared.wake();
         if let Some(t) = self.thread.take() {
-            let _ = t.join();
+            if t.join().is_err() {
+                tracing::warn!("the reaper thread panicked");
+            }
         }
         for (_, slot) in lock(&self.shared.waiters).drain() {
             slot.finish(SlotState::Lost);
