@@ -229,7 +229,9 @@ impl Shared {
         for slot in slots.into_values() {
             slot.send_credit.close();
         }
-        let _ = self.out.send(Outbound::Shutdown);
+        if self.out.send(Outbound::Shutdown).is_err() {
+            tracing::trace!("the connection's writer has ended already");
+        }
         self.stop_reader.notify_one();
     }
 
@@ -270,7 +272,12 @@ impl StreamShared {
             .fetch_add(u64::from(amount), Ordering::AcqRel);
         if let Some(mux) = self.mux.upgrade() {
             let frame = Frame::new(self.id, FrameKind::Window, amount.to_be_bytes().to_vec());
-            let _ = mux.out.send(Outbound::Frame(frame));
+            if mux.out.send(Outbound::Frame(frame)).is_err() {
+                tracing::trace!(
+                    stream = self.id,
+                    "the connection's writer has ended; no window update"
+                );
+            }
         }
     }
 }
@@ -282,11 +289,13 @@ impl Drop for StreamShared {
         };
         let removed = mux.lock().streams.remove(&self.id);
         if removed.is_some() {
-            let _ = mux.out.send(Outbound::Frame(Frame::new(
-                self.id,
-                FrameKind::Close,
-                Vec::new(),
-            )));
+            let close = Frame::new(self.id, FrameKind::Close, Vec::new());
+            if mux.out.send(Outbound::Frame(close)).is_err() {
+                tracing::trace!(
+                    stream = self.id,
+                    "the connection's writer has ended; no close"
+                );
+            }
         }
     }
 }
@@ -684,7 +693,9 @@ async fn write_loop<W: AsyncWrite + Unpin>(
                 match item {
                     Outbound::Shutdown => {
                         writer.flush().await.map_err(FrameError::Io)?;
-                        let _ = writer.shutdown().await;
+                        if let Err(e) = writer.shutdown().await {
+                            tracing::debug!("cannot shut the connection's transport down: {e}");
+                        }
                         break 'outer;
                     }
                     Outbound::Frame(frame) => {
@@ -735,9 +746,12 @@ async fn read_loop<R: AsyncRead + Unpin>(shared: Arc<Shared>, live: Weak<Livenes
 fn protocol_violation(shared: &Shared, message: String) {
     let reply = Response::error(ErrorCode::Protocol, message.clone());
     if let Ok(payload) = serde_json::to_vec(&reply) {
-        let _ = shared
+        let told = shared
             .out
             .send(Outbound::Frame(Frame::new(0, FrameKind::Msg, payload)));
+        if told.is_err() {
+            tracing::trace!("the connection's writer has ended; the peer is not told why");
+        }
     }
     shared.fail(CloseReason::Protocol(message));
 }
@@ -799,11 +813,17 @@ fn dispatch(shared: &Arc<Shared>, live: &Weak<Liveness>, frame: Frame) -> Result
                         frame.stream
                     ));
                 }
-                let _ = slot.tx.send(RawInbound {
+                let delivered = slot.tx.send(RawInbound {
                     kind,
                     payload: frame.payload,
                     cost,
                 });
+                if delivered.is_err() {
+                    tracing::trace!(
+                        stream = frame.stream,
+                        "the stream's reader has gone; its frame is dropped"
+                    );
+                }
                 return Ok(());
             }
             let opens = shared.role == Role::Server
@@ -829,17 +849,21 @@ fn dispatch(shared: &Arc<Shared>, live: &Weak<Liveness>, frame: Frame) -> Result
                     ),
                 );
                 if let Ok(payload) = serde_json::to_vec(&reply) {
-                    let _ = shared.out.send(Outbound::Frame(Frame::new(
-                        frame.stream,
-                        FrameKind::Msg,
-                        payload,
-                    )));
+                    let refusal = Frame::new(frame.stream, FrameKind::Msg, payload);
+                    if shared.out.send(Outbound::Frame(refusal)).is_err() {
+                        tracing::trace!(
+                            stream = frame.stream,
+                            "the connection's writer has ended; no refusal"
+                        );
+                    }
                 }
-                let _ = shared.out.send(Outbound::Frame(Frame::new(
-                    frame.stream,
-                    FrameKind::Close,
-                    Vec::new(),
-                )));
+                let close = Frame::new(frame.stream, FrameKind::Close, Vec::new());
+                if shared.out.send(Outbound::Frame(close)).is_err() {
+                    tracing::trace!(
+                        stream = frame.stream,
+                        "the connection's writer has ended; no close"
+                    );
+                }
                 drop(state);
                 drop(live);
                 return Ok(());
@@ -851,14 +875,26 @@ fn dispatch(shared: &Arc<Shared>, live: &Weak<Liveness>, frame: Frame) -> Result
                 .ok_or_else(|| "stream vanished".to_owned())?;
             slot.recv_budget
                 .fetch_sub(u64::from(cost), Ordering::AcqRel);
-            let _ = slot.tx.send(RawInbound {
+            let delivered = slot.tx.send(RawInbound {
                 kind,
                 payload: frame.payload,
                 cost,
             });
+            if delivered.is_err() {
+                // Not while `stream`, here, holds its receiver.
+                tracing::trace!(
+                    stream = frame.stream,
+                    "a new stream's first frame has no reader"
+                );
+            }
             drop(state);
             // If the server stopped accepting, dropping the stream closes it.
-            let _ = incoming.send(stream);
+            if incoming.send(stream).is_err() {
+                tracing::trace!(
+                    stream = frame.stream,
+                    "no one accepts streams any more; this one closes"
+                );
+            }
             Ok(())
         }
     }
