@@ -852,7 +852,13 @@ impl Drop for Qcow2 {
         // Leaves no leaked clusters behind on a clean close; on failure the
         // clusters stay leaked, which is harmless.
         if let Some(refcounts) = &mut self.refcounts {
-            let _ = refcounts.release_pool(&mut self.f);
+            if let Err(e) = refcounts.release_pool(&mut self.f) {
+                tracing::warn!(
+                    error = &e as &dyn std::error::Error,
+                    "{}: cannot give back the clusters reserved for writes, which stay leaked",
+                    self.f.path.display()
+                );
+            }
         }
     }
 }
