@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::os::fd::{AsRawFd, RawFd};
 use std::path::PathBuf;
 use std::sync::mpsc::{channel, Receiver, Sender};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Once};
 use std::time::Duration;
 
 use kvm_ioctls::IoEventAddress;
@@ -589,8 +589,12 @@ impl EventLoopHandle {
     }
 
     fn stop(mut self) {
-        let _ = self.commands.send(LoopCommand::Stop);
-        let _ = self.wake.write(1);
+        if self.commands.send(LoopCommand::Stop).is_err() {
+            eprintln!("tine-vmm: the device event loop had ended before its stop");
+        }
+        if let Err(e) = self.wake.write(1) {
+            eprintln!("tine-vmm: cannot wake the device event loop to stop it: {e}");
+        }
         if let Some(thread) = self.thread.take() {
             if thread.join().is_none() {
                 eprintln!("the device event loop ended in a panic");
@@ -611,7 +615,13 @@ impl EventLoop {
             for event in &events[..n] {
                 let token = event.data();
                 if token == TOKEN_CONTROL {
-                    let _ = self.wake.read();
+                    if let Err(e) = self.wake.read() {
+                        // Left unread, it wakes the loop at every turn: said once.
+                        static SAID: Once = Once::new();
+                        SAID.call_once(|| {
+                            eprintln!("tine-vmm: cannot reset the device event loop's wake-up: {e} (not said again)");
+                        });
+                    }
                     if !self.handle_commands() {
                         return;
                     }
@@ -641,13 +651,18 @@ impl EventLoop {
                 LoopCommand::Stop => return false,
                 LoopCommand::Resume => {}
                 LoopCommand::Pause => {
-                    let _ = self.acks.send(());
+                    if self.acks.send(()).is_err() {
+                        // The handle is gone: nobody waits, and the wait
+                        // below ends the loop.
+                    }
                     // Parked: wait for Resume or Stop.
                     loop {
                         match self.commands.recv() {
                             Ok(LoopCommand::Resume) => break,
                             Ok(LoopCommand::Pause) => {
-                                let _ = self.acks.send(());
+                                if self.acks.send(()).is_err() {
+                                    // The handle is gone: nobody waits.
+                                }
                             }
                             Ok(LoopCommand::Stop) | Err(_) => return false,
                         }
@@ -667,7 +682,13 @@ impl EventLoop {
             return;
         };
         if let Some(event) = events.get(q) {
-            let _ = event.read();
+            if let Err(e) = event.read() {
+                // The guest notifies at will: said once.
+                static SAID: Once = Once::new();
+                SAID.call_once(|| {
+                    eprintln!("tine-vmm: device {d}: cannot reset queue {q}'s notification: {e} (not said again)");
+                });
+            }
         }
         {
             let mut transport = transport.lock().unwrap_or_else(|p| p.into_inner());
@@ -705,9 +726,16 @@ impl EventLoop {
         };
         for (&fd, _) in registered.iter() {
             if !wanted.contains_key(&fd) {
-                let _ = self
+                let deleted = self
                     .epoll
                     .ctl(ControlOperation::Delete, fd, EpollEvent::default());
+                if let Err(e) = deleted {
+                    // A closed fd has left epoll by itself (EBADF), and its
+                    // number may now name one never added (ENOENT).
+                    if !matches!(e.raw_os_error(), Some(libc::EBADF | libc::ENOENT)) {
+                        eprintln!("tine-vmm: device {d}: cannot stop watching its host descriptor {fd}: {e}");
+                    }
+                }
             }
         }
         for (&fd, &events) in &wanted {

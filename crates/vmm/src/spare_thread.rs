@@ -57,8 +57,9 @@ impl SpareThread {
     ) -> std::io::Result<Worker<T>> {
         let (result, outcome) = channel();
         let job: Job = Box::new(move || {
-            // The worker's owner may be gone; the result then has no reader.
-            let _ = result.send(work());
+            if result.send(work()).is_err() {
+                // The worker's owner is gone: nobody wants the result.
+            }
         });
         if self.jobs.send(job).is_err() {
             // The waiting thread is gone, which it never is on its own

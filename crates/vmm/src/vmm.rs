@@ -377,7 +377,12 @@ impl PreparedVm {
                     op: "KVM_CREATE_VCPU",
                     source,
                 })?;
-            let tsc_khz = fd.get_tsc_khz().ok();
+            // Without it a restore sets the snapshot's rate even when the
+            // vCPU already runs at it.
+            let tsc_khz = fd
+                .get_tsc_khz()
+                .inspect_err(|e| eprintln!("tine-vmm: vCPU {index}: cannot read its TSC rate: {e}"))
+                .ok();
             let mut vcpu = Vcpu {
                 index,
                 fd,
@@ -956,8 +961,14 @@ impl Vmm {
                 duration_us: start.elapsed().as_micros() as u64,
             }),
             Err(e) => {
-                let _ = std::fs::remove_file(&mem_tmp);
-                let _ = std::fs::remove_file(&state_tmp);
+                // A file renamed into place, or never created, is not there.
+                for tmp in [&mem_tmp, &state_tmp] {
+                    if let Err(removed) = std::fs::remove_file(tmp) {
+                        if removed.kind() != std::io::ErrorKind::NotFound {
+                            eprintln!("tine-vmm: cannot remove {}: {removed}", tmp.display());
+                        }
+                    }
+                }
                 Err(e)
             }
         }

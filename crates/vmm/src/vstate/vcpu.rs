@@ -157,7 +157,9 @@ impl StopSignal {
         if slot.is_none() {
             *slot = Some(reason);
         }
-        let _ = self.event.write(1);
+        if let Err(e) = self.event.write(1) {
+            eprintln!("tine-vmm: cannot wake the VMM to stop the VM: {e}");
+        }
     }
 
     /// The recorded reason.
@@ -252,7 +254,16 @@ impl Vcpu {
             .fd
             .get_vcpu_events()
             .map_err(self.err("KVM_GET_VCPU_EVENTS"))?;
-        let tsc_khz = self.fd.get_tsc_khz().ok();
+        let tsc_khz = self
+            .fd
+            .get_tsc_khz()
+            .inspect_err(|e| {
+                eprintln!(
+                    "tine-vmm: vCPU {}: cannot read its TSC rate, which its saved state then lacks: {e}",
+                    self.index
+                )
+            })
+            .ok();
         Ok(VcpuState {
             cpuid: self.cpuid.clone(),
             msrs,
@@ -584,7 +595,10 @@ impl VcpuHandle {
     fn end_thread(&mut self) -> Option<Vcpu> {
         let thread = self.thread.take()?;
         self.pause.store(true, Ordering::SeqCst);
-        let _ = self.commands.send(Command::Exit);
+        if self.commands.send(Command::Exit).is_err() {
+            // The thread has ended already (a panic, which it printed):
+            // the wait below finds it finished.
+        }
         let deadline = Instant::now() + ANSWER_TIMEOUT;
         while !thread.is_finished() {
             if Instant::now() >= deadline {
@@ -752,7 +766,10 @@ fn run_loop(
     let mut ran = false;
     loop {
         if pause.load(Ordering::SeqCst) {
-            let _ = responses.send(Response::Paused);
+            if responses.send(Response::Paused).is_err() {
+                // The handle gave up waiting for this thread to end and is
+                // gone: the commands left end the thread.
+            }
             if std::mem::take(&mut ran) {
                 // The guest's clock jumps by the paused time when it
                 // resumes: without this, a pause longer than its kernel's
@@ -772,7 +789,9 @@ fn run_loop(
                             Ok(state) => Response::State(Box::new(state)),
                             Err(e) => Response::Error(e.to_string()),
                         };
-                        let _ = responses.send(answer);
+                        if responses.send(answer).is_err() {
+                            // The handle gave up on this thread: nobody waits.
+                        }
                     }
                     Ok(Command::Exit) | Err(_) => return vcpu,
                 }

@@ -6,7 +6,7 @@
 //! busybox init and tine-agent set it).
 
 use std::collections::VecDeque;
-use std::sync::Arc;
+use std::sync::{Arc, Once};
 
 use vmm_sys_util::eventfd::EventFd;
 
@@ -58,7 +58,13 @@ impl I8042 {
 
     fn raise(&self) {
         if let Some(irq) = &self.kbd_irq {
-            let _ = irq.write(1);
+            if let Err(e) = irq.write(1) {
+                // The guest reads the keyboard at will: said once.
+                static SAID: Once = Once::new();
+                SAID.call_once(|| {
+                    eprintln!("tine-vmm: i8042: cannot raise the keyboard interrupt: {e} (not said again)");
+                });
+            }
         }
     }
 

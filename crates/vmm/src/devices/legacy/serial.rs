@@ -2,7 +2,7 @@
 //! guest's output to a size-bounded log.
 
 use std::io::Write;
-use std::sync::Arc;
+use std::sync::{Arc, Once};
 
 use serde::{Deserialize, Serialize};
 use vm_superio::serial::{NoEvents, SerialState as SuperioState};
@@ -56,8 +56,15 @@ impl<W: Write> BoundedLog<W> {
 impl<W: Write> Write for BoundedLog<W> {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         if let Some(echo) = self.echo.as_mut() {
-            let _ = echo.write_all(buf);
-            let _ = echo.flush();
+            let written = echo.write_all(buf);
+            let flushed = echo.flush();
+            if let Err(e) = written.and(flushed) {
+                // Every byte the guest writes comes here: said once.
+                static SAID: Once = Once::new();
+                SAID.call_once(|| {
+                    eprintln!("tine-vmm: cannot echo the serial console: {e} (not said again)");
+                });
+            }
         }
         let room = self.limit.saturating_sub(self.written) as usize;
         if room >= buf.len() {
@@ -168,7 +175,13 @@ impl BusDevice for SerialConsole {
 
     fn write(&mut self, offset: u64, data: &[u8]) {
         if data.len() == 1 && offset < COM1_LEN {
-            let _ = self.uart.write(offset as u8, data[0]);
+            if let Err(e) = self.uart.write(offset as u8, data[0]) {
+                // Every byte the guest writes comes here: said once.
+                static SAID: Once = Once::new();
+                SAID.call_once(|| {
+                    eprintln!("tine-vmm: a guest write to the serial console failed: {e} (not said again)");
+                });
+            }
         }
     }
 }

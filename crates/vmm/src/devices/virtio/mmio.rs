@@ -10,7 +10,7 @@
 //! register, queue setup at the wrong time or for a queue that does not
 //! exist) is ignored, and such reads return zero.
 
-use std::sync::Arc;
+use std::sync::{Arc, Once};
 
 use serde::{Deserialize, Serialize};
 use virtio_queue::QueueT;
@@ -248,7 +248,14 @@ impl MmioTransport {
             // Virtio spec 2.1.2: set DEVICE_NEEDS_RESET and, the driver
             // being past DRIVER_OK, tell it through a config interrupt.
             self.device_status |= DEVICE_NEEDS_RESET;
-            let _ = self.interrupt.trigger(VIRTIO_MMIO_INT_CONFIG);
+            if let Err(e) = self.interrupt.trigger(VIRTIO_MMIO_INT_CONFIG) {
+                // The driver can activate a broken device over and over:
+                // said once.
+                static SAID: Once = Once::new();
+                SAID.call_once(|| {
+                    eprintln!("tine-vmm: cannot tell the guest a device needs a reset: {e} (not said again)");
+                });
+            }
         }
     }
 

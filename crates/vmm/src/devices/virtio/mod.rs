@@ -23,7 +23,7 @@ pub mod vsock;
 
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Once};
 
 use virtio_queue::{DescriptorChain, Queue, QueueT};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
@@ -185,7 +185,13 @@ impl VirtioCommon {
         // A queue whose rings the guest made unreadable still gets the
         // interrupt: the driver is the one who broke it.
         if queue.needs_notification(mem).unwrap_or(true) {
-            let _ = interrupt.trigger(VIRTIO_MMIO_INT_VRING);
+            if let Err(e) = interrupt.trigger(VIRTIO_MMIO_INT_VRING) {
+                // Every completed request comes here: said once.
+                static SAID: Once = Once::new();
+                SAID.call_once(|| {
+                    eprintln!("tine-vmm: cannot interrupt the guest for a used ring: {e} (not said again)");
+                });
+            }
         }
     }
 
@@ -207,7 +213,16 @@ impl VirtioCommon {
         };
         let mut completed = 0;
         loop {
-            let _ = queue.disable_notification(mem);
+            if let Err(e) = queue.disable_notification(mem) {
+                // Only a hint: the guest then notifies more than it needs.
+                // It comes with every notification: said once.
+                static SAID: Once = Once::new();
+                SAID.call_once(|| {
+                    eprintln!(
+                        "tine-vmm: cannot turn a queue's notifications off: {e} (not said again)"
+                    );
+                });
+            }
             let mut popped = false;
             while let Some(chain) = queue.pop_descriptor_chain(mem) {
                 popped = true;

@@ -7,7 +7,7 @@
 //! descriptor, a buffer outside guest memory) completes with length 0.
 
 use std::io::Write;
-use std::sync::Arc;
+use std::sync::{Arc, Once};
 
 use serde::{Deserialize, Serialize};
 use virtio_queue::DescriptorChain;
@@ -76,7 +76,15 @@ fn fill_chain(
     }
     // The writer only covers checked guest memory; a short write still
     // reports what reached the guest.
-    let _ = writer.write_all(bytes);
+    if let Err(e) = writer.write_all(bytes) {
+        // The guest asks at will: said once.
+        static SAID: Once = Once::new();
+        SAID.call_once(|| {
+            eprintln!(
+                "tine-vmm: virtio-rng: a buffer took part of its bytes: {e} (not said again)"
+            );
+        });
+    }
     u32::try_from(writer.bytes_written()).unwrap_or(0)
 }
 

@@ -698,7 +698,13 @@ impl VirtioDevice for Block {
     /// failure is not fatal to the snapshot: the writes are in the file
     /// already, only their durability is unknown.
     fn prepare_snapshot(&mut self) {
-        let _ = self.disk.backend.flush();
+        if let Err(e) = self.disk.backend.flush() {
+            eprintln!(
+                "tine-vmm: cannot flush {} before a snapshot, whose writes may not be durable: {}",
+                self.disk.identity.path.display(),
+                crate::device_manager::error_chain(&e)
+            );
+        }
     }
 }
 

@@ -519,8 +519,9 @@ impl Connection {
     fn shut_host_write(&mut self) {
         if !self.host_write_shut {
             self.host_write_shut = true;
-            // The client may be gone already; nothing to do about it.
-            let _ = self.stream.shutdown(Shutdown::Write);
+            if self.stream.shutdown(Shutdown::Write).is_err() {
+                // The client may be gone already; nothing to do about it.
+            }
         }
     }
 
@@ -532,7 +533,9 @@ impl Connection {
             // The guest reads no more: stop polling for input and let the
             // client's further writes fail.
             self.pending &= !PENDING_RW;
-            let _ = self.stream.shutdown(Shutdown::Read);
+            if self.stream.shutdown(Shutdown::Read).is_err() {
+                // The client may be gone already; nothing to do about it.
+            }
         }
         if new & SHUTDOWN_SEND != 0 {
             self.pending &= !PENDING_CREDIT_UPDATE;

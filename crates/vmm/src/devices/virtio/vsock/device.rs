@@ -19,11 +19,11 @@
 use std::io::{Read, Write};
 use std::os::fd::RawFd;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Once};
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
-use virtio_queue::{DescriptorChain, QueueOwnedT, QueueT, Reader, Writer};
+use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT, Reader, Writer};
 
 use super::muxer::{Muxer, FIRST_LOCAL_PORT};
 use super::packet::{PacketHeader, EVENT_SIZE, EVENT_TRANSPORT_RESET, HDR_SIZE};
@@ -156,9 +156,8 @@ impl Vsock {
                 mem,
                 chain,
             );
-            // TX buffers are only read: the used length is 0. A used ring
-            // the guest made unwritable is its own problem.
-            let _ = queue.add_used(mem, head, 0);
+            // TX buffers are only read: the used length is 0.
+            complete_chain(queue, mem, head, 0);
             used = true;
         }
         used
@@ -187,20 +186,20 @@ impl Vsock {
                 Ok(w) if w.available_bytes() >= HDR_SIZE => w,
                 // Outside guest RAM, read-only, or too short: unusable.
                 _ => {
-                    let _ = queue.add_used(mem, head, 0);
+                    complete_chain(queue, mem, head, 0);
                     used = true;
                     continue;
                 }
             };
             let Ok(mut data) = header.split_at(HDR_SIZE) else {
-                let _ = queue.add_used(mem, head, 0);
+                complete_chain(queue, mem, head, 0);
                 used = true;
                 continue;
             };
             let room = data.available_bytes();
             match self.muxer.recv_pkt(&mut header, &mut data, room, now) {
                 Some(len) => {
-                    let _ = queue.add_used(mem, head, len);
+                    complete_chain(queue, mem, head, len);
                     used = true;
                 }
                 None => {
@@ -233,7 +232,7 @@ impl Vsock {
                 _ => false,
             };
             let len = if written { EVENT_SIZE as u32 } else { 0 };
-            let _ = queue.add_used(mem, head, len);
+            complete_chain(queue, mem, head, len);
             used = true;
             if written {
                 self.reset_event = TransportResetState::Delivered;
@@ -243,6 +242,18 @@ impl Vsock {
         if used {
             self.common.signal_used(EVQ);
         }
+    }
+}
+
+/// Puts chain `head` in `queue`'s used ring, `len` bytes written. A used
+/// ring the guest made unwritable is its own problem, which it can make at
+/// will: said once.
+fn complete_chain(queue: &mut Queue, mem: &GuestMemoryMmap, head: u16, len: u32) {
+    if let Err(e) = queue.add_used(mem, head, len) {
+        static SAID: Once = Once::new();
+        SAID.call_once(|| {
+            eprintln!("tine-vmm: vsock: cannot return a chain to the guest: {e} (not said again)");
+        });
     }
 }
 
@@ -323,7 +334,9 @@ impl VirtioDevice for Vsock {
             // interrupt for one written before the snapshot may be lost.
             self.deliver_reset_event();
             if let Some(interrupt) = &self.common.interrupt {
-                let _ = interrupt.trigger(VIRTIO_MMIO_INT_VRING);
+                if let Err(e) = interrupt.trigger(VIRTIO_MMIO_INT_VRING) {
+                    eprintln!("tine-vmm: vsock: cannot interrupt the restored guest: {e}");
+                }
             }
         }
         // Replay TX (a notification may have been lost) and deliver whatever
