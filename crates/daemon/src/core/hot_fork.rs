@@ -14,7 +14,6 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use tine_proto::api::{CommitInfo, CommitMode};
@@ -25,7 +24,7 @@ use super::error::{chain, Error, Result};
 use super::lifecycle::NewFolder;
 use super::snapshot::SnapshotFiles;
 use super::spare_book::SpareVm;
-use super::supervise::{DiskSynced, SetUp};
+use super::supervise::{DiskSynced, Launching, SetUp, SetUpHold};
 use crate::config::HostGroup;
 use crate::db::{CommitRecord, VmRecord};
 use crate::failpoint::{self, Failpoint};
@@ -191,14 +190,17 @@ impl Daemon {
         files: &SnapshotFiles,
         disk_synced: DiskSynced,
     ) -> Result<Instance> {
-        let _launching = Launching::new(self);
-        self.resume_hot_fork(vm, permit, files, disk_synced).await
+        let hold = SetUpHold {
+            boot_slot: permit,
+            launch: Some(Launching::new(self)),
+        };
+        self.resume_hot_fork(vm, hold, files, disk_synced).await
     }
 
     async fn resume_hot_fork(
         self: &Arc<Self>,
         vm: &VmRecord,
-        permit: Option<tokio::sync::OwnedSemaphorePermit>,
+        hold: SetUpHold,
         files: &SnapshotFiles,
         disk_synced: DiskSynced,
     ) -> Result<Instance> {
@@ -230,7 +232,7 @@ impl Daemon {
         self.supervise(
             hostname.to_owned(),
             running,
-            permit,
+            hold,
             SetUp::HotFork,
             Some(disk_synced),
         );
@@ -400,26 +402,5 @@ impl Daemon {
                 vm: hostname.to_owned(),
                 source,
             })
-    }
-}
-
-/// Counts a hot fork launch under way; when the last one under way ends
-/// (whichever way), what the launches took of the spares is made up in the
-/// background (a refill during a burst of forks would take the CPU and the
-/// disk's syncs they need).
-struct Launching(Arc<Daemon>);
-
-impl Launching {
-    fn new(daemon: &Arc<Daemon>) -> Self {
-        daemon.hot_launches.fetch_add(1, Ordering::SeqCst);
-        Launching(daemon.clone())
-    }
-}
-
-impl Drop for Launching {
-    fn drop(&mut self) {
-        if self.0.hot_launches.fetch_sub(1, Ordering::SeqCst) == 1 {
-            self.0.refresh_spares();
-        }
     }
 }

@@ -15,7 +15,7 @@ use tine_proto::api::{CreateVmRequest, StopMode, VmState, Wait};
 use super::daemon::Daemon;
 use super::error::{chain, Error, Result};
 use super::lifecycle::NewFolder;
-use super::supervise::SetUp;
+use super::supervise::{SetUp, SetUpHold};
 use crate::config::Reconcile;
 use crate::db::VmRecord;
 use crate::launcher::{Instance, LauncherExt, Running};
@@ -129,7 +129,13 @@ impl Daemon {
                             ),
                             _ => (SetUp::Boot, None),
                         };
-                        self.supervise(vm.hostname.clone(), running, None, setup, disk_synced);
+                        self.supervise(
+                            vm.hostname.clone(),
+                            running,
+                            SetUpHold::default(),
+                            setup,
+                            disk_synced,
+                        );
                         report.adopted.push(vm.hostname.clone());
                     } else {
                         self.run_lost_at_start(vm, &mut report).await?;
@@ -275,7 +281,13 @@ impl Daemon {
         self.store
             .transition(hostname, &[VmState::Suspending], VmState::Running, None)?;
         tracing::info!(vm = hostname, "undid its interrupted suspend; it runs on");
-        self.supervise(hostname.to_owned(), running, None, SetUp::Boot, None);
+        self.supervise(
+            hostname.to_owned(),
+            running,
+            SetUpHold::default(),
+            SetUp::Boot,
+            None,
+        );
         report.adopted.push(hostname.to_owned());
         Ok(())
     }

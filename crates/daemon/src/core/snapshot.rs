@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use super::daemon::Daemon;
 use super::error::{chain, Error, Result};
-use super::supervise::SetUp;
+use super::supervise::{SetUp, SetUpHold};
 use crate::db::VmRecord;
 use crate::failpoint::{self, Failpoint};
 use crate::launcher::{Instance, LauncherExt, RestoreSpec};
@@ -244,7 +244,13 @@ impl Daemon {
         self.notify(hostname);
         failpoint::hit(Failpoint::RestoreRecorded);
         tracing::info!(vm = hostname, pid = instance.pid, "restored");
-        self.supervise(hostname.to_owned(), running, None, SetUp::Resume, None);
+        self.supervise(
+            hostname.to_owned(),
+            running,
+            SetUpHold::default(),
+            SetUp::Resume,
+            None,
+        );
         Ok(instance)
     }
 

@@ -4,6 +4,7 @@
 //! run ends (the exit policy).
 
 use std::path::PathBuf;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -20,6 +21,49 @@ use crate::launcher::{BootSpec, Instance, Running, Stop};
 pub const BASE_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 pci=off nomodule nokaslr \
      i8042.noaux i8042.nomux i8042.dumbkbd i8042.nopnp swiotlb=noforce cryptomgr.notests \
      quiet root=/dev/vda rw init=/sbin/init";
+
+/// What a run holds until its set-up ends (or the run does): its fields
+/// are only ever dropped.
+#[derive(Default)]
+#[expect(dead_code, reason = "held for their drop, never read")]
+pub(super) struct SetUpHold {
+    /// The boot slot it took, if it took one.
+    pub(super) boot_slot: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// A hot fork's place among the launches under way.
+    pub(super) launch: Option<Launching>,
+}
+
+impl From<Option<tokio::sync::OwnedSemaphorePermit>> for SetUpHold {
+    fn from(boot_slot: Option<tokio::sync::OwnedSemaphorePermit>) -> Self {
+        SetUpHold {
+            boot_slot,
+            launch: None,
+        }
+    }
+}
+
+/// Counts a hot fork launch under way, from its request until its set-up
+/// ends; when the last one under way ends (whichever way), what the
+/// launches took of the spares is made up in the background. A refill
+/// during a burst of forks, or during a fork's set-up, would take the CPU
+/// and the disk's syncs they need: priming a VM runs its guest until its
+/// agent answers.
+pub(super) struct Launching(Arc<Daemon>);
+
+impl Launching {
+    pub(super) fn new(daemon: &Arc<Daemon>) -> Self {
+        daemon.hot_launches.fetch_add(1, Ordering::SeqCst);
+        Launching(daemon.clone())
+    }
+}
+
+impl Drop for Launching {
+    fn drop(&mut self) {
+        if self.0.hot_launches.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.0.refresh_spares();
+        }
+    }
+}
 
 /// What a run's set-up does once its agent answers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -166,7 +210,13 @@ impl Daemon {
         self.notify(hostname);
         failpoint::hit(Failpoint::BootRecorded);
         tracing::info!(vm = hostname, pid, "started");
-        self.supervise(hostname.to_owned(), running, permit, SetUp::Boot, None);
+        self.supervise(
+            hostname.to_owned(),
+            running,
+            permit.into(),
+            SetUp::Boot,
+            None,
+        );
         Ok(())
     }
 
@@ -175,7 +225,7 @@ impl Daemon {
         self: &Arc<Self>,
         hostname: String,
         running: Running,
-        permit: Option<tokio::sync::OwnedSemaphorePermit>,
+        hold: SetUpHold,
         setup: SetUp,
         disk_synced: Option<DiskSynced>,
     ) {
@@ -184,9 +234,9 @@ impl Daemon {
         let instance = running.instance;
         self.run_started(&hostname, instance);
         let boot = tokio::spawn(async move {
-            // The boot slot is free again when the set-up ends (or the run
-            // ends and this task is aborted).
-            let _permit = permit;
+            // Released when the set-up ends (or the run ends and this task
+            // is aborted).
+            let _hold = hold;
             if let Err(e) = this.finish_boot(&h, setup, disk_synced).await {
                 let reason = chain(&e);
                 tracing::warn!(vm = %h, "boot set-up: {reason}");
