@@ -10,7 +10,7 @@ use std::time::Duration;
 use tine_daemon::launcher::pool::{Shape, POOL_DIR};
 use tine_daemon::launcher::vmm::VmmLauncher;
 use tine_daemon::launcher::{
-    Launcher, LauncherExt, PrimeSpec, RestoreSpec, Stop, WarmUp, WriteSetCopy,
+    GuestNetwork, Launcher, LauncherExt, PrimeSpec, RestoreSpec, Stop, WarmUp, WriteSetCopy,
 };
 use tine_daemon::process::{find_processes, Owner};
 use tine_proto::vmm::{RunState, StopReason};
@@ -233,6 +233,7 @@ fn spare_spec(dir: &Path, name: &str, state: &Path, memory: &Path) -> PrimeSpec 
         tap: None,
         write_set: None,
         warm_agent: false,
+        guest_network: None,
     }
 }
 
@@ -246,8 +247,9 @@ fn copied_pages(instance: tine_daemon::launcher::Instance) -> u64 {
 
 /// Asked to warm its agent, a primed VM runs until its agent answers (a
 /// synthetic guest has no vsock device: the launcher says so at once, and
-/// the nested bed's hot fork test shows a guest's agent answering), then
-/// waits paused again, and a VM takes it over as any primed one.
+/// the nested bed's hot fork test shows a guest's agent answering; the
+/// network it was to set is not set), then waits paused again, and a VM
+/// takes it over as any primed one.
 #[tokio::test]
 async fn a_primed_vm_warmed_ahead_waits_paused_again() {
     let dir = tempfile::tempdir().expect("tmp");
@@ -257,6 +259,14 @@ async fn a_primed_vm_warmed_ahead_waits_paused_again() {
     let launcher = VmmLauncher::new(vmm, data_dir.clone());
     let spec = PrimeSpec {
         warm_agent: true,
+        guest_network: Some(tine_proto::agent::NetworkRequest {
+            iface: "eth0".into(),
+            address: "198.51.100.7".parse().expect("address"),
+            prefix: 24,
+            gateway: Some("198.51.100.1".parse().expect("gateway")),
+            dns: Vec::new(),
+            mac: Some("02:00:00:00:00:07".into()),
+        }),
         ..spare_spec(dir.path(), "spare-1", &state, &memory)
     };
     let folder = spec.folder.clone();
@@ -266,6 +276,7 @@ async fn a_primed_vm_warmed_ahead_waits_paused_again() {
         WarmUp::NoAnswer(why) => assert!(why.contains("socket"), "{why}"),
         other => panic!("a guest without vsock: {other:?}"),
     }
+    assert_eq!(primed.guest_network, GuestNetwork::NotAsked);
     assert!(
         began.elapsed() < Duration::from_secs(10),
         "a guest without vsock was waited for"

@@ -22,6 +22,7 @@ use super::error::{chain, Error, Result};
 use super::lifecycle::NewFolder;
 use super::plan;
 use super::snapshot::SnapshotFiles;
+use super::spares::takes_primed_vm;
 use crate::db::{CommitFilter, VmRecord};
 use crate::failpoint::{self, Failpoint};
 use crate::storage;
@@ -198,6 +199,9 @@ impl Daemon {
             }
         }
         let mut spare = if hot {
+            if takes_primed_vm(&c, new.policy.as_ref()) {
+                self.await_priming(&c.id).await;
+            }
             self.take_spare(&c, new.policy.as_ref())
         } else {
             None

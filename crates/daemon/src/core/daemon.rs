@@ -40,6 +40,10 @@ pub struct Deadlines {
     /// How long a graceful shutdown gives the agent to take the request
     /// before it presses Ctrl-Alt-Del instead.
     pub shutdown_ask: Duration,
+    /// How long a hot fork that finds no primed VM waits for one being
+    /// primed for it: a priming takes milliseconds on a host, a second or
+    /// two in a nested test bed.
+    pub priming_wait: Duration,
 }
 
 /// How long a committed change may wait for its sync against a power
@@ -62,6 +66,7 @@ impl Default for Deadlines {
             setup_call: Duration::from_secs(180),
             handshake: Duration::from_secs(10),
             shutdown_ask: Duration::from_secs(5),
+            priming_wait: Duration::from_secs(5),
         }
     }
 }
@@ -155,6 +160,8 @@ pub struct Daemon {
     pub(super) spares: Mutex<SpareBook>,
     /// Serialises spare fills, as `pool_sizing` does pool resizes.
     pub(super) spare_sizing: tokio::sync::Mutex<()>,
+    /// Told whenever a VM's priming ends (whichever way).
+    pub(super) priming_ended: tokio::sync::Notify,
     /// Hot fork launches under way: the spares are refilled once none is.
     pub(super) hot_launches: std::sync::atomic::AtomicUsize,
     /// Memory commits whose write set a fork is saving (one fork of a
@@ -260,6 +267,7 @@ impl Daemon {
             pool_sizing: tokio::sync::Mutex::new(()),
             spares: Mutex::default(),
             spare_sizing: tokio::sync::Mutex::new(()),
+            priming_ended: tokio::sync::Notify::new(),
             hot_launches: std::sync::atomic::AtomicUsize::new(0),
             saving_write_sets: Mutex::default(),
             boot_slots: Arc::new(tokio::sync::Semaphore::new(boot_concurrency.max(1))),

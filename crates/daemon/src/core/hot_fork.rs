@@ -211,9 +211,9 @@ impl Daemon {
         // For the log: whether the set-up's times are those of a VM primed
         // (and run until its agent answered) ahead.
         let claimed_primed = claimed.is_some();
-        let running = match claimed {
+        let (running, guest_network_set) = match claimed {
             Some(primed) => self.resume_spare_vm(&group, vm, primed, files).await?,
-            None => self.restore_hot_fork(&group, vm, files, None).await?,
+            None => (self.restore_hot_fork(&group, vm, files, None).await?, false),
         };
         let instance = running.instance;
         let Instance { pid, pid_start } = instance;
@@ -227,13 +227,14 @@ impl Daemon {
             vm = hostname,
             pid,
             claimed_primed,
+            guest_network_set,
             "resumed from a memory commit"
         );
         self.supervise(
             hostname.to_owned(),
             running,
             hold,
-            SetUp::HotFork,
+            SetUp::HotFork { guest_network_set },
             Some(disk_synced),
         );
         Ok(instance)
@@ -242,21 +243,23 @@ impl Daemon {
     /// Resumes the primed VM fork `vm` claimed (its disk is the fork's
     /// already): hands its network over and runs its vCPUs. If the hand-over
     /// fails or its process had ended, the fork restores into another
-    /// process instead (with the network, when it was handed over).
+    /// process instead (with the network, when it was handed over). Says
+    /// too whether the running guest's network is set already.
     async fn resume_spare_vm(
         self: &Arc<Self>,
         group: &HostGroup,
         vm: &VmRecord,
         primed: SpareVm,
         files: &SnapshotFiles,
-    ) -> Result<Running> {
+    ) -> Result<(Running, bool)> {
         let network = match primed.network {
             Some(spare) => match self.hand_over_network(vm, spare) {
                 Ok(Some(taken)) => Some(taken),
                 Ok(None) => {
                     // Its TAP is gone with the failed hand-over.
                     self.launcher.discard_primed(&primed.process);
-                    return self.restore_hot_fork(group, vm, files, None).await;
+                    let restored = self.restore_hot_fork(group, vm, files, None).await?;
+                    return Ok((restored, false));
                 }
                 Err(e) => {
                     self.launcher.discard_primed(&primed.process);
@@ -276,8 +279,12 @@ impl Daemon {
                 source,
             })?;
         match resumed {
-            Some(running) => Ok(running),
-            None => self.restore_hot_fork(group, vm, files, network).await,
+            Some(running) => Ok((running, primed.guest_network_set)),
+            // A guest that never ran from the same snapshot: not set.
+            None => Ok((
+                self.restore_hot_fork(group, vm, files, network).await?,
+                false,
+            )),
         }
     }
 

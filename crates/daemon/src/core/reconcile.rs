@@ -124,7 +124,9 @@ impl Daemon {
                         // died before its sync ended).
                         let (setup, disk_synced) = match self.hot_fork_snapshot(vm) {
                             Ok(Some(_)) => (
-                                SetUp::HotFork,
+                                SetUp::HotFork {
+                                    guest_network_set: false,
+                                },
                                 Some(self.sync_disk_soon(&vm.disk, NewFolder::Made)),
                             ),
                             _ => (SetUp::Boot, None),

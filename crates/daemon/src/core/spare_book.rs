@@ -20,6 +20,18 @@ pub struct SpareVm {
     /// Its network, a spare of the commit's group (none when the group
     /// has no NIC).
     pub network: Option<VmNetwork>,
+    /// Whether its guest's network is set already (to `network`'s address
+    /// and MAC): its fork's set-up need not set it.
+    pub guest_network_set: bool,
+}
+
+/// A VM whose priming ended with its process.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReadyVm {
+    /// The launcher's name for its process.
+    pub process: String,
+    /// Whether its guest's network is set already.
+    pub guest_network_set: bool,
 }
 
 /// Spares by owner: networks by host group, disks and primed VMs by
@@ -39,6 +51,8 @@ pub struct SpareBook {
     claimed: BTreeMap<String, SpareVm>,
     /// The disks and networks of VMs being primed, with their commits.
     priming: Vec<(String, PathBuf, Option<VmNetwork>)>,
+    /// Forks waiting for a VM being primed, per memory commit.
+    awaiting: BTreeMap<String, usize>,
 }
 
 /// Spares the book let go of: the caller removes them from the host.
@@ -162,16 +176,20 @@ impl SpareBook {
 
     /// The priming of the VM on `disk` ended: with its process (the VM is
     /// ready), or with none (its disk and network are ready again).
-    pub fn end_priming(&mut self, disk: &std::path::Path, process: Option<String>) {
+    pub fn end_priming(&mut self, disk: &std::path::Path, ready: Option<ReadyVm>) {
         let Some(at) = self.priming.iter().position(|(_, d, _)| d == disk) else {
             return;
         };
         let (commit, disk, network) = self.priming.remove(at);
-        match process {
-            Some(process) => self.vms.entry(commit).or_default().push(SpareVm {
+        match ready {
+            Some(ReadyVm {
+                process,
+                guest_network_set,
+            }) => self.vms.entry(commit).or_default().push(SpareVm {
                 process,
                 disk,
                 network,
+                guest_network_set,
             }),
             None => {
                 self.disks.entry(commit).or_default().insert(0, disk);
@@ -183,6 +201,36 @@ impl SpareBook {
                 }
             }
         }
+    }
+
+    /// Whether a fork of `commit` that finds no primed VM ready should wait
+    /// for one: one is being primed that no other fork waits for. If so,
+    /// the fork counts as waiting until [`SpareBook::stop_awaiting`].
+    pub fn await_priming(&mut self, commit: &str) -> bool {
+        let ready = self.vms.get(commit).is_some_and(|v| !v.is_empty());
+        let priming = self.priming.iter().filter(|(c, _, _)| c == commit).count();
+        let awaiting = self.awaiting.get(commit).copied().unwrap_or(0);
+        if ready || priming <= awaiting {
+            return false;
+        }
+        self.awaiting.insert(commit.to_owned(), awaiting + 1);
+        true
+    }
+
+    /// A fork of `commit` no longer waits for a VM being primed.
+    pub fn stop_awaiting(&mut self, commit: &str) {
+        if let Some(awaiting) = self.awaiting.get_mut(commit) {
+            *awaiting = awaiting.saturating_sub(1);
+            if *awaiting == 0 {
+                self.awaiting.remove(commit);
+            }
+        }
+    }
+
+    /// Whether `commit` has a primed VM ready, or none being primed.
+    pub fn priming_settled(&self, commit: &str) -> bool {
+        self.vms.get(commit).is_some_and(|v| !v.is_empty())
+            || !self.priming.iter().any(|(c, _, _)| c == commit)
     }
 
     /// The launcher's names of `commit`'s ready primed VMs.
@@ -342,6 +390,32 @@ mod tests {
     }
 
     #[test]
+    fn a_fork_awaits_a_vm_being_primed_that_no_other_fork_awaits() {
+        let mut book = SpareBook::default();
+        assert!(!book.await_priming("c1"), "nothing being primed");
+        assert!(book.priming_settled("c1"));
+        book.add_disk("c1", PathBuf::from("c1/a"));
+        let (disk, _) = book.begin_priming("c1", None).expect("a disk");
+        assert!(!book.priming_settled("c1"));
+        assert!(book.await_priming("c1"), "the first fork waits");
+        assert!(!book.await_priming("c1"), "one VM being primed, one fork");
+        assert!(!book.await_priming("c2"), "another commit's");
+        book.stop_awaiting("c1");
+        assert!(book.await_priming("c1"), "the first one gave up");
+        book.end_priming(
+            &disk,
+            Some(ReadyVm {
+                process: "p1".into(),
+                guest_network_set: false,
+            }),
+        );
+        assert!(book.priming_settled("c1"), "ready");
+        book.stop_awaiting("c1");
+        assert!(!book.await_priming("c1"), "one is ready: take it");
+        assert!(book.awaiting.is_empty(), "{:?}", book.awaiting);
+    }
+
+    #[test]
     fn primed_vms_hold_their_disk_and_network_until_a_fork_resumes_them() {
         let mut book = SpareBook::default();
         let n = network("g", "spare-a", &[]);
@@ -365,7 +439,13 @@ mod tests {
         assert_eq!(book.take_network("g"), Some(n.clone()));
         book.return_network_for_test(n.clone());
         let (disk, _) = book.begin_priming("c1", Some("g")).expect("again");
-        book.end_priming(&disk, Some("p1".into()));
+        book.end_priming(
+            &disk,
+            Some(ReadyVm {
+                process: "p1".into(),
+                guest_network_set: false,
+            }),
+        );
         assert_eq!(book.vms_of("c1"), 1);
         assert!(book.take_network("g").is_none() && book.take_disk("c1").is_none());
         // Taken by a fork and claimed: its address is still held until

@@ -40,11 +40,11 @@ use super::error::{chain, Error, Result};
 use super::lifecycle::{remove_dir_logged, NewFolder};
 use super::netattach::takes_group_network;
 use super::snapshot::SnapshotFiles;
-use super::spare_book::{Released, SpareVm};
+use super::spare_book::{ReadyVm, Released, SpareVm};
 use crate::config::HostGroup;
 use crate::db::{CommitFilter, CommitRecord, VmRecord};
 use crate::launcher::pool::new_slot_name;
-use crate::launcher::{PrimeSpec, WarmUp, WriteSetCopy};
+use crate::launcher::{GuestNetwork, PrimeSpec, WarmUp, WriteSetCopy};
 use crate::network::{NetMode, VmNetwork};
 use crate::process::DISK_FILE;
 use crate::storage;
@@ -73,6 +73,27 @@ pub(super) enum TakenSpare {
 
 /// The folder made for a spare disk (see [`Daemon::make_spare_disk`]),
 /// which a fork takes as its own.
+/// Whether a hot fork of `commit` asking for network `policy` can take a
+/// primed VM: the commit's source had no NIC (so neither have its forks nor
+/// its primed VMs), or it had one and the fork takes its group's network
+/// as it is.
+pub(super) fn takes_primed_vm(commit: &CommitRecord, policy: Option<&ForkNetwork>) -> bool {
+    commit.has_nic != Some(true) || takes_group_network(policy)
+}
+
+/// A fork counted as waiting for a VM of `commit` being primed, until
+/// dropped.
+struct Awaiting<'a> {
+    daemon: &'a Daemon,
+    commit: &'a str,
+}
+
+impl Drop for Awaiting<'_> {
+    fn drop(&mut self) {
+        self.daemon.spare_book().stop_awaiting(self.commit);
+    }
+}
+
 fn spare_folder(disk: &Path) -> std::io::Result<&Path> {
     disk.parent()
         .filter(|f| !f.as_os_str().is_empty())
@@ -223,7 +244,7 @@ impl Daemon {
             let folder = match spare_folder(&disk) {
                 Ok(folder) => folder.to_path_buf(),
                 Err(e) => {
-                    self.spare_book().end_priming(&disk, None);
+                    self.priming_ended(&disk, None);
                     tracing::warn!(commit = %id, disk = %disk.display(), "cannot prime a VM: {e}");
                     return;
                 }
@@ -235,13 +256,29 @@ impl Daemon {
                 memory: files.memory(),
                 disk: disk.clone(),
                 folder,
+                guest_network: network.as_ref().map(VmNetwork::agent_request),
                 tap: network.map(|n| n.tap),
                 write_set: Some(files.write_set()).filter(|w| w.is_file()),
                 warm_agent: true,
             };
             match self.launcher.prime(&spec).await {
                 Ok(primed) => {
-                    self.spare_book().end_priming(&disk, Some(primed.name));
+                    let guest_network_set = match primed.guest_network {
+                        GuestNetwork::Set => true,
+                        GuestNetwork::NotAsked => false,
+                        GuestNetwork::Failed(why) => {
+                            tracing::warn!(
+                                commit = %id,
+                                "a primed VM's agent did not set its network (its fork's will): {why}"
+                            );
+                            false
+                        }
+                    };
+                    let ready = ReadyVm {
+                        process: primed.name,
+                        guest_network_set,
+                    };
+                    self.priming_ended(&disk, Some(ready));
                     self.write_set_copied(id, &files, primed.write_set);
                     match primed.warm_up {
                         WarmUp::NotAsked => {}
@@ -255,12 +292,55 @@ impl Daemon {
                     }
                 }
                 Err(e) => {
-                    self.spare_book().end_priming(&disk, None);
+                    self.priming_ended(&disk, None);
                     tracing::warn!(commit = %id, "cannot prime a VM: {}", chain(&e));
                     return;
                 }
             }
         }
+    }
+
+    /// The priming of the VM on `disk` ended ([`SpareBook::end_priming`]);
+    /// the forks waiting for one are told.
+    fn priming_ended(&self, disk: &Path, ready: Option<ReadyVm>) {
+        self.spare_book().end_priming(disk, ready);
+        self.priming_ended.notify_waiters();
+    }
+
+    /// When no VM of `commit` is primed but one is being primed that no
+    /// other fork waits for, waits until its priming ends (at most
+    /// [`Deadlines::priming_wait`](super::daemon::Deadlines::priming_wait)),
+    /// so that the fork takes it: a fork restored into
+    /// another process would do most of the priming's work again, beside
+    /// it, and then its whole set-up. Back-to-back forks with a pool of
+    /// one each find the VM primed after the one before being primed.
+    pub(super) async fn await_priming(&self, commit: &str) {
+        if !self.spare_book().await_priming(commit) {
+            return;
+        }
+        // No longer waiting however this ends (the request may be dropped).
+        let _awaiting = Awaiting {
+            daemon: self,
+            commit,
+        };
+        let began = std::time::Instant::now();
+        let wait = self.deadlines.priming_wait;
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            let ended = self.priming_ended.notified();
+            tokio::pin!(ended);
+            // Registered before the book is read: an end in between is
+            // not missed.
+            ended.as_mut().enable();
+            if self.spare_book().priming_settled(commit) {
+                break;
+            }
+            if tokio::time::timeout_at(deadline, ended).await.is_err() {
+                tracing::debug!(%commit, "no VM primed within {wait:?}: the fork restores");
+                break;
+            }
+        }
+        tracing::debug!(%commit, waited_ms = began.elapsed().as_millis() as u64, "waited for a VM being primed");
     }
 
     /// Logs what copying `commit`'s write set into a VM did, and removes
@@ -497,7 +577,7 @@ impl Daemon {
         policy: Option<&ForkNetwork>,
     ) -> Option<TakenSpare> {
         let mut book = self.spare_book();
-        if commit.has_nic != Some(true) || takes_group_network(policy) {
+        if takes_primed_vm(commit, policy) {
             if let Some(vm) = book.take_vm(&commit.id) {
                 return Some(TakenSpare::Vm(Box::new(vm)));
             }

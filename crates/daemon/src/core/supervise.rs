@@ -79,8 +79,19 @@ pub enum SetUp {
     /// A hot fork resumed from its memory commit: the guest is a copy of
     /// the source, so it gets every identity fix-up (hostname, machine-id,
     /// SSH host keys), entropy, the clock, its own MAC and address, and the
-    /// fork's secrets; no first-boot userdata (the source ran it).
-    HotFork,
+    /// fork's secrets; no first-boot userdata (the source ran it). A guest
+    /// primed with its network's address and MAC
+    /// (`guest_network_set`) is not given them again.
+    HotFork {
+        /// The guest's network is set already.
+        guest_network_set: bool,
+    },
+}
+
+impl SetUp {
+    fn is_hot_fork(self) -> bool {
+        matches!(self, SetUp::HotFork { .. })
+    }
 }
 
 /// What a hot fork's set-up waits for before the fork is `running`: its
@@ -299,7 +310,7 @@ impl Daemon {
         let first = !vm.booted_once && setup == SetUp::Boot;
         let (set_hostname, machine_id, ssh_host_keys) = match &vm.fixups {
             _ if setup == SetUp::Resume => (false, false, false),
-            _ if setup == SetUp::HotFork => (true, true, true),
+            _ if setup.is_hot_fork() => (true, true, true),
             // A fork's first boot: exactly the fix-ups it asked for.
             Some(list) => (
                 list.contains(&Fixup::Hostname),
@@ -336,6 +347,13 @@ impl Daemon {
         let fixups = timed("fixups", setup_call(step, "fix-ups", client.fixups(req)));
         let network_step = async {
             let Some(n) = network else { return Ok(None) };
+            if setup
+                == (SetUp::HotFork {
+                    guest_network_set: true,
+                })
+            {
+                return Ok(None);
+            }
             let call = setup_call(step, "network set-up", client.network(n.agent_request()));
             Ok(Some(timed("network", call).await?.0))
         };
@@ -375,7 +393,7 @@ impl Daemon {
             .into_iter()
             .flatten()
             .collect();
-        if let Some(n) = network.filter(|_| setup == SetUp::HotFork) {
+        if let Some(n) = network.filter(|_| setup.is_hot_fork()) {
             // Its own identity and address now (the fix-ups and the network
             // both done): out of quarantine.
             self.network
@@ -414,7 +432,7 @@ impl Daemon {
             fixup_steps = %fixup_steps.join(", "),
             "agent ready"
         );
-        if setup == SetUp::HotFork {
+        if setup.is_hot_fork() {
             self.save_write_set(&vm).await;
         }
         Ok(())

@@ -30,8 +30,8 @@ use tine_proto::vmm::{Request as VmmRequest, Response as VmmResponse};
 use tokio::sync::watch;
 
 use super::{
-    BootSpec, GuestStream, Instance, LaunchError, Launcher, PrimeSpec, Primed, RestoreSpec,
-    Running, Shape, Stop, Stray, WarmUp, WriteSetCopy,
+    BootSpec, GuestNetwork, GuestStream, Instance, LaunchError, Launcher, PrimeSpec, Primed,
+    RestoreSpec, Running, Shape, Stop, Stray, WarmUp, WriteSetCopy,
 };
 
 /// How a fake VM's guest behaves.
@@ -103,6 +103,8 @@ struct State {
     runs: HashMap<String, Run>,
     guests: HashMap<String, Guest>,
     refuse_boot: Option<String>,
+    /// How long each priming takes.
+    prime_delay: Duration,
     refuse_snapshot: Option<String>,
     next_memory: u64,
     seen: Vec<(String, Seen)>,
@@ -211,6 +213,11 @@ impl FakeLauncher {
     /// Makes every boot fail to start, with `why` (a missing binary, say).
     pub fn refuse_boots(&self, why: Option<&str>) {
         self.lock().refuse_boot = why.map(str::to_owned);
+    }
+
+    /// Makes each priming take `delay` (as a guest's warm-up does).
+    pub fn delay_priming(&self, delay: Duration) {
+        self.lock().prime_delay = delay;
     }
 
     /// Makes every snapshot fail, with `why` (a full disk, say).
@@ -537,6 +544,10 @@ impl Launcher for FakeLauncher {
             let name = crate::launcher::pool::new_slot_name();
             let label = format!("{}/{name}", crate::process::POOL_DIR);
             self.record(&label, Seen::Prime(spec.clone()));
+            let delay = self.lock().prime_delay;
+            if !delay.is_zero() {
+                tokio::time::sleep(delay).await;
+            }
             if let Some(why) = self.lock().refuse_boot.clone() {
                 return Err(LaunchError::Refused {
                     hostname: label,
@@ -557,16 +568,18 @@ impl Launcher for FakeLauncher {
                 None => WriteSetCopy::NotAsked,
                 Some(path) => copy_write_set(path, memory),
             };
-            // A fake guest's agent answers at once, its clock is nobody's.
-            let warm_up = if spec.warm_agent {
-                WarmUp::Answered(0)
-            } else {
-                WarmUp::NotAsked
+            // A fake guest's agent answers at once (and sets any network),
+            // its clock is nobody's.
+            let (warm_up, guest_network) = match (spec.warm_agent, &spec.guest_network) {
+                (false, _) => (WarmUp::NotAsked, GuestNetwork::NotAsked),
+                (true, None) => (WarmUp::Answered(0), GuestNetwork::NotAsked),
+                (true, Some(_)) => (WarmUp::Answered(0), GuestNetwork::Set),
             };
             Ok(Primed {
                 name,
                 write_set,
                 warm_up,
+                guest_network,
             })
         }
         .boxed()

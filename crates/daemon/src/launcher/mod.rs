@@ -15,6 +15,7 @@ pub mod vmm;
 use std::path::PathBuf;
 
 use futures_util::future::BoxFuture;
+use tine_proto::agent::NetworkRequest;
 use tine_proto::vmm::{Request as VmmRequest, Response as VmmResponse};
 use tine_proto::vmm::{RunState, SnapshotInfo, StopReason};
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -114,6 +115,10 @@ pub struct PrimeSpec {
     /// guest goes on from the same instant of its clock however long it
     /// waited. Its TAP stays in quarantine.
     pub warm_agent: bool,
+    /// With `warm_agent`: the guest's network to set once its agent
+    /// answers (the spare network's address and MAC), so that the fork
+    /// that takes the VM with that network need not.
+    pub guest_network: Option<NetworkRequest>,
 }
 
 /// A VM primed ahead of a hot fork by [`Launcher::prime`].
@@ -125,6 +130,19 @@ pub struct Primed {
     pub write_set: WriteSetCopy,
     /// What running it until its agent answered did.
     pub warm_up: WarmUp,
+    /// Whether its guest's network was set as the spec asked.
+    pub guest_network: GuestNetwork,
+}
+
+/// What became of a primed VM's guest network ([`PrimeSpec::guest_network`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GuestNetwork {
+    /// The spec did not ask for it (or its agent never answered).
+    NotAsked,
+    /// The agent set it.
+    Set,
+    /// The agent did not, with why: the fork sets it.
+    Failed(String),
 }
 
 /// What running a primed VM until its agent answered did

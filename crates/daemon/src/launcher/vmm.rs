@@ -12,14 +12,15 @@ use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
-use tine_proto::agent::{client_handshake, Hello, AGENT_VSOCK_PORT, PROTOCOL_VERSION};
+use tine_client::AgentClient;
+use tine_proto::agent::{NetworkRequest, AGENT_VSOCK_PORT};
 use tine_proto::vmm::{Request as VmmRequest, Response as VmmResponse};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::pool::{self, Pool, Shape, Slot, POOL_DIR};
 use super::{
-    BootSpec, GuestStream, Instance, LaunchError, Launcher, PrimeSpec, Primed, RestoreSpec,
-    Running, Stray, WarmUp, WriteSetCopy,
+    BootSpec, GuestNetwork, GuestStream, Instance, LaunchError, Launcher, PrimeSpec, Primed,
+    RestoreSpec, Running, Stray, WarmUp, WriteSetCopy,
 };
 use crate::process::{self, VmPaths};
 
@@ -282,7 +283,7 @@ impl VmmLauncher {
         &self,
         name: &str,
         spec: &PrimeSpec,
-    ) -> Result<(Slot, WriteSetCopy, WarmUp), LaunchError> {
+    ) -> Result<(Slot, WriteSetCopy, WarmUp, GuestNetwork), LaunchError> {
         let shape = Shape {
             cpus: spec.cpus,
             ram_mib: spec.ram_mib,
@@ -322,12 +323,12 @@ impl VmmLauncher {
                             None => WriteSetCopy::NotAsked,
                         };
                         let warmed = if spec.warm_agent {
-                            warm_up(&primed, &hostname).await
+                            warm_up(&primed, &hostname, spec.guest_network.as_ref()).await
                         } else {
-                            Ok(WarmUp::NotAsked)
+                            Ok((WarmUp::NotAsked, GuestNetwork::NotAsked))
                         };
                         match warmed {
-                            Ok(warmed) => return Ok((slot, copy, warmed)),
+                            Ok((warmed, network)) => return Ok((slot, copy, warmed, network)),
                             Err(e) => e,
                         }
                     }
@@ -450,43 +451,64 @@ fn carried_out(
 /// (seconds in a nested test bed).
 const WARM_UP_ANSWER: Duration = Duration::from_secs(30);
 
-/// Runs the primed VM at `primed` until its agent answers a handshake, and
-/// pauses it again holding its clock ([`PrimeSpec::warm_agent`]). An error
-/// is a VM that did not run or could not be paused again: it must not wait
-/// as primed.
-async fn warm_up(primed: &VmPaths, hostname: &str) -> Result<WarmUp, LaunchError> {
+/// Runs the primed VM at `primed` until its agent answers a handshake (and
+/// has set `network`, if given), and pauses it again holding its clock
+/// ([`PrimeSpec::warm_agent`]). An error is a VM that did not run or could
+/// not be paused again: it must not wait as primed.
+async fn warm_up(
+    primed: &VmPaths,
+    hostname: &str,
+    network: Option<&NetworkRequest>,
+) -> Result<(WarmUp, GuestNetwork), LaunchError> {
     let ask = |request: VmmRequest| async move {
         let answer = process::control(primed, &request, CONTROL_ANSWER).await;
         carried_out(hostname, &request, answer)
     };
     ask(VmmRequest::Resume { vsock_uds: None }).await?;
     let began = std::time::Instant::now();
-    let warmed = match tokio::time::timeout(WARM_UP_ANSWER, agent_handshake(&primed.vsock)).await {
-        Ok(Ok(())) => WarmUp::Answered(began.elapsed().as_millis() as u64),
-        Ok(Err(why)) => WarmUp::NoAnswer(why),
-        Err(_) => WarmUp::NoAnswer(format!(
-            "no handshake within {}",
-            humantime::format_duration(WARM_UP_ANSWER)
-        )),
+    let answered = tokio::time::timeout(WARM_UP_ANSWER, agent_handshake(&primed.vsock)).await;
+    let (warmed, network) = match answered {
+        Ok(Ok(client)) => {
+            let warmed = WarmUp::Answered(began.elapsed().as_millis() as u64);
+            let network = match network {
+                None => GuestNetwork::NotAsked,
+                Some(request) => {
+                    let set = client.network(request.clone());
+                    match tokio::time::timeout(WARM_UP_ANSWER, set).await {
+                        Ok(Ok(())) => GuestNetwork::Set,
+                        Ok(Err(e)) => GuestNetwork::Failed(tine_proto::error_chain(&e)),
+                        Err(_) => GuestNetwork::Failed(format!(
+                            "no answer within {}",
+                            humantime::format_duration(WARM_UP_ANSWER)
+                        )),
+                    }
+                }
+            };
+            (warmed, network)
+        }
+        Ok(Err(why)) => (WarmUp::NoAnswer(why), GuestNetwork::NotAsked),
+        Err(_) => (
+            WarmUp::NoAnswer(format!(
+                "no handshake within {}",
+                humantime::format_duration(WARM_UP_ANSWER)
+            )),
+            GuestNetwork::NotAsked,
+        ),
     };
     ask(VmmRequest::PauseHoldingClock).await?;
-    Ok(warmed)
+    Ok((warmed, network))
 }
 
 /// Connects to the agent through the vsock socket `vsock` and runs the
-/// protocol's handshake, then hangs up. A guest still taking the
-/// connection is asked again; a VM without a vsock socket is not.
-async fn agent_handshake(vsock: &Path) -> Result<(), String> {
-    let hello = Hello {
-        version: PROTOCOL_VERSION,
-        client: format!("tine-daemon {} (warm-up)", env!("CARGO_PKG_VERSION")),
-    };
+/// protocol's handshake: the client, whose drop hangs up. A guest still
+/// taking the connection is asked again; a VM without a vsock socket is
+/// not.
+async fn agent_handshake(vsock: &Path) -> Result<AgentClient, String> {
     loop {
         match vsock_connect(vsock, AGENT_VSOCK_PORT).await {
-            Ok(mut io) => {
-                return client_handshake(&mut io, &hello)
+            Ok(io) => {
+                return AgentClient::handshake(io)
                     .await
-                    .map(drop)
                     .map_err(|e| tine_proto::error_chain(&e));
             }
             Err(why) if !vsock.exists() => return Err(why),
@@ -631,12 +653,13 @@ impl Launcher for VmmLauncher {
             let name = pool::new_slot_name();
             self.pool().priming(&name);
             match self.prime_slot(&name, spec).await {
-                Ok((slot, write_set, warm_up)) => {
+                Ok((slot, write_set, warm_up, guest_network)) => {
                     self.pool().primed(&name, Some(slot));
                     Ok(Primed {
                         name,
                         write_set,
                         warm_up,
+                        guest_network,
                     })
                 }
                 Err(e) => {

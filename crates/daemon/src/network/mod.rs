@@ -543,16 +543,16 @@ impl NetworkManager {
 
     /// Hands a spare network (attached in advance under a spare's own
     /// hostname, then put in quarantine) to VM `hostname`: the TAP, its
-    /// rules and its address stay as they are, the TAP's alias becomes
-    /// `hostname`, and the record returned is the VM's (its hostname and
-    /// MAC). The TAP must still be the spare's and down: a spare only ever
-    /// goes to a hot fork, which starts in quarantine.
+    /// rules, its address and its MAC (made from the spare's hostname, as
+    /// unique) stay as they are, so that a guest primed with them keeps
+    /// them; the TAP's alias becomes `hostname`, and the record returned is
+    /// the VM's. The TAP must still be the spare's and down: a spare only
+    /// ever goes to a hot fork, which starts in quarantine.
     pub fn hand_over(&self, spare: &VmNetwork, hostname: &str) -> Result<VmNetwork, NetworkError> {
         Self::check_record(spare)?;
         names::check_hostname(hostname)?;
         let taken = VmNetwork {
             hostname: hostname.to_owned(),
-            mac: vm_mac(hostname),
             ..spare.clone()
         };
         if spare.mode == NetMode::None {

@@ -720,6 +720,56 @@ async fn primed_vms_run_ahead_until_their_agent_answers() {
     assert!(primed.iter().all(|p| p.warm_agent), "{primed:?}");
 }
 
+/// A fork that finds no primed VM, while one is being primed for its
+/// commit (the refill after the fork before), waits for it and takes it,
+/// rather than restoring into another process beside the priming; a
+/// priming that takes too long is not waited for.
+#[tokio::test]
+async fn a_hot_fork_waits_for_the_vm_being_primed_for_it() {
+    let deadlines = Deadlines {
+        priming_wait: Duration::from_secs(2),
+        ..Deadlines::default()
+    };
+    let b = bed_with(true, 4, deadlines);
+    let id = b.pooled_commit(1).await;
+    let first = b.fork_of(&id).await;
+    assert!(matches!(&resumes(&b, &first)[..], [Resumed::Primed(_)]));
+    b.fake.delay_priming(Duration::from_millis(300));
+    // The refill starts once the first fork's set-up has ended.
+    let being_primed = || !b.daemon.spare_book().priming_settled(&id);
+    for _ in 0..500 {
+        if being_primed() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert!(being_primed(), "a refill began");
+    let began = std::time::Instant::now();
+    let second = b.fork_of(&id).await;
+    assert!(
+        matches!(&resumes(&b, &second)[..], [Resumed::Primed(_)]),
+        "took the VM primed meanwhile: {:?}",
+        resumes(&b, &second)
+    );
+    assert!(began.elapsed() >= Duration::from_millis(100), "it waited");
+
+    // Longer than a fork waits: it restores.
+    b.fake.delay_priming(Duration::from_secs(4));
+    for _ in 0..500 {
+        if being_primed() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert!(being_primed(), "a refill began");
+    let third = b.fork_of(&id).await;
+    assert!(
+        matches!(&resumes(&b, &third)[..], [Resumed::Restore(_)]),
+        "{:?}",
+        resumes(&b, &third)
+    );
+}
+
 #[tokio::test]
 async fn the_first_hot_forks_writes_are_copied_into_the_next_forks_ahead() {
     let b = bed(true);
@@ -937,6 +987,18 @@ async fn a_hot_fork_that_fails_before_its_record_gives_back_the_primed_vm_it_too
     assert!(!taken_disk.exists(), "and its disk removed");
 }
 
+/// The MACs of the network requests VM `hostname`'s agent was sent.
+fn network_requests(b: &Bed, hostname: &str) -> Vec<String> {
+    b.fake
+        .seen(hostname)
+        .into_iter()
+        .filter_map(|s| match s {
+            Seen::Agent(tine_proto::agent::Request::Network(n)) => Some(n.mac.unwrap_or_default()),
+            _ => None,
+        })
+        .collect()
+}
+
 /// Whether the link `name` exists, and is up.
 fn link_up(name: &str) -> Option<bool> {
     let out = std::process::Command::new("ip")
@@ -1005,8 +1067,9 @@ async fn a_hot_fork_takes_the_spare_network_and_no_other_vm_gets_its_address() {
         // A VM created now is not given the spare's address.
         let other = b.create(Wait::Agent).await;
         assert_ne!(fork_net(&other).address, spare, "the spare's address");
-        // A hot fork takes the spare: its TAP, rules and address, its own
-        // MAC; out of quarantine once its set-up is done.
+        // A hot fork takes the spare: its TAP, rules, address and MAC,
+        // which its guest was given while it was primed (its set-up does
+        // not set them again); out of quarantine once its set-up is done.
         let fork = b
             .daemon
             .fork(&id, ForkRequest::default(), Wait::Agent, WAIT)
@@ -1022,7 +1085,22 @@ async fn a_hot_fork_takes_the_spare_network_and_no_other_vm_gets_its_address() {
             resumes(&b, &fork)
         );
         assert_eq!(n.hostname, fork);
-        assert_eq!(n.mac, crate::network::vm_mac(&fork));
+        let primed_with = primed[0]
+            .guest_network
+            .as_ref()
+            .expect("primed with its network");
+        assert_eq!(primed_with.address, spare);
+        assert_eq!(primed_with.mac.as_ref(), Some(&n.mac));
+        assert_ne!(
+            n.mac,
+            b.daemon
+                .vm(&source)
+                .expect("source")
+                .network
+                .expect("NIC")
+                .mac
+        );
+        assert_eq!(network_requests(&b, &fork), Vec::<String>::new());
         assert_eq!(link_up(&n.tap), Some(true), "out of quarantine");
         // A fork with its own policy takes none: its rules differ.
         let own = b
@@ -1049,7 +1127,13 @@ async fn a_hot_fork_takes_the_spare_network_and_no_other_vm_gets_its_address() {
             "restored with a TAP of its own: {:?}",
             resumes(&b, &own)
         );
+        let own_macs = network_requests(&b, &own);
         let own = fork_net(&own);
+        assert_eq!(
+            own_macs,
+            [crate::network::vm_mac(&own.hostname)],
+            "set by its set-up"
+        );
         assert_eq!(own.tap, format!("cs-{}", own.hostname));
         assert_eq!(own.drop, ["203.0.113.0/24"]);
         n.tap
