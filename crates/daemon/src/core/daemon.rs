@@ -44,6 +44,12 @@ pub struct Deadlines {
     /// primed for it: a priming takes milliseconds on a host, a second or
     /// two in a nested test bed.
     pub priming_wait: Duration,
+    /// How long a hot fork's set-up counts as part of its launch at most
+    /// (the spares are refilled once no launch is under way): a guest whose
+    /// agent does not answer must not hold back every commit's refill
+    /// until `agent_ready`. Set-ups take milliseconds on a host, a few
+    /// seconds at worst in a nested test bed.
+    pub launch_set_up: Duration,
 }
 
 /// How long a committed change may wait for its sync against a power
@@ -67,6 +73,7 @@ impl Default for Deadlines {
             handshake: Duration::from_secs(10),
             shutdown_ask: Duration::from_secs(5),
             priming_wait: Duration::from_secs(5),
+            launch_set_up: Duration::from_secs(10),
         }
     }
 }

@@ -22,15 +22,46 @@ pub const BASE_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 pci=off nomodule
      i8042.noaux i8042.nomux i8042.dumbkbd i8042.nopnp swiotlb=noforce cryptomgr.notests \
      quiet root=/dev/vda rw init=/sbin/init";
 
-/// What a run holds until its set-up ends (or the run does): its fields
-/// are only ever dropped.
+/// What a run holds until its set-up ends (or the run does).
 #[derive(Default)]
-#[expect(dead_code, reason = "held for their drop, never read")]
 pub(super) struct SetUpHold {
     /// The boot slot it took, if it took one.
     pub(super) boot_slot: Option<tokio::sync::OwnedSemaphorePermit>,
     /// A hot fork's place among the launches under way.
     pub(super) launch: Option<Launching>,
+}
+
+impl SetUpHold {
+    /// The same hold, but with the launch let go after `bound` if the
+    /// set-up has not ended by then.
+    fn bounded(self, bound: std::time::Duration) -> HeldSetUp {
+        let launch = self.launch.map(|launch| {
+            AbortOnDrop(tokio::spawn(async move {
+                tokio::time::sleep(bound).await;
+                tracing::debug!("a hot fork's set-up outlasted its launch's bound");
+                drop(launch);
+            }))
+        });
+        HeldSetUp {
+            _boot_slot: self.boot_slot,
+            _launch: launch,
+        }
+    }
+}
+
+/// A [`SetUpHold`] held by a set-up under way.
+struct HeldSetUp {
+    _boot_slot: Option<tokio::sync::OwnedSemaphorePermit>,
+    _launch: Option<AbortOnDrop>,
+}
+
+/// A task aborted when this is dropped: what it holds is dropped then.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 impl From<Option<tokio::sync::OwnedSemaphorePermit>> for SetUpHold {
@@ -246,8 +277,9 @@ impl Daemon {
         self.run_started(&hostname, instance);
         let boot = tokio::spawn(async move {
             // Released when the set-up ends (or the run ends and this task
-            // is aborted).
-            let _hold = hold;
+            // is aborted); a hot fork's launch at the latest after
+            // `Deadlines::launch_set_up`.
+            let _hold = hold.bounded(this.deadlines.launch_set_up);
             if let Err(e) = this.finish_boot(&h, setup, disk_synced).await {
                 let reason = chain(&e);
                 tracing::warn!(vm = %h, "boot set-up: {reason}");

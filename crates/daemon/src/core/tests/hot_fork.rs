@@ -697,6 +697,15 @@ async fn a_memory_commit_keeps_spare_disks_and_its_hot_forks_take_them() {
     assert!(!restarted.spares_dir().exists());
 }
 
+/// Waits until `done` says so, for 10 s at most (the caller checks it
+/// again).
+async fn until(done: impl Fn() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !done() && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
 /// Waits (bounded) until `path` is a file.
 async fn file_appears(path: &Path) {
     for _ in 0..500 {
@@ -732,18 +741,17 @@ async fn a_hot_fork_waits_for_the_vm_being_primed_for_it() {
     };
     let b = bed_with(true, 4, deadlines);
     let id = b.pooled_commit(1).await;
+    // Primings from now on are slow (the one ahead of the first fork is
+    // done).
+    b.fake.delay_priming(Duration::from_millis(300));
     let first = b.fork_of(&id).await;
     assert!(matches!(&resumes(&b, &first)[..], [Resumed::Primed(_)]));
-    b.fake.delay_priming(Duration::from_millis(300));
     // The refill starts once the first fork's set-up has ended.
     let being_primed = || !b.daemon.spare_book().priming_settled(&id);
-    for _ in 0..500 {
-        if being_primed() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    until(being_primed).await;
     assert!(being_primed(), "a refill began");
+    // The refill after the second fork takes longer than a fork waits.
+    b.fake.delay_priming(Duration::from_secs(4));
     let began = std::time::Instant::now();
     let second = b.fork_of(&id).await;
     assert!(
@@ -754,13 +762,7 @@ async fn a_hot_fork_waits_for_the_vm_being_primed_for_it() {
     assert!(began.elapsed() >= Duration::from_millis(100), "it waited");
 
     // Longer than a fork waits: it restores.
-    b.fake.delay_priming(Duration::from_secs(4));
-    for _ in 0..500 {
-        if being_primed() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    until(being_primed).await;
     assert!(being_primed(), "a refill began");
     let third = b.fork_of(&id).await;
     assert!(
@@ -768,6 +770,49 @@ async fn a_hot_fork_waits_for_the_vm_being_primed_for_it() {
         "{:?}",
         resumes(&b, &third)
     );
+}
+
+/// A hot fork's launch lasts until its set-up ends (the spares are
+/// refilled once no launch is under way), but a set-up that hangs (a guest
+/// whose agent never answers) counts only for `Deadlines::launch_set_up`.
+#[tokio::test]
+async fn a_hung_hot_fork_set_up_holds_the_refill_back_only_so_long() {
+    let bound = Duration::from_secs(1);
+    let deadlines = Deadlines {
+        launch_set_up: bound,
+        ..Deadlines::default()
+    };
+    let b = bed_with(true, 4, deadlines);
+    let id = b.pooled_commit(1).await;
+    let launching = || b.daemon.hot_launches.load(Ordering::SeqCst);
+    // The source is dev-1: the fork is dev-2, whose agent never answers.
+    b.fake.set_guest("dev-2", Guest::Hangs);
+    let began = std::time::Instant::now();
+    let fork = b
+        .daemon
+        .fork(&id, ForkRequest::default(), Wait::None, WAIT)
+        .await
+        .expect("fork")
+        .hostname;
+    assert_eq!(fork, "dev-2");
+    assert!(
+        matches!(&resumes(&b, &fork)[..], [Resumed::Primed(_)]),
+        "took the primed VM: {:?}",
+        resumes(&b, &fork)
+    );
+    assert_eq!(launching(), 1, "its set-up is under way");
+    until(|| launching() == 0).await;
+    assert_eq!(launching(), 0, "let go while the set-up hangs");
+    assert!(
+        began.elapsed() >= bound,
+        "not before the bound: {:?}",
+        began.elapsed()
+    );
+    assert_eq!(b.daemon.vm(&fork).expect("fork").state, VmState::Starting);
+    // And the refill it held back runs.
+    let primed = || b.daemon.spare_book().primed_of(&id).len();
+    until(|| primed() == 1).await;
+    assert_eq!(primed(), 1, "refilled");
 }
 
 #[tokio::test]
