@@ -19,8 +19,8 @@ use serde::Serialize;
 use serde_yaml::Value as Yaml;
 use tine_proto::api::{
     CommitInfo, CpResponse, CreateVmResponse, DaemonInfo, DeleteCommitResponse, ErrorBody,
-    ErrorCode, ExecFrame, ForkResponse, HostGroupInfo, LifecycleResponse, LogsResponse, NodeStat,
-    TagsResponse, VmHealth, VmInfo,
+    ErrorCode, ExecFrame, ForkResponse, HealthResponse, HostGroupInfo, LifecycleResponse,
+    LogsResponse, NodeStat, TagsResponse, VmHealth, VmInfo,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
@@ -78,8 +78,6 @@ enum Expect {
         /// `T`'s name, and whether the body is a list of `T`.
         schema: (&'static str, bool),
     },
-    /// 200 and exactly the JSON that docs/openapi.yaml gives as the answer.
-    Documented,
     /// 200 and an NDJSON stream of exec frames.
     Ndjson,
     /// 200 and an NDJSON stream of image import events.
@@ -175,7 +173,7 @@ fn cases() -> Vec<Case> {
     let fork = "/vm/commits/{id}/fork";
     let pool = "/vm/commits/{id}/pool";
     vec![
-        case(M::GET, "/healthz", "/healthz", Documented),
+        case(M::GET, "/healthz", "/healthz", json::<HealthResponse>(200)),
         case(M::GET, "/info", "/info", json::<DaemonInfo>(200)),
         case(M::GET, "/hostgroup", "/hostgroup", list::<HostGroupInfo>()),
         case(
@@ -806,18 +804,6 @@ fn check(doc: &Yaml, case: &Case, answer: &Answer) -> Result<(), String> {
                 }
             }
             check(&answer.body)
-        }
-        Expect::Documented => {
-            let response = success(200)?;
-            let text = response["description"].as_str().ok_or("no description")?;
-            let doc_body: serde_json::Value = serde_json::from_str(text)
-                .map_err(|e| format!("the documented answer is not JSON: {e}"))?;
-            let body: serde_json::Value =
-                serde_json::from_slice(&answer.body).map_err(|e| format!("not JSON: {e}"))?;
-            if body != doc_body {
-                return Err(format!("answers {body}, documented is {doc_body}"));
-            }
-            Ok(())
         }
         Expect::Ndjson => {
             content_type(success(200)?)?;

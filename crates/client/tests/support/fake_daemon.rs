@@ -264,9 +264,10 @@ fn router(fake: Fake) -> Router {
         .with_state(fake)
 }
 
-async fn healthz() -> Json<serde_json::Value> {
-    // The daemon answers this hand-built body too; there is no type for it.
-    Json(serde_json::json!({"status": "ok"}))
+async fn healthz() -> Json<tine_proto::api::HealthResponse> {
+    Json(tine_proto::api::HealthResponse {
+        status: tine_proto::api::HealthStatus::Ok,
+    })
 }
 
 async fn record_and_auth(State(fake): State<Fake>, req: Request, next: Next) -> Response {
