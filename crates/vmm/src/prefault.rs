@@ -194,7 +194,12 @@ mod tests {
 
     #[test]
     fn a_thread_ahead_takes_no_fault_on_its_stack() {
-        let fresh = faults_of_deep_after(|| {});
+        // A new thread may get the stack of one that just ended (the C
+        // library keeps them), already faulted in: measured again then.
+        let fresh = (0..5)
+            .map(|_| faults_of_deep_after(|| {}))
+            .find(|&faults| faults >= 2)
+            .unwrap_or(0);
         let ahead = faults_of_deep_after(thread_ahead);
         assert!(
             fresh >= 2,
