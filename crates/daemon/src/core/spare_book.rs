@@ -207,10 +207,9 @@ impl SpareBook {
     /// for one: one is being primed that no other fork waits for. If so,
     /// the fork counts as waiting until [`SpareBook::stop_awaiting`].
     pub fn await_priming(&mut self, commit: &str) -> bool {
-        let ready = self.vms.get(commit).is_some_and(|v| !v.is_empty());
         let priming = self.priming.iter().filter(|(c, _, _)| c == commit).count();
         let awaiting = self.awaiting.get(commit).copied().unwrap_or(0);
-        if ready || priming <= awaiting {
+        if self.has_ready_vm(commit) || priming <= awaiting {
             return false;
         }
         self.awaiting.insert(commit.to_owned(), awaiting + 1);
@@ -229,8 +228,11 @@ impl SpareBook {
 
     /// Whether `commit` has a primed VM ready, or none being primed.
     pub fn priming_settled(&self, commit: &str) -> bool {
+        self.has_ready_vm(commit) || !self.priming.iter().any(|(c, _, _)| c == commit)
+    }
+
+    fn has_ready_vm(&self, commit: &str) -> bool {
         self.vms.get(commit).is_some_and(|v| !v.is_empty())
-            || !self.priming.iter().any(|(c, _, _)| c == commit)
     }
 
     /// The launcher's names of `commit`'s ready primed VMs.

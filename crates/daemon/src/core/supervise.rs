@@ -10,6 +10,7 @@ use std::time::Instant;
 
 use tine_proto::agent::FixupRequest;
 use tine_proto::api::{Fixup, StopMode, VmState};
+use tokio_util::task::AbortOnDropHandle;
 
 use super::daemon::Daemon;
 use super::error::{chain, Error, Result};
@@ -36,7 +37,7 @@ impl SetUpHold {
     /// set-up has not ended by then.
     fn bounded(self, bound: std::time::Duration) -> HeldSetUp {
         let launch = self.launch.map(|launch| {
-            AbortOnDrop(tokio::spawn(async move {
+            AbortOnDropHandle::new(tokio::spawn(async move {
                 tokio::time::sleep(bound).await;
                 tracing::debug!("a hot fork's set-up outlasted its launch's bound");
                 drop(launch);
@@ -52,16 +53,8 @@ impl SetUpHold {
 /// A [`SetUpHold`] held by a set-up under way.
 struct HeldSetUp {
     _boot_slot: Option<tokio::sync::OwnedSemaphorePermit>,
-    _launch: Option<AbortOnDrop>,
-}
-
-/// A task aborted when this is dropped: what it holds is dropped then.
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
+    /// Aborted when dropped: the launch it holds is dropped then.
+    _launch: Option<AbortOnDropHandle<()>>,
 }
 
 impl From<Option<tokio::sync::OwnedSemaphorePermit>> for SetUpHold {
