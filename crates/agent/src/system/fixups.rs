@@ -175,8 +175,11 @@ pub fn apply_fixups(req: &FixupRequest, root: &Path) -> FixupReport {
                 rep.errors
                     .push("hostname: skipped sethostname: root is not /".to_string());
             }
+            // Not synced: the host sets the hostname at every boot, so a
+            // write lost with a power cut is made again, and a hot fork's
+            // set-up does not wait for the guest's disk for it.
             match write_hostname_files(root, name) {
-                Ok(()) => written.extend(["/etc/hostname", "/etc/hosts"].map(|p| under(root, p))),
+                Ok(()) => {}
                 Err(e) => {
                     rep.errors.push(format!("hostname: {e}"));
                     ok = false;
@@ -225,13 +228,16 @@ pub fn apply_fixups(req: &FixupRequest, root: &Path) -> FixupReport {
         rep.timed(FixupStep::SshHostKeys, began);
     }
 
-    // What the fix-ups wrote, renamed and removed reaches the disk
-    // together, and nothing else of the guest's file system.
-    let began = Instant::now();
-    if let Err(e) = sync_paths(&written, &removed) {
-        rep.errors.push(format!("sync: {e}"));
+    // What the fix-ups wrote (but the hostname files), renamed and removed
+    // reaches the disk together, and nothing else of the guest's file
+    // system. Nothing written, no sync.
+    if !written.is_empty() || !removed.is_empty() {
+        let began = Instant::now();
+        if let Err(e) = sync_paths(&written, &removed) {
+            rep.errors.push(format!("sync: {e}"));
+        }
+        rep.timed(FixupStep::Sync, began);
     }
-    rep.timed(FixupStep::Sync, began);
 
     rep
 }
@@ -551,8 +557,15 @@ mod tests {
                 .map(|t| t.step)
                 .collect()
         };
-        // Only the sync runs for an empty request.
-        assert_eq!(steps(&FixupRequest::default()), [FixupStep::Sync]);
+        // Nothing runs for an empty request, nor a sync for the hostname
+        // alone (the host sets it at every boot).
+        assert_eq!(steps(&FixupRequest::default()), []);
+        let hostname = FixupRequest {
+            hostname: Some("fork-1".into()),
+            clock_unix_nanos: Some(1),
+            ..FixupRequest::default()
+        };
+        assert_eq!(steps(&hostname), [FixupStep::Clock, FixupStep::Hostname]);
         let every = FixupRequest {
             hostname: Some("fork-1".into()),
             machine_id: true,
