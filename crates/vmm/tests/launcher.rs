@@ -10,7 +10,7 @@ use std::time::Duration;
 use tine_daemon::launcher::pool::{Shape, POOL_DIR};
 use tine_daemon::launcher::vmm::VmmLauncher;
 use tine_daemon::launcher::{
-    GuestNetwork, Launcher, LauncherExt, PrimeSpec, RestoreSpec, Stop, WarmUp, WriteSetCopy,
+    GuestStep, Launcher, LauncherExt, PrimeSpec, RestoreSpec, Stop, WarmUp, WriteSetCopy,
 };
 use tine_daemon::process::{find_processes, Owner};
 use tine_proto::vmm::{RunState, StopReason};
@@ -234,6 +234,7 @@ fn spare_spec(dir: &Path, name: &str, state: &Path, memory: &Path) -> PrimeSpec 
         write_set: None,
         warm_agent: false,
         guest_network: None,
+        guest_identity: None,
     }
 }
 
@@ -248,8 +249,8 @@ fn copied_pages(instance: tine_daemon::launcher::Instance) -> u64 {
 /// Asked to warm its agent, a primed VM runs until its agent answers (a
 /// synthetic guest has no vsock device: the launcher says so at once, and
 /// the nested bed's hot fork test shows a guest's agent answering; the
-/// network it was to set is not set), then waits paused again, and a VM
-/// takes it over as any primed one.
+/// network and identity it was to set are not set), then waits paused
+/// again, and a VM takes it over as any primed one.
 #[tokio::test]
 async fn a_primed_vm_warmed_ahead_waits_paused_again() {
     let dir = tempfile::tempdir().expect("tmp");
@@ -267,6 +268,10 @@ async fn a_primed_vm_warmed_ahead_waits_paused_again() {
             dns: Vec::new(),
             mac: Some("02:00:00:00:00:07".into()),
         }),
+        guest_identity: Some(tine_proto::agent::FixupRequest {
+            machine_id: true,
+            ..Default::default()
+        }),
         ..spare_spec(dir.path(), "spare-1", &state, &memory)
     };
     let folder = spec.folder.clone();
@@ -276,7 +281,8 @@ async fn a_primed_vm_warmed_ahead_waits_paused_again() {
         WarmUp::NoAnswer(why) => assert!(why.contains("socket"), "{why}"),
         other => panic!("a guest without vsock: {other:?}"),
     }
-    assert_eq!(primed.guest_network, GuestNetwork::NotAsked);
+    assert_eq!(primed.guest_network, GuestStep::NotAsked);
+    assert_eq!(primed.guest_identity, GuestStep::NotAsked);
     assert!(
         began.elapsed() < Duration::from_secs(10),
         "a guest without vsock was waited for"

@@ -23,7 +23,7 @@ use super::daemon::{no_commit, Daemon};
 use super::error::{chain, Error, Result};
 use super::lifecycle::NewFolder;
 use super::snapshot::SnapshotFiles;
-use super::spare_book::SpareVm;
+use super::spare_book::{SetAhead, SpareVm};
 use super::supervise::{DiskSynced, Launching, SetUp, SetUpHold};
 use crate::config::HostGroup;
 use crate::db::{CommitRecord, VmRecord};
@@ -31,6 +31,7 @@ use crate::failpoint::{self, Failpoint};
 use crate::launcher::pool::Shape;
 use crate::launcher::{Instance, LauncherExt, RestoreSpec, Running};
 use crate::network::VmNetwork;
+use crate::storage;
 
 impl Daemon {
     /// The warm pool each shape of memory commit needs: the largest size
@@ -211,9 +212,12 @@ impl Daemon {
         // For the log: whether the set-up's times are those of a VM primed
         // (and run until its agent answered) ahead.
         let claimed_primed = claimed.is_some();
-        let (running, guest_network_set) = match claimed {
+        let (running, ahead) = match claimed {
             Some(primed) => self.resume_spare_vm(&group, vm, primed, files).await?,
-            None => (self.restore_hot_fork(&group, vm, files, None).await?, false),
+            None => (
+                self.restore_hot_fork(&group, vm, files, None).await?,
+                SetAhead::default(),
+            ),
         };
         let instance = running.instance;
         let Instance { pid, pid_start } = instance;
@@ -227,14 +231,15 @@ impl Daemon {
             vm = hostname,
             pid,
             claimed_primed,
-            guest_network_set,
+            network_set_ahead = ahead.network,
+            identity_set_ahead = ahead.identity,
             "resumed from a memory commit"
         );
         self.supervise(
             hostname.to_owned(),
             running,
             hold,
-            SetUp::HotFork { guest_network_set },
+            SetUp::HotFork { ahead },
             Some(disk_synced),
         );
         Ok(instance)
@@ -243,23 +248,24 @@ impl Daemon {
     /// Resumes the primed VM fork `vm` claimed (its disk is the fork's
     /// already): hands its network over and runs its vCPUs. If the hand-over
     /// fails or its process had ended, the fork restores into another
-    /// process instead (with the network, when it was handed over). Says
-    /// too whether the running guest's network is set already.
+    /// process instead (with the network, when it was handed over), on a
+    /// disk made again. Says too what the running guest was given ahead.
     async fn resume_spare_vm(
         self: &Arc<Self>,
         group: &HostGroup,
         vm: &VmRecord,
         primed: SpareVm,
         files: &SnapshotFiles,
-    ) -> Result<(Running, bool)> {
+    ) -> Result<(Running, SetAhead)> {
         let network = match primed.network {
             Some(spare) => match self.hand_over_network(vm, spare) {
                 Ok(Some(taken)) => Some(taken),
                 Ok(None) => {
                     // Its TAP is gone with the failed hand-over.
                     self.launcher.discard_primed(&primed.process);
+                    self.remake_primed_disk(vm).await?;
                     let restored = self.restore_hot_fork(group, vm, files, None).await?;
-                    return Ok((restored, false));
+                    return Ok((restored, SetAhead::default()));
                 }
                 Err(e) => {
                     self.launcher.discard_primed(&primed.process);
@@ -279,13 +285,45 @@ impl Daemon {
                 source,
             })?;
         match resumed {
-            Some(running) => Ok((running, primed.guest_network_set)),
-            // A guest that never ran from the same snapshot: not set.
-            None => Ok((
-                self.restore_hot_fork(group, vm, files, network).await?,
-                false,
-            )),
+            Some(running) => Ok((running, primed.set_ahead)),
+            // Another guest from the same snapshot: given nothing yet.
+            None => {
+                self.remake_primed_disk(vm).await?;
+                let restored = self.restore_hot_fork(group, vm, files, network).await?;
+                Ok((restored, SetAhead::default()))
+            }
         }
+    }
+
+    /// Makes the disk of unborn fork `vm` again on its commit's disk, and
+    /// syncs it: the primed VM the fork claimed ran on the old one (its
+    /// warm-up, its set-up ahead wrote to it), so a guest restored from the
+    /// commit into another process, whose page cache is the commit's, must
+    /// not find it changed under it.
+    pub(super) async fn remake_primed_disk(&self, vm: &VmRecord) -> Result<()> {
+        let Some(id) = vm.parent_commit_id.as_deref() else {
+            return Err(Error::Failed(format!(
+                "{} has no commit to make its disk again from",
+                vm.hostname
+            )));
+        };
+        let commit_disk = PathBuf::from(self.commit_record(id)?.disk);
+        let disk = PathBuf::from(&vm.disk);
+        tokio::task::spawn_blocking(move || {
+            match std::fs::remove_file(&disk) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(Error::io("remove a primed VM's disk", e)),
+            }
+            storage::fork_disk(&commit_disk, &disk)
+                .and_then(|()| storage::sync_disk(&disk))
+                .map_err(|e| Error::disk("make a fork's disk again", e))
+        })
+        .await
+        .map_err(|source| Error::Task {
+            what: "make a fork's disk again",
+            source,
+        })?
     }
 
     /// Restores the fork `vm` from `files` into a pre-started process, with

@@ -15,6 +15,7 @@ use tine_proto::api::{CreateVmRequest, StopMode, VmState, Wait};
 use super::daemon::Daemon;
 use super::error::{chain, Error, Result};
 use super::lifecycle::NewFolder;
+use super::spare_book::SetAhead;
 use super::supervise::{SetUp, SetUpHold};
 use crate::config::Reconcile;
 use crate::db::VmRecord;
@@ -125,7 +126,7 @@ impl Daemon {
                         let (setup, disk_synced) = match self.hot_fork_snapshot(vm) {
                             Ok(Some(_)) => (
                                 SetUp::HotFork {
-                                    guest_network_set: false,
+                                    ahead: SetAhead::default(),
                                 },
                                 Some(self.sync_disk_soon(&vm.disk, NewFolder::Made)),
                             ),
@@ -402,10 +403,15 @@ impl Daemon {
     /// A fork is answered before its disk is synced (`storage::fork_disk`),
     /// and synced before its first boot: if a power loss took the disk of a
     /// fork that never booted, it held nothing but its commit, so it is
-    /// made again. Any other VM with its disk gone cannot boot.
+    /// made again. Any other VM with its disk gone cannot boot. An unborn
+    /// hot fork's disk is made again in any case: it may be that of the
+    /// primed VM the fork claimed, whose guest ran on it, and the fork's
+    /// guest, restored from the commit, must find the commit's disk.
     fn remake_lost_fork_disk(&self, vm: &VmRecord) -> Result<()> {
         let disk = Path::new(&vm.disk);
-        if storage::is_intact(disk) {
+        let hot_fork = matches!(self.hot_fork_snapshot(vm), Ok(Some(_)));
+        let intact = storage::is_intact(disk);
+        if intact && !hot_fork {
             return Ok(());
         }
         let commit = match (&vm.parent_commit_id, vm.is_unborn_fork()) {
@@ -427,7 +433,14 @@ impl Daemon {
             .map_err(|e| Error::io("create VM folder", e))?;
         storage::fork_disk(Path::new(&commit.disk), disk)
             .map_err(|e| Error::disk("make an unborn fork's disk again", e))?;
-        tracing::warn!(vm = %vm.hostname, "its disk was lost before its first boot; made it again from {}", commit.id);
+        match intact {
+            true => {
+                tracing::info!(vm = %vm.hostname, "an unborn hot fork's disk made again from {}", commit.id)
+            }
+            false => {
+                tracing::warn!(vm = %vm.hostname, "its disk was lost before its first boot; made it again from {}", commit.id)
+            }
+        }
         Ok(())
     }
 

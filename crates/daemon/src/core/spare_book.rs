@@ -20,9 +20,21 @@ pub struct SpareVm {
     /// Its network, a spare of the commit's group (none when the group
     /// has no NIC).
     pub network: Option<VmNetwork>,
-    /// Whether its guest's network is set already (to `network`'s address
-    /// and MAC): its fork's set-up need not set it.
-    pub guest_network_set: bool,
+    /// What its guest was given while it was primed: its fork's set-up
+    /// need not give it again.
+    pub set_ahead: SetAhead,
+}
+
+/// What a primed VM's guest was given ahead of its fork.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SetAhead {
+    /// Its network's address and MAC (those of the spare network it was
+    /// primed with).
+    pub network: bool,
+    /// An identity of its own: a machine-id, SSH host keys (when sshd is
+    /// installed), fresh entropy, all on its disk. Not its hostname: the
+    /// fork's is not known before the fork.
+    pub identity: bool,
 }
 
 /// A VM whose priming ended with its process.
@@ -30,8 +42,8 @@ pub struct SpareVm {
 pub struct ReadyVm {
     /// The launcher's name for its process.
     pub process: String,
-    /// Whether its guest's network is set already.
-    pub guest_network_set: bool,
+    /// What its guest was given while it was primed.
+    pub set_ahead: SetAhead,
 }
 
 /// Spares by owner: networks by host group, disks and primed VMs by
@@ -182,15 +194,14 @@ impl SpareBook {
         };
         let (commit, disk, network) = self.priming.remove(at);
         match ready {
-            Some(ReadyVm {
-                process,
-                guest_network_set,
-            }) => self.vms.entry(commit).or_default().push(SpareVm {
-                process,
-                disk,
-                network,
-                guest_network_set,
-            }),
+            Some(ReadyVm { process, set_ahead }) => {
+                self.vms.entry(commit).or_default().push(SpareVm {
+                    process,
+                    disk,
+                    network,
+                    set_ahead,
+                })
+            }
             None => {
                 self.disks.entry(commit).or_default().insert(0, disk);
                 if let Some(n) = network {
@@ -408,7 +419,7 @@ mod tests {
             &disk,
             Some(ReadyVm {
                 process: "p1".into(),
-                guest_network_set: false,
+                set_ahead: SetAhead::default(),
             }),
         );
         assert!(book.priming_settled("c1"), "ready");
@@ -445,7 +456,7 @@ mod tests {
             &disk,
             Some(ReadyVm {
                 process: "p1".into(),
-                guest_network_set: false,
+                set_ahead: SetAhead::default(),
             }),
         );
         assert_eq!(book.vms_of("c1"), 1);

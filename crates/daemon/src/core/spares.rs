@@ -40,11 +40,12 @@ use super::error::{chain, Error, Result};
 use super::lifecycle::{remove_dir_logged, NewFolder};
 use super::netattach::takes_group_network;
 use super::snapshot::SnapshotFiles;
-use super::spare_book::{ReadyVm, Released, SpareVm};
+use super::spare_book::{ReadyVm, Released, SetAhead, SpareVm};
+use super::supervise::identity_fixups;
 use crate::config::HostGroup;
 use crate::db::{CommitFilter, CommitRecord, VmRecord};
 use crate::launcher::pool::new_slot_name;
-use crate::launcher::{GuestNetwork, PrimeSpec, WarmUp, WriteSetCopy};
+use crate::launcher::{GuestStep, PrimeSpec, WarmUp, WriteSetCopy};
 use crate::network::{NetMode, VmNetwork};
 use crate::process::DISK_FILE;
 use crate::storage;
@@ -249,6 +250,13 @@ impl Daemon {
                     return;
                 }
             };
+            let identity = match identity_fixups() {
+                Ok(request) => Some(request),
+                Err(e) => {
+                    tracing::warn!(commit = %id, "a VM primed without its identity (its fork's set-up gives it): {}", chain(&e));
+                    None
+                }
+            };
             let spec = PrimeSpec {
                 cpus: p.commit.cpus,
                 ram_mib: p.commit.ram_bytes >> 20,
@@ -257,26 +265,30 @@ impl Daemon {
                 disk: disk.clone(),
                 folder,
                 guest_network: network.as_ref().map(VmNetwork::agent_request),
+                guest_identity: identity,
                 tap: network.map(|n| n.tap),
                 write_set: Some(files.write_set()).filter(|w| w.is_file()),
                 warm_agent: true,
             };
             match self.launcher.prime(&spec).await {
                 Ok(primed) => {
-                    let guest_network_set = match primed.guest_network {
-                        GuestNetwork::Set => true,
-                        GuestNetwork::NotAsked => false,
-                        GuestNetwork::Failed(why) => {
+                    let done = |step: GuestStep, what: &str| match step {
+                        GuestStep::Done => true,
+                        GuestStep::NotAsked => false,
+                        GuestStep::Failed(why) => {
                             tracing::warn!(
                                 commit = %id,
-                                "a primed VM's agent did not set its network (its fork's will): {why}"
+                                "a primed VM's agent did not set its {what} (its fork's set-up will): {why}"
                             );
                             false
                         }
                     };
                     let ready = ReadyVm {
                         process: primed.name,
-                        guest_network_set,
+                        set_ahead: SetAhead {
+                            network: done(primed.guest_network, "network"),
+                            identity: done(primed.guest_identity, "identity"),
+                        },
                     };
                     self.priming_ended(&disk, Some(ready));
                     self.write_set_copied(id, &files, primed.write_set);

@@ -14,6 +14,7 @@ use tokio_util::task::AbortOnDropHandle;
 
 use super::daemon::Daemon;
 use super::error::{chain, Error, Result};
+use super::spare_book::SetAhead;
 use crate::db::now_ms;
 use crate::failpoint::{self, Failpoint};
 use crate::launcher::{BootSpec, Instance, Running, Stop};
@@ -103,12 +104,11 @@ pub enum SetUp {
     /// A hot fork resumed from its memory commit: the guest is a copy of
     /// the source, so it gets every identity fix-up (hostname, machine-id,
     /// SSH host keys), entropy, the clock, its own MAC and address, and the
-    /// fork's secrets; no first-boot userdata (the source ran it). A guest
-    /// primed with its network's address and MAC
-    /// (`guest_network_set`) is not given them again.
+    /// fork's secrets; no first-boot userdata (the source ran it). What a
+    /// primed guest was given ahead (`ahead`) it is not given again.
     HotFork {
-        /// The guest's network is set already.
-        guest_network_set: bool,
+        /// What the guest was given while it was primed.
+        ahead: SetAhead,
     },
 }
 
@@ -116,6 +116,31 @@ impl SetUp {
     fn is_hot_fork(self) -> bool {
         matches!(self, SetUp::HotFork { .. })
     }
+}
+
+/// Bytes from the host's CSPRNG for a guest's kernel: the agent credits
+/// them to its input pool and reseeds its CRNG.
+fn host_entropy() -> Result<Vec<u8>> {
+    let mut entropy = vec![0u8; 64];
+    getrandom::fill(&mut entropy).map_err(|e| {
+        Error::io(
+            "host entropy for the guest",
+            std::io::Error::other(e.to_string()),
+        )
+    })?;
+    Ok(entropy)
+}
+
+/// The fix-ups that give a primed VM's guest an identity of its own ahead
+/// of its fork ([`SetAhead::identity`]).
+pub(super) fn identity_fixups() -> Result<FixupRequest> {
+    Ok(FixupRequest {
+        hostname: None,
+        machine_id: true,
+        ssh_host_keys: true,
+        entropy: Some(host_entropy()?),
+        clock_unix_nanos: None,
+    })
 }
 
 /// What a hot fork's set-up waits for before the fork is `running`: its
@@ -333,9 +358,13 @@ impl Daemon {
         // (those run at once each from the same start).
         let agent_ms = began.elapsed().as_millis() as u64;
         let first = !vm.booted_once && setup == SetUp::Boot;
+        let ahead = match setup {
+            SetUp::HotFork { ahead } => ahead,
+            SetUp::Boot | SetUp::Resume => SetAhead::default(),
+        };
         let (set_hostname, machine_id, ssh_host_keys) = match &vm.fixups {
             _ if setup == SetUp::Resume => (false, false, false),
-            _ if setup.is_hot_fork() => (true, true, true),
+            _ if setup.is_hot_fork() => (true, !ahead.identity, !ahead.identity),
             // A fork's first boot: exactly the fix-ups it asked for.
             Some(list) => (
                 list.contains(&Fixup::Hostname),
@@ -344,13 +373,12 @@ impl Daemon {
             ),
             None => (true, first, first),
         };
-        let mut entropy = vec![0u8; 64];
-        getrandom::fill(&mut entropy).map_err(|e| {
-            Error::io(
-                "host entropy for the guest",
-                std::io::Error::other(e.to_string()),
-            )
-        })?;
+        // A guest primed with its identity had its entropy then, and has
+        // not been copied since.
+        let entropy = match ahead.identity {
+            true => None,
+            false => Some(host_entropy()?),
+        };
         let clock = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_nanos())
@@ -359,7 +387,7 @@ impl Daemon {
             hostname: set_hostname.then(|| hostname.to_owned()),
             machine_id,
             ssh_host_keys,
-            entropy: Some(entropy),
+            entropy,
             clock_unix_nanos: clock,
         };
         let step = self.deadlines.setup_call;
@@ -371,14 +399,9 @@ impl Daemon {
         // they write), the guest's CPU serves the others.
         let fixups = timed("fixups", setup_call(step, "fix-ups", client.fixups(req)));
         let network_step = async {
-            let Some(n) = network else { return Ok(None) };
-            if setup
-                == (SetUp::HotFork {
-                    guest_network_set: true,
-                })
-            {
+            let Some(n) = network.filter(|_| !ahead.network) else {
                 return Ok(None);
-            }
+            };
             let call = setup_call(step, "network set-up", client.network(n.agent_request()));
             Ok(Some(timed("network", call).await?.0))
         };

@@ -30,7 +30,7 @@ use tine_proto::vmm::{Request as VmmRequest, Response as VmmResponse};
 use tokio::sync::watch;
 
 use super::{
-    BootSpec, GuestNetwork, GuestStream, Instance, LaunchError, Launcher, PrimeSpec, Primed,
+    BootSpec, GuestStep, GuestStream, Instance, LaunchError, Launcher, PrimeSpec, Primed,
     RestoreSpec, Running, Shape, Stop, Stray, WarmUp, WriteSetCopy,
 };
 
@@ -105,6 +105,8 @@ struct State {
     refuse_boot: Option<String>,
     /// How long each priming takes.
     prime_delay: Duration,
+    /// Why a primed guest's identity fix-ups fail, when they do.
+    primed_identity_fails: Option<String>,
     refuse_snapshot: Option<String>,
     next_memory: u64,
     seen: Vec<(String, Seen)>,
@@ -218,6 +220,12 @@ impl FakeLauncher {
     /// Makes each priming take `delay` (as a guest's warm-up does).
     pub fn delay_priming(&self, delay: Duration) {
         self.lock().prime_delay = delay;
+    }
+
+    /// Makes a primed guest's identity fix-ups fail (or not), with `why`
+    /// (a read-only `/etc`, say).
+    pub fn fail_primed_identity(&self, why: Option<&str>) {
+        self.lock().primed_identity_fails = why.map(str::to_owned);
     }
 
     /// Makes every snapshot fail, with `why` (a full disk, say).
@@ -568,18 +576,25 @@ impl Launcher for FakeLauncher {
                 None => WriteSetCopy::NotAsked,
                 Some(path) => copy_write_set(path, memory),
             };
-            // A fake guest's agent answers at once (and sets any network),
-            // its clock is nobody's.
-            let (warm_up, guest_network) = match (spec.warm_agent, &spec.guest_network) {
-                (false, _) => (WarmUp::NotAsked, GuestNetwork::NotAsked),
-                (true, None) => (WarmUp::Answered(0), GuestNetwork::NotAsked),
-                (true, Some(_)) => (WarmUp::Answered(0), GuestNetwork::Set),
+            // A fake guest's agent answers at once (and takes the steps
+            // asked of it), its clock is nobody's.
+            let identity_fails = self.lock().primed_identity_fails.clone();
+            let step = |asked: bool, fails: Option<String>| match (spec.warm_agent && asked, fails)
+            {
+                (false, _) => GuestStep::NotAsked,
+                (true, None) => GuestStep::Done,
+                (true, Some(why)) => GuestStep::Failed(why),
+            };
+            let warm_up = match spec.warm_agent {
+                false => WarmUp::NotAsked,
+                true => WarmUp::Answered(0),
             };
             Ok(Primed {
                 name,
                 write_set,
                 warm_up,
-                guest_network,
+                guest_network: step(spec.guest_network.is_some(), None),
+                guest_identity: step(spec.guest_identity.is_some(), identity_fails),
             })
         }
         .boxed()

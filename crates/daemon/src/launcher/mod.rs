@@ -15,7 +15,7 @@ pub mod vmm;
 use std::path::PathBuf;
 
 use futures_util::future::BoxFuture;
-use tine_proto::agent::NetworkRequest;
+use tine_proto::agent::{FixupRequest, NetworkRequest};
 use tine_proto::vmm::{Request as VmmRequest, Response as VmmResponse};
 use tine_proto::vmm::{RunState, SnapshotInfo, StopReason};
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -119,6 +119,11 @@ pub struct PrimeSpec {
     /// answers (the spare network's address and MAC), so that the fork
     /// that takes the VM with that network need not.
     pub guest_network: Option<NetworkRequest>,
+    /// With `warm_agent`: the fix-ups that give the guest an identity of
+    /// its own once its agent answers (a machine-id, SSH host keys,
+    /// entropy; no hostname, the fork's is not known yet), so that the
+    /// fork that takes the VM need not.
+    pub guest_identity: Option<FixupRequest>,
 }
 
 /// A VM primed ahead of a hot fork by [`Launcher::prime`].
@@ -131,17 +136,20 @@ pub struct Primed {
     /// What running it until its agent answered did.
     pub warm_up: WarmUp,
     /// Whether its guest's network was set as the spec asked.
-    pub guest_network: GuestNetwork,
+    pub guest_network: GuestStep,
+    /// Whether its guest's identity fix-ups were applied as the spec asked.
+    pub guest_identity: GuestStep,
 }
 
-/// What became of a primed VM's guest network ([`PrimeSpec::guest_network`]).
+/// What became of a step a primed VM's agent was asked to take ahead of
+/// its fork ([`PrimeSpec::guest_network`], [`PrimeSpec::guest_identity`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum GuestNetwork {
+pub enum GuestStep {
     /// The spec did not ask for it (or its agent never answered).
     NotAsked,
-    /// The agent set it.
-    Set,
-    /// The agent did not, with why: the fork sets it.
+    /// The agent took it.
+    Done,
+    /// The agent did not (or not all of it), with why: the fork takes it.
     Failed(String),
 }
 

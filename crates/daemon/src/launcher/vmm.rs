@@ -13,13 +13,13 @@ use std::time::Duration;
 use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
 use tine_client::AgentClient;
-use tine_proto::agent::{NetworkRequest, AGENT_VSOCK_PORT};
+use tine_proto::agent::AGENT_VSOCK_PORT;
 use tine_proto::vmm::{Request as VmmRequest, Response as VmmResponse};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::pool::{self, Pool, Shape, Slot, POOL_DIR};
 use super::{
-    BootSpec, GuestNetwork, GuestStream, Instance, LaunchError, Launcher, PrimeSpec, Primed,
+    BootSpec, GuestStep, GuestStream, Instance, LaunchError, Launcher, PrimeSpec, Primed,
     RestoreSpec, Running, Stray, WarmUp, WriteSetCopy,
 };
 use crate::process::{self, VmPaths};
@@ -283,7 +283,7 @@ impl VmmLauncher {
         &self,
         name: &str,
         spec: &PrimeSpec,
-    ) -> Result<(Slot, WriteSetCopy, WarmUp, GuestNetwork), LaunchError> {
+    ) -> Result<(Slot, WriteSetCopy, WarmUp, GuestSteps), LaunchError> {
         let shape = Shape {
             cpus: spec.cpus,
             ram_mib: spec.ram_mib,
@@ -323,12 +323,12 @@ impl VmmLauncher {
                             None => WriteSetCopy::NotAsked,
                         };
                         let warmed = if spec.warm_agent {
-                            warm_up(&primed, &hostname, spec.guest_network.as_ref()).await
+                            warm_up(&primed, &hostname, spec).await
                         } else {
-                            Ok((WarmUp::NotAsked, GuestNetwork::NotAsked))
+                            Ok((WarmUp::NotAsked, GuestSteps::not_asked()))
                         };
                         match warmed {
-                            Ok((warmed, network)) => return Ok((slot, copy, warmed, network)),
+                            Ok((warmed, steps)) => return Ok((slot, copy, warmed, steps)),
                             Err(e) => e,
                         }
                     }
@@ -451,15 +451,32 @@ fn carried_out(
 /// (seconds in a nested test bed).
 const WARM_UP_ANSWER: Duration = Duration::from_secs(30);
 
+/// What a primed VM's agent did of the steps its spec asked for ahead of
+/// its fork.
+struct GuestSteps {
+    network: GuestStep,
+    identity: GuestStep,
+}
+
+impl GuestSteps {
+    fn not_asked() -> Self {
+        GuestSteps {
+            network: GuestStep::NotAsked,
+            identity: GuestStep::NotAsked,
+        }
+    }
+}
+
 /// Runs the primed VM at `primed` until its agent answers a handshake (and
-/// has set `network`, if given), and pauses it again holding its clock
+/// has taken the steps `spec` asks of its guest: its network, its
+/// identity), and pauses it again holding its clock
 /// ([`PrimeSpec::warm_agent`]). An error is a VM that did not run or could
 /// not be paused again: it must not wait as primed.
 async fn warm_up(
     primed: &VmPaths,
     hostname: &str,
-    network: Option<&NetworkRequest>,
-) -> Result<(WarmUp, GuestNetwork), LaunchError> {
+    spec: &PrimeSpec,
+) -> Result<(WarmUp, GuestSteps), LaunchError> {
     let ask = |request: VmmRequest| async move {
         let answer = process::control(primed, &request, CONTROL_ANSWER).await;
         carried_out(hostname, &request, answer)
@@ -467,42 +484,67 @@ async fn warm_up(
     ask(VmmRequest::Resume { vsock_uds: None }).await?;
     let began = std::time::Instant::now();
     let answered = tokio::time::timeout(WARM_UP_ANSWER, agent_handshake(&primed.vsock)).await;
-    let (warmed, network) = match answered {
+    let (warmed, steps) = match answered {
         Ok(Ok(client)) => {
             let warmed = WarmUp::Answered(began.elapsed().as_millis() as u64);
-            let network = match network {
-                None => GuestNetwork::NotAsked,
-                Some(request) => {
-                    let set = client.network(request.clone());
-                    match tokio::time::timeout(WARM_UP_ANSWER, set).await {
-                        Ok(Ok(())) => GuestNetwork::Set,
-                        Ok(Err(e)) => GuestNetwork::Failed(tine_proto::error_chain(&e)),
-                        Err(_) => GuestNetwork::Failed(format!(
-                            "no answer within {}",
-                            humantime::format_duration(WARM_UP_ANSWER)
-                        )),
+            // The two touch different things (the interface, the identity
+            // files): the guest's CPU serves one while the other waits for
+            // its disk.
+            let network = async {
+                match &spec.guest_network {
+                    None => GuestStep::NotAsked,
+                    Some(request) => guest_step(client.network(request.clone()), |()| Ok(())).await,
+                }
+            };
+            let identity = async {
+                match &spec.guest_identity {
+                    None => GuestStep::NotAsked,
+                    Some(request) => {
+                        guest_step(client.fixups(request.clone()), |report| {
+                            match report.errors.is_empty() {
+                                true => Ok(()),
+                                false => Err(report.errors.join("; ")),
+                            }
+                        })
+                        .await
                     }
                 }
             };
-            (warmed, network)
+            let (network, identity) = tokio::join!(network, identity);
+            (warmed, GuestSteps { network, identity })
         }
-        Ok(Err(why)) => (WarmUp::NoAnswer(why), GuestNetwork::NotAsked),
+        Ok(Err(why)) => (WarmUp::NoAnswer(why), GuestSteps::not_asked()),
         Err(_) => (
             WarmUp::NoAnswer(format!(
                 "no handshake within {}",
                 humantime::format_duration(WARM_UP_ANSWER)
             )),
-            GuestNetwork::NotAsked,
+            GuestSteps::not_asked(),
         ),
     };
     ask(VmmRequest::PauseHoldingClock).await?;
-    Ok((warmed, network))
+    Ok((warmed, steps))
 }
 
-/// Connects to the agent through the vsock socket `vsock` and runs the
-/// protocol's handshake: the client, whose drop hangs up. A guest still
-/// taking the connection is asked again; a VM without a vsock socket is
-/// not.
+/// Waits (at most [`WARM_UP_ANSWER`]) for a step a primed VM's agent was
+/// asked to take; `judge` says whether its answer means it was all done.
+async fn guest_step<T>(
+    call: impl std::future::Future<Output = tine_client::agent::Result<T>>,
+    judge: impl FnOnce(T) -> Result<(), String>,
+) -> GuestStep {
+    match tokio::time::timeout(WARM_UP_ANSWER, call).await {
+        Ok(Ok(answer)) => match judge(answer) {
+            Ok(()) => GuestStep::Done,
+            Err(why) => GuestStep::Failed(why),
+        },
+        Ok(Err(e)) => GuestStep::Failed(tine_proto::error_chain(&e)),
+        Err(_) => GuestStep::Failed(format!(
+            "no answer within {}",
+            humantime::format_duration(WARM_UP_ANSWER)
+        )),
+    }
+}
+
 async fn agent_handshake(vsock: &Path) -> Result<AgentClient, String> {
     loop {
         match vsock_connect(vsock, AGENT_VSOCK_PORT).await {
@@ -653,13 +695,14 @@ impl Launcher for VmmLauncher {
             let name = pool::new_slot_name();
             self.pool().priming(&name);
             match self.prime_slot(&name, spec).await {
-                Ok((slot, write_set, warm_up, guest_network)) => {
+                Ok((slot, write_set, warm_up, steps)) => {
                     self.pool().primed(&name, Some(slot));
                     Ok(Primed {
                         name,
                         write_set,
                         warm_up,
-                        guest_network,
+                        guest_network: steps.network,
+                        guest_identity: steps.identity,
                     })
                 }
                 Err(e) => {

@@ -27,7 +27,7 @@ enum Resumed {
     /// Restored into a process on its path.
     Restore(RestoreSpec),
     /// A VM primed ahead of it, taken over.
-    Primed(PrimeSpec),
+    Primed(Box<PrimeSpec>),
 }
 
 fn resumes(b: &Bed, hostname: &str) -> Vec<Resumed> {
@@ -36,7 +36,7 @@ fn resumes(b: &Bed, hostname: &str) -> Vec<Resumed> {
         .into_iter()
         .filter_map(|s| match s {
             Seen::Restore(spec) => Some(Resumed::Restore(spec)),
-            Seen::ResumePrimed(spec) => Some(Resumed::Primed(spec)),
+            Seen::ResumePrimed(spec) => Some(Resumed::Primed(Box::new(spec))),
             _ => None,
         })
         .collect()
@@ -237,18 +237,63 @@ async fn a_hot_fork_resumes_the_commits_memory_on_its_own_disk_with_every_fixup(
             .display()
             .to_string()
             .ends_with(&format!("{id}.qcow2")));
-        // Every identity fix-up, fresh entropy and the clock.
+        // Every identity fix-up, fresh entropy and the clock: a primed
+        // VM's guest had all but its hostname and clock ahead.
         let fixups = b.fixups_seen(f);
         assert_eq!(fixups.len(), 1, "{fixups:?}");
         assert_eq!(fixups[0].hostname.as_deref(), Some(f.as_str()));
-        assert!(fixups[0].machine_id && fixups[0].ssh_host_keys);
-        assert!(fixups[0].entropy.as_ref().is_some_and(|e| e.len() == 64));
         assert!(fixups[0].clock_unix_nanos.is_some());
+        let identity = match &resumed[0] {
+            Resumed::Primed(spec) => {
+                assert!(!fixups[0].machine_id && !fixups[0].ssh_host_keys);
+                assert_eq!(fixups[0].entropy, None);
+                let ahead = spec
+                    .guest_identity
+                    .clone()
+                    .expect("primed with its identity");
+                assert_eq!(ahead.hostname, None, "not known before the fork");
+                ahead
+            }
+            _ => fixups[0].clone(),
+        };
+        assert!(identity.machine_id && identity.ssh_host_keys);
+        assert!(identity.entropy.as_ref().is_some_and(|e| e.len() == 64));
         assert!(!vm.is_unborn_fork(), "its fix-ups are done");
     }
     // The commit cannot go while its source or forks exist.
     let msg = refusal(b.daemon.delete_commit(&id), ErrorCode::Conflict);
     assert!(msg.contains(&forks[0]), "{msg}");
+}
+
+#[tokio::test]
+async fn a_fork_gives_its_guest_the_identity_its_primed_vm_failed_to_set() {
+    let b = bed(true);
+    let h = b.create(Wait::Agent).await;
+    let id = b
+        .daemon
+        .commit(&h, memory_commit())
+        .await
+        .expect("commit")
+        .commit_id;
+    b.fake.fail_primed_identity(Some("/etc is read-only"));
+    b.daemon.set_commit_pool(&id, Some(1)).expect("pool");
+    b.daemon.fill_pools().await;
+    let f = b
+        .daemon
+        .fork(&id, ForkRequest::default(), Wait::Agent, WAIT)
+        .await
+        .expect("hot fork")
+        .hostname;
+    assert!(
+        matches!(&resumes(&b, &f)[..], [Resumed::Primed(p)] if p.guest_identity.is_some()),
+        "{:?}",
+        resumes(&b, &f)
+    );
+    let fixups = b.fixups_seen(&f);
+    assert_eq!(fixups.len(), 1, "{fixups:?}");
+    assert!(fixups[0].machine_id && fixups[0].ssh_host_keys);
+    assert!(fixups[0].entropy.as_ref().is_some_and(|e| e.len() == 64));
+    assert_eq!(fixups[0].hostname.as_deref(), Some(f.as_str()));
 }
 
 #[tokio::test]
@@ -1240,13 +1285,20 @@ async fn a_hot_fork_takes_the_spare_network_and_no_other_vm_gets_its_address() {
     assert_ne!(refilled[0], spare);
     // A primed VM whose TAP went away behind the daemon's back: the fork's
     // hand-over fails, that VM is stopped, and the fork restores with a
-    // TAP of its own.
-    let primed_tap = b
+    // TAP of its own, on a disk made again (the primed guest ran on the
+    // old one), given every fix-up.
+    let (primed_tap, primed_disk) = b
         .fake
         .primed()
         .into_iter()
-        .find_map(|p| p.tap)
+        .find_map(|p| p.tap.map(|tap| (tap, p.disk)))
         .expect("a primed VM with a TAP");
+    let primed_wrote = b"written by the primed guest";
+    std::fs::OpenOptions::new()
+        .append(true)
+        .open(&primed_disk)
+        .and_then(|mut f| std::io::Write::write_all(&mut f, primed_wrote))
+        .expect("write to the primed disk");
     let deleted = std::process::Command::new("ip")
         .args(["link", "del", "dev", &primed_tap])
         .status()
@@ -1270,6 +1322,18 @@ async fn a_hot_fork_takes_the_spare_network_and_no_other_vm_gets_its_address() {
         matches!(&resumes(&b, &after_loss)[..], [Resumed::Restore(r)] if r.tap.as_ref() == Some(&own_tap)),
         "{:?}",
         resumes(&b, &after_loss)
+    );
+    let disk = std::fs::read(b.daemon.vm(&after_loss).expect("vm").disk).expect("its disk");
+    assert!(
+        !disk.windows(primed_wrote.len()).any(|w| w == primed_wrote),
+        "the primed guest's writes are gone"
+    );
+    let fixups = b.fixups_seen(&after_loss);
+    assert!(fixups.len() == 1 && fixups[0].machine_id && fixups[0].entropy.is_some());
+    assert_eq!(
+        network_requests(&b, &after_loss).len(),
+        1,
+        "its own network"
     );
     assert!(
         !b.fake
