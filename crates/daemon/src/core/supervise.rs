@@ -8,6 +8,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
+use tine_client::AgentClient;
 use tine_proto::agent::FixupRequest;
 use tine_proto::api::{Fixup, StopMode, VmState};
 use tokio_util::task::AbortOnDropHandle;
@@ -291,14 +292,18 @@ impl Daemon {
     ) {
         let this = self.clone();
         let h = hostname.clone();
-        let instance = running.instance;
+        let Running {
+            instance,
+            exit,
+            agent,
+        } = running;
         self.run_started(&hostname, instance);
         let boot = tokio::spawn(async move {
             // Released when the set-up ends (or the run ends and this task
             // is aborted); a hot fork's launch at the latest after
             // `Deadlines::launch_set_up`.
             let _hold = hold.bounded(this.deadlines.launch_set_up);
-            if let Err(e) = this.finish_boot(&h, setup, disk_synced).await {
+            if let Err(e) = this.finish_boot(&h, setup, disk_synced, agent).await {
                 let reason = chain(&e);
                 tracing::warn!(vm = %h, "boot set-up: {reason}");
                 match this.store.transition(
@@ -319,38 +324,54 @@ impl Daemon {
         });
         let this = self.clone();
         tokio::spawn(async move {
-            let stop = running.exit.await;
+            let stop = exit.await;
             boot.abort();
             this.run_ended(&hostname, instance);
             this.on_exit(&hostname, instance, stop).await;
         });
     }
 
-    /// Waits for the agent, applies what `setup` says (fix-ups, network,
-    /// first-boot userdata), then marks the VM running.
+    /// Waits for the agent (or takes the connection `held`, when it is
+    /// still open), applies what `setup` says (fix-ups, network, first-boot
+    /// userdata), then marks the VM running.
     async fn finish_boot(
         &self,
         hostname: &str,
         setup: SetUp,
         disk_synced: Option<DiskSynced>,
+        held: Option<AgentClient>,
     ) -> Result<()> {
         let began = Instant::now();
         let vm = self.vm(hostname)?;
         let started_ms = vm.started_ms.unwrap_or_else(now_ms);
         let deadline = Instant::now() + self.deadlines.agent_ready;
         let mut agent_tries = 0u32;
-        let client = loop {
-            agent_tries += 1;
-            match self.connect_agent(hostname).await {
-                Ok(c) => break c,
-                Err(e) if Instant::now() > deadline => {
-                    return Err(Error::AgentUnavailable(format!(
-                        "agent never answered within {}: {}",
-                        humantime::format_duration(self.deadlines.agent_ready),
-                        chain(&e)
-                    )))
+        let held = held.filter(|client| match client.closed() {
+            None => true,
+            Some(why) => {
+                tracing::info!(
+                    vm = hostname,
+                    "the agent connection held for it had closed ({why:?}): connecting again"
+                );
+                false
+            }
+        });
+        let client = if let Some(client) = held {
+            client
+        } else {
+            loop {
+                agent_tries += 1;
+                match self.connect_agent(hostname).await {
+                    Ok(c) => break c,
+                    Err(e) if Instant::now() > deadline => {
+                        return Err(Error::AgentUnavailable(format!(
+                            "agent never answered within {}: {}",
+                            humantime::format_duration(self.deadlines.agent_ready),
+                            chain(&e)
+                        )))
+                    }
+                    Err(_) => tokio::time::sleep(std::time::Duration::from_millis(10)).await,
                 }
-                Err(_) => tokio::time::sleep(std::time::Duration::from_millis(10)).await,
             }
         };
         // Where the set-up's time goes, for the log: until the agent

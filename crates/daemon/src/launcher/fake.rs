@@ -338,9 +338,11 @@ impl FakeLauncher {
                 Err(_) => Stop::Vanished,
             }
         };
+        // A fake primed VM has no agent before its fork resumes it.
         Some(Running {
             instance,
             exit: exit.boxed(),
+            agent: None,
         })
     }
 

@@ -265,6 +265,9 @@ pub struct Running {
     pub instance: Instance,
     /// Resolves once the run has ended, with why.
     pub exit: BoxFuture<'static, Stop>,
+    /// A connection to its guest's agent that the launcher held already
+    /// (a primed VM's, open since its warm-up), for its set-up.
+    pub agent: Option<tine_client::AgentClient>,
 }
 
 impl std::fmt::Debug for Running {

@@ -50,6 +50,10 @@ pub struct Slot {
     /// a new socket) on the fork's path. The process serves any number of
     /// clients, idle ones included.
     pub control: Option<tokio::net::UnixStream>,
+    /// For a primed process whose agent answered its warm-up: that
+    /// connection, still open, for its fork's set-up (no connect and
+    /// handshake on the fork's path).
+    pub agent: Option<tine_client::AgentClient>,
 }
 
 /// Why handing a slot over to a VM failed.
@@ -323,6 +327,7 @@ mod tests {
             moved_vsock: false,
             primed_in: None,
             control: None,
+            agent: None,
         }
     }
 

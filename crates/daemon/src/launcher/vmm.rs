@@ -101,6 +101,7 @@ impl VmmLauncher {
         Running {
             instance,
             exit: exit.boxed(),
+            agent: None,
         }
     }
 
@@ -248,6 +249,7 @@ impl VmmLauncher {
                     moved_vsock: false,
                     primed_in: None,
                     control: Some(control),
+                    agent: None,
                 });
             }
             let ended = matches!(child.try_wait(), Ok(Some(_)) | Err(_));
@@ -265,6 +267,7 @@ impl VmmLauncher {
                     moved_vsock: false,
                     primed_in: None,
                     control: None,
+                    agent: None,
                 });
                 return Err(LaunchError::Refused {
                     hostname,
@@ -325,10 +328,13 @@ impl VmmLauncher {
                         let warmed = if spec.warm_agent {
                             warm_up(&primed, &hostname, spec).await
                         } else {
-                            Ok((WarmUp::NotAsked, GuestSteps::not_asked()))
+                            Ok((WarmUp::NotAsked, GuestSteps::not_asked(), None))
                         };
                         match warmed {
-                            Ok((warmed, steps)) => return Ok((slot, copy, warmed, steps)),
+                            Ok((warmed, steps, agent)) => {
+                                slot.agent = agent;
+                                return Ok((slot, copy, warmed, steps));
+                            }
                             Err(e) => e,
                         }
                     }
@@ -470,13 +476,14 @@ impl GuestSteps {
 /// Runs the primed VM at `primed` until its agent answers a handshake (and
 /// has taken the steps `spec` asks of its guest: its network, its
 /// identity), and pauses it again holding its clock
-/// ([`PrimeSpec::warm_agent`]). An error is a VM that did not run or could
-/// not be paused again: it must not wait as primed.
+/// ([`PrimeSpec::warm_agent`]); returns too the agent's connection, kept
+/// open for its fork. An error is a VM that did not run or could not be
+/// paused again: it must not wait as primed.
 async fn warm_up(
     primed: &VmPaths,
     hostname: &str,
     spec: &PrimeSpec,
-) -> Result<(WarmUp, GuestSteps), LaunchError> {
+) -> Result<(WarmUp, GuestSteps, Option<AgentClient>), LaunchError> {
     let ask = |request: VmmRequest| async move {
         let answer = process::control(primed, &request, CONTROL_ANSWER).await;
         carried_out(hostname, &request, answer)
@@ -484,7 +491,7 @@ async fn warm_up(
     ask(VmmRequest::Resume { vsock_uds: None }).await?;
     let began = std::time::Instant::now();
     let answered = tokio::time::timeout(WARM_UP_ANSWER, agent_handshake(&primed.vsock)).await;
-    let (warmed, steps) = match answered {
+    let (warmed, steps, agent) = match answered {
         Ok(Ok(client)) => {
             let warmed = WarmUp::Answered(began.elapsed().as_millis() as u64);
             // The two touch different things (the interface, the identity
@@ -511,19 +518,20 @@ async fn warm_up(
                 }
             };
             let (network, identity) = tokio::join!(network, identity);
-            (warmed, GuestSteps { network, identity })
+            (warmed, GuestSteps { network, identity }, Some(client))
         }
-        Ok(Err(why)) => (WarmUp::NoAnswer(why), GuestSteps::not_asked()),
+        Ok(Err(why)) => (WarmUp::NoAnswer(why), GuestSteps::not_asked(), None),
         Err(_) => (
             WarmUp::NoAnswer(format!(
                 "no handshake within {}",
                 humantime::format_duration(WARM_UP_ANSWER)
             )),
             GuestSteps::not_asked(),
+            None,
         ),
     };
     ask(VmmRequest::PauseHoldingClock).await?;
-    Ok((warmed, steps))
+    Ok((warmed, steps, agent))
 }
 
 /// Waits (at most [`WARM_UP_ANSWER`]) for a step a primed VM's agent was
@@ -750,9 +758,12 @@ impl Launcher for VmmLauncher {
             let resume = VmmRequest::Resume {
                 vsock_uds: slot.moved_vsock.then(|| paths.vsock.clone()),
             };
-            self.hand_over(hostname, slot, &paths, io, &resume, None)
-                .await
-                .map(Some)
+            // The connection its warm-up opened goes on across the pause.
+            let agent = slot.agent.take();
+            let running = self
+                .hand_over(hostname, slot, &paths, io, &resume, None)
+                .await?;
+            Ok(Some(Running { agent, ..running }))
         }
         .boxed()
     }
@@ -793,6 +804,7 @@ impl Launcher for VmmLauncher {
         Some(Running {
             instance,
             exit: exit.boxed(),
+            agent: None,
         })
     }
 
