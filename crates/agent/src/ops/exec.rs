@@ -10,6 +10,7 @@ use tine_proto::agent::mux::{Chunk, Inbound, StreamReceiver, StreamSender};
 use tine_proto::agent::{Channel, Control, ExecRequest, Response};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, watch};
+use tokio_util::task::AbortOnDropHandle;
 
 use super::process::{self, read_output, signal_group};
 use crate::error::OpError;
@@ -109,7 +110,8 @@ pub(crate) async fn control_loop<W: AsyncWrite + Unpin + Send + 'static>(
     // Stdin is written by its own task so that a process that does not read
     // its input cannot hold up signals. Queued chunks keep their credit, so
     // the client's window bounds what waits here.
-    let _writer = stdin.map(|stdin| AbortOnDrop(tokio::spawn(write_input(stdin, input_rx))));
+    let _writer =
+        stdin.map(|stdin| AbortOnDropHandle::new(tokio::spawn(write_input(stdin, input_rx))));
     let mut input_tx = Some(input_tx);
     loop {
         match rx.recv().await {
@@ -153,14 +155,5 @@ pub(crate) async fn write_input<W: AsyncWrite + Unpin>(
     }
     if let Err(e) = stdin.shutdown().await {
         tracing::debug!("cannot close a process's stdin: {e}");
-    }
-}
-
-/// Aborts a task when dropped.
-pub(crate) struct AbortOnDrop<T>(pub(crate) tokio::task::JoinHandle<T>);
-
-impl<T> Drop for AbortOnDrop<T> {
-    fn drop(&mut self) {
-        self.0.abort();
     }
 }

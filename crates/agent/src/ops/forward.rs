@@ -6,7 +6,9 @@ use tine_proto::agent::{Channel, ForwardRequest, ForwardTarget, Response};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::sync::watch;
 
-use super::exec::{pump, AbortOnDrop};
+use tokio_util::task::AbortOnDropHandle;
+
+use super::exec::pump;
 use super::files::absolute;
 use crate::error::OpError;
 
@@ -49,7 +51,7 @@ async fn relay<S: AsyncRead + AsyncWrite + Send + 'static>(
     let (reader, mut writer) = tokio::io::split(socket);
     // The socket has no process exit to wait for: it ends at EOF.
     let (_never, not_exited) = watch::channel(false);
-    let upstream = AbortOnDrop(tokio::spawn(pump(
+    let upstream = AbortOnDropHandle::new(tokio::spawn(pump(
         Some(reader),
         Channel::Data,
         tx,
@@ -73,7 +75,7 @@ async fn relay<S: AsyncRead + AsyncWrite + Send + 'static>(
     // Keep reading the client's side so that a late close is noticed.
     let mut upstream = upstream;
     tokio::select! {
-        _ = &mut upstream.0 => {}
+        _ = &mut upstream => {}
         () = async { while rx.recv().await.is_some() {} } => return Err(OpError::cancelled()),
     }
     Ok(Response::Ok)

@@ -21,7 +21,9 @@ use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::{mpsc, watch};
 
-use super::exec::{pump, write_input, AbortOnDrop};
+use tokio_util::task::AbortOnDropHandle;
+
+use super::exec::{pump, write_input};
 use super::process::{self, signal_group};
 use crate::error::OpError;
 
@@ -215,7 +217,7 @@ pub(crate) async fn run(
 
 async fn control_loop(mut rx: StreamReceiver, pty: Pty, pid: u32) {
     let (input_tx, input_rx) = mpsc::unbounded_channel::<Chunk>();
-    let _writer = AbortOnDrop(tokio::spawn(write_input(pty.clone(), input_rx)));
+    let _writer = AbortOnDropHandle::new(tokio::spawn(write_input(pty.clone(), input_rx)));
     loop {
         match rx.recv().await {
             Some(Inbound::Data(Channel::Data, chunk)) => {
