@@ -806,9 +806,7 @@ impl FakeAgent {
         };
         let Ok(request) = serde_json::from_slice::<Request>(&bytes) else {
             let reply = Response::error(ErrorCode::BadRequest, "not a request");
-            if let Err(e) = stream.send_msg(&reply).await {
-                tracing::debug!("fake agent: {e}");
-            }
+            send_reply(&stream, &reply).await;
             return;
         };
         self.launcher
@@ -870,9 +868,7 @@ impl FakeAgent {
                     hostname: req.hostname,
                     ..FixupReport::default()
                 }));
-                if let Err(e) = stream.send_msg(&reply).await {
-                    tracing::debug!("fake agent: {e}");
-                }
+                send_reply(&stream, &reply).await;
                 self.launcher.record(&self.hostname, Seen::FixupsAnswered);
                 return;
             }
@@ -915,9 +911,7 @@ impl FakeAgent {
                 format!("the fake agent does not do {other:?}"),
             ),
         };
-        if let Err(e) = stream.send_msg(&reply).await {
-            tracing::debug!("fake agent: {e}");
-        }
+        send_reply(&stream, &reply).await;
     }
 }
 
@@ -1142,9 +1136,6 @@ fn op_name(bytes: &[u8]) -> String {
         .unwrap_or_default()
 }
 
-/// Relays one stream to a new connection to the agent `serve` runs: the
-/// request, then every message, data frame and EOF both ways until
-/// either side ends.
 /// Sends the fake agent's `reply`; a client that has gone is logged.
 async fn send_reply(stream: &Stream, reply: &Response) {
     if let Err(e) = stream.send_msg(reply).await {
@@ -1152,6 +1143,9 @@ async fn send_reply(stream: &Stream, reply: &Response) {
     }
 }
 
+/// Relays one stream to a new connection to the agent `serve` runs: the
+/// request, then every message, data frame and EOF both ways until
+/// either side ends.
 async fn relay(ours: Stream, request: &Request, serve: &ServeAgent) {
     use tine_proto::agent::mux::StreamSender;
     use tine_proto::agent::{client_handshake, Hello};
