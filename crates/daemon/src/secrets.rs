@@ -32,6 +32,38 @@ pub const MAX_GRANTS: usize = 256;
 /// The guest file's mode when the request names none.
 pub const DEFAULT_PERMISSIONS: u32 = 0o600;
 
+/// A digest of the files a secrets sync writes (names, values, modes,
+/// owners, in order): it tells whether a guest synced ahead (a VM primed
+/// for a fork) holds what a sync now would write, without keeping the
+/// values. Its `Debug` shows no bytes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct SecretsDigest([u8; 32]);
+
+impl SecretsDigest {
+    /// The digest of a sync of `files`.
+    pub fn of(files: &[SecretFile]) -> Self {
+        use sha2::{Digest as _, Sha256};
+        let mut hasher = Sha256::new();
+        hasher.update((files.len() as u64).to_le_bytes());
+        for file in files {
+            for field in [file.name.as_bytes(), file.data.as_bytes()] {
+                hasher.update((field.len() as u64).to_le_bytes());
+                hasher.update(field);
+            }
+            for number in [file.mode, file.uid, file.gid] {
+                hasher.update(number.to_le_bytes());
+            }
+        }
+        SecretsDigest(hasher.finalize().into())
+    }
+}
+
+impl std::fmt::Debug for SecretsDigest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SecretsDigest(..)")
+    }
+}
+
 /// What went wrong with a secret.
 #[derive(Debug, thiserror::Error)]
 pub enum SecretError {
@@ -420,6 +452,63 @@ mod tests {
     use std::os::unix::fs::PermissionsExt;
 
     use super::*;
+
+    #[test]
+    fn a_digest_changes_with_any_field_of_any_file() {
+        let file = SecretFile {
+            name: "db".into(),
+            data: b64("pw"),
+            mode: 0o600,
+            uid: 0,
+            gid: 0,
+        };
+        let digest = SecretsDigest::of(std::slice::from_ref(&file));
+        assert_eq!(digest, SecretsDigest::of(std::slice::from_ref(&file)));
+        assert_ne!(digest, SecretsDigest::of(&[]));
+        let changed = [
+            SecretFile {
+                name: "db2".into(),
+                ..file.clone()
+            },
+            SecretFile {
+                data: b64("pw2"),
+                ..file.clone()
+            },
+            SecretFile {
+                mode: 0o400,
+                ..file.clone()
+            },
+            SecretFile {
+                uid: 1,
+                ..file.clone()
+            },
+            SecretFile {
+                gid: 1,
+                ..file.clone()
+            },
+        ];
+        for other in changed {
+            assert_ne!(
+                digest,
+                SecretsDigest::of(std::slice::from_ref(&other)),
+                "{}",
+                other.name
+            );
+        }
+        // Field bounds count: a name's end cannot move into the value.
+        let a = SecretFile {
+            name: "ab".into(),
+            data: "c".into(),
+            ..file.clone()
+        };
+        let b = SecretFile {
+            name: "a".into(),
+            data: "bc".into(),
+            ..file.clone()
+        };
+        assert_ne!(SecretsDigest::of(&[a]), SecretsDigest::of(&[b]));
+        assert_eq!(format!("{digest:?}"), "SecretsDigest(..)");
+    }
 
     fn b64(s: &str) -> String {
         base64::engine::general_purpose::STANDARD.encode(s)

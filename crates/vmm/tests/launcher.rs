@@ -235,6 +235,7 @@ fn spare_spec(dir: &Path, name: &str, state: &Path, memory: &Path) -> PrimeSpec 
         warm_agent: false,
         guest_network: None,
         guest_identity: None,
+        guest_secrets: None,
     }
 }
 
@@ -272,6 +273,7 @@ async fn a_primed_vm_warmed_ahead_waits_paused_again() {
             machine_id: true,
             ..Default::default()
         }),
+        guest_secrets: Some(Vec::new()),
         ..spare_spec(dir.path(), "spare-1", &state, &memory)
     };
     let folder = spec.folder.clone();
@@ -283,6 +285,7 @@ async fn a_primed_vm_warmed_ahead_waits_paused_again() {
     }
     assert_eq!(primed.guest_network, GuestStep::NotAsked);
     assert_eq!(primed.guest_identity, GuestStep::NotAsked);
+    assert_eq!(primed.guest_secrets, GuestStep::NotAsked);
     assert!(
         began.elapsed() < Duration::from_secs(10),
         "a guest without vsock was waited for"

@@ -10,7 +10,7 @@ use tine_proto::api::{CreateSecretRequest, SecretInfo, UpdateSecretRequest, VmSt
 
 use super::daemon::Daemon;
 use super::error::{chain, Error, Result};
-use crate::secrets::SecretError;
+use crate::secrets::{SecretError, SecretsDigest};
 
 impl Daemon {
     /// Every secret's metadata.
@@ -53,6 +53,16 @@ impl Daemon {
             SecretError::NotFound(_) => Error::BadRequest(format!("secrets: {e}")),
             other => other.into(),
         })
+    }
+
+    /// The digest of what [`Daemon::sync_secrets`] would write for VM
+    /// `hostname` granted `grants`.
+    pub(super) fn secrets_digest(
+        &self,
+        hostname: &str,
+        grants: &[String],
+    ) -> Result<SecretsDigest> {
+        Ok(SecretsDigest::of(&self.secrets.files(hostname, grants)?))
     }
 
     /// Writes the VM's granted secrets into its guest (and removes any

@@ -8,6 +8,7 @@ use std::net::Ipv4Addr;
 use std::path::PathBuf;
 
 use crate::network::VmNetwork;
+use crate::secrets::SecretsDigest;
 
 /// A memory commit's snapshot restored (paused) ahead of a hot fork,
 /// with the spare disk and spare network it was restored with.
@@ -35,6 +36,10 @@ pub struct SetAhead {
     /// installed), fresh entropy, all on its disk. Not its hostname: the
     /// fork's is not known before the fork.
     pub identity: bool,
+    /// The secrets its commit's forks inherit, synced as of then: a fork
+    /// whose own sync would write the same files (the same digest) need
+    /// not sync.
+    pub secrets: Option<SecretsDigest>,
 }
 
 /// A VM whose priming ended with its process.

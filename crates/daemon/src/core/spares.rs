@@ -48,6 +48,7 @@ use crate::launcher::pool::new_slot_name;
 use crate::launcher::{GuestStep, PrimeSpec, WarmUp, WriteSetCopy};
 use crate::network::{NetMode, VmNetwork};
 use crate::process::DISK_FILE;
+use crate::secrets::SecretsDigest;
 use crate::storage;
 
 /// The folder of spare disks in the data directory, one folder per memory
@@ -257,6 +258,19 @@ impl Daemon {
                     None
                 }
             };
+            // What the commit's forks inherit, as it is now; a fork
+            // granted other secrets, or after one changed, syncs its own.
+            let secrets = match self
+                .secrets
+                .files(&format!("a VM primed for {id}"), &p.commit.secrets)
+            {
+                Ok(files) => Some(files),
+                Err(e) => {
+                    tracing::warn!(commit = %id, "a VM primed without its secrets (its fork's set-up syncs them): {e}");
+                    None
+                }
+            };
+            let secrets_digest = secrets.as_deref().map(SecretsDigest::of);
             let spec = PrimeSpec {
                 cpus: p.commit.cpus,
                 ram_mib: p.commit.ram_bytes >> 20,
@@ -266,6 +280,7 @@ impl Daemon {
                 folder,
                 guest_network: network.as_ref().map(VmNetwork::agent_request),
                 guest_identity: identity,
+                guest_secrets: secrets,
                 tap: network.map(|n| n.tap),
                 write_set: Some(files.write_set()).filter(|w| w.is_file()),
                 warm_agent: true,
@@ -288,6 +303,8 @@ impl Daemon {
                         set_ahead: SetAhead {
                             network: done(primed.guest_network, "network"),
                             identity: done(primed.guest_identity, "identity"),
+                            secrets: secrets_digest
+                                .filter(|_| done(primed.guest_secrets, "secrets")),
                         },
                     };
                     self.priming_ended(&disk, Some(ready));

@@ -443,6 +443,12 @@ impl Daemon {
             if vm.secrets.is_empty() && !vm.is_unborn_fork() {
                 return Ok(None);
             }
+            if let Some(ahead) = ahead.secrets {
+                if self.secrets_digest(hostname, &vm.secrets)? == ahead {
+                    tracing::debug!(vm = hostname, "its secrets were synced ahead");
+                    return Ok(None);
+                }
+            }
             let synced = async {
                 match tokio::time::timeout(step, self.sync_secrets(hostname, &vm.secrets, &client))
                     .await

@@ -597,6 +597,7 @@ impl Launcher for FakeLauncher {
                 warm_up,
                 guest_network: step(spec.guest_network.is_some(), None),
                 guest_identity: step(spec.guest_identity.is_some(), identity_fails),
+                guest_secrets: step(spec.guest_secrets.is_some(), None),
             })
         }
         .boxed()

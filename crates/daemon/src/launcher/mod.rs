@@ -15,7 +15,7 @@ pub mod vmm;
 use std::path::PathBuf;
 
 use futures_util::future::BoxFuture;
-use tine_proto::agent::{FixupRequest, NetworkRequest};
+use tine_proto::agent::{FixupRequest, NetworkRequest, SecretFile};
 use tine_proto::vmm::{Request as VmmRequest, Response as VmmResponse};
 use tine_proto::vmm::{RunState, SnapshotInfo, StopReason};
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -124,6 +124,10 @@ pub struct PrimeSpec {
     /// entropy; no hostname, the fork's is not known yet), so that the
     /// fork that takes the VM need not.
     pub guest_identity: Option<FixupRequest>,
+    /// With `warm_agent`: the secrets to sync into the guest once its
+    /// agent answers (those its commit's forks inherit), so that a fork
+    /// that is granted the same need not.
+    pub guest_secrets: Option<Vec<SecretFile>>,
 }
 
 /// A VM primed ahead of a hot fork by [`Launcher::prime`].
@@ -139,10 +143,13 @@ pub struct Primed {
     pub guest_network: GuestStep,
     /// Whether its guest's identity fix-ups were applied as the spec asked.
     pub guest_identity: GuestStep,
+    /// Whether its guest's secrets were synced as the spec asked.
+    pub guest_secrets: GuestStep,
 }
 
 /// What became of a step a primed VM's agent was asked to take ahead of
-/// its fork ([`PrimeSpec::guest_network`], [`PrimeSpec::guest_identity`]).
+/// its fork ([`PrimeSpec::guest_network`], [`PrimeSpec::guest_identity`],
+/// [`PrimeSpec::guest_secrets`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum GuestStep {
     /// The spec did not ask for it (or its agent never answered).

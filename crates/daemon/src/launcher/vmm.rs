@@ -462,6 +462,7 @@ const WARM_UP_ANSWER: Duration = Duration::from_secs(30);
 struct GuestSteps {
     network: GuestStep,
     identity: GuestStep,
+    secrets: GuestStep,
 }
 
 impl GuestSteps {
@@ -469,13 +470,14 @@ impl GuestSteps {
         GuestSteps {
             network: GuestStep::NotAsked,
             identity: GuestStep::NotAsked,
+            secrets: GuestStep::NotAsked,
         }
     }
 }
 
 /// Runs the primed VM at `primed` until its agent answers a handshake (and
 /// has taken the steps `spec` asks of its guest: its network, its
-/// identity), and pauses it again holding its clock
+/// identity, its secrets), and pauses it again holding its clock
 /// ([`PrimeSpec::warm_agent`]); returns too the agent's connection, kept
 /// open for its fork. An error is a VM that did not run or could not be
 /// paused again: it must not wait as primed.
@@ -494,9 +496,9 @@ async fn warm_up(
     let (warmed, steps, agent) = match answered {
         Ok(Ok(client)) => {
             let warmed = WarmUp::Answered(began.elapsed().as_millis() as u64);
-            // The two touch different things (the interface, the identity
-            // files): the guest's CPU serves one while the other waits for
-            // its disk.
+            // The steps touch different things (the interface, the
+            // identity files, the secrets' tmpfs): the guest's CPU serves
+            // one while another waits for its disk.
             let network = async {
                 match &spec.guest_network {
                     None => GuestStep::NotAsked,
@@ -517,8 +519,19 @@ async fn warm_up(
                     }
                 }
             };
-            let (network, identity) = tokio::join!(network, identity);
-            (warmed, GuestSteps { network, identity }, Some(client))
+            let secrets = async {
+                match &spec.guest_secrets {
+                    None => GuestStep::NotAsked,
+                    Some(files) => guest_step(client.secrets_sync(files.clone()), |_| Ok(())).await,
+                }
+            };
+            let (network, identity, secrets) = tokio::join!(network, identity, secrets);
+            let steps = GuestSteps {
+                network,
+                identity,
+                secrets,
+            };
+            (warmed, steps, Some(client))
         }
         Ok(Err(why)) => (WarmUp::NoAnswer(why), GuestSteps::not_asked(), None),
         Err(_) => (
@@ -711,6 +724,7 @@ impl Launcher for VmmLauncher {
                         warm_up,
                         guest_network: steps.network,
                         guest_identity: steps.identity,
+                        guest_secrets: steps.secrets,
                     })
                 }
                 Err(e) => {

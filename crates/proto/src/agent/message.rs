@@ -659,8 +659,9 @@ pub struct ShutdownRequest {
     pub action: ShutdownAction,
 }
 
-/// One secret as the guest gets it ([`Request::SecretsSync`]).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// One secret as the guest gets it ([`Request::SecretsSync`]). Its `Debug`
+/// shows the value's length, never the value.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SecretFile {
     /// File name (`[A-Za-z0-9._-]`, not starting with a dot).
     pub name: String,
@@ -672,6 +673,21 @@ pub struct SecretFile {
     pub uid: u32,
     /// Group.
     pub gid: u32,
+}
+
+impl std::fmt::Debug for SecretFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SecretFile")
+            .field("name", &self.name)
+            .field(
+                "data",
+                &format_args!("<{} base64 characters>", self.data.len()),
+            )
+            .field("mode", &format_args!("{:o}", self.mode))
+            .field("uid", &self.uid)
+            .field("gid", &self.gid)
+            .finish()
+    }
 }
 
 impl SecretFile {
@@ -1152,6 +1168,30 @@ mod opt_u128_string {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_secret_files_debug_form_hides_its_value() {
+        let file = SecretFile {
+            name: "db".into(),
+            data: "c2VjcmV0LXZhbHVl".into(),
+            mode: 0o640,
+            uid: 0,
+            gid: 7,
+        };
+        let shown = format!(
+            "{:?}",
+            Request::SecretsSync(SecretsSyncRequest {
+                secrets: vec![file]
+            })
+        );
+        assert!(!shown.contains("c2VjcmV0LXZhbHVl"), "{shown}");
+        assert!(
+            shown.contains("\"db\"")
+                && shown.contains("<16 base64 characters>")
+                && shown.contains("640"),
+            "{shown}"
+        );
+    }
 
     #[test]
     fn macs_are_six_hex_pairs() {

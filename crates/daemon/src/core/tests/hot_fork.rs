@@ -297,6 +297,91 @@ async fn a_fork_gives_its_guest_the_identity_its_primed_vm_failed_to_set() {
 }
 
 #[tokio::test]
+async fn a_fork_granted_the_secrets_its_primed_vm_synced_ahead_syncs_none() {
+    use base64::Engine as _;
+    use tine_proto::api::{CreateSecretRequest, UpdateSecretRequest};
+    let b = bed(true);
+    let secret = |data: &str| CreateSecretRequest {
+        name: "db".into(),
+        data: base64::engine::general_purpose::STANDARD.encode(data),
+        permissions: None,
+        uid: None,
+        gid: None,
+    };
+    b.daemon.create_secret(&secret("pw1")).expect("secret");
+    let source = b
+        .daemon
+        .create_vm(
+            "dev",
+            CreateVmRequest {
+                secrets: vec!["db".into()],
+                ..CreateVmRequest::default()
+            },
+            Wait::Agent,
+            WAIT,
+            false,
+        )
+        .await
+        .expect("create")
+        .hostname;
+    let id = b
+        .daemon
+        .commit(&source, memory_commit())
+        .await
+        .expect("commit")
+        .commit_id;
+    b.daemon.set_commit_pool(&id, Some(1)).expect("pool");
+    b.daemon.fill_pools().await;
+    let synced = |f: &str| {
+        b.fake
+            .seen(f)
+            .into_iter()
+            .filter(|s| matches!(s, Seen::Agent(tine_proto::agent::Request::SecretsSync(_))))
+            .count()
+    };
+    let fork = |req: ForkRequest| async {
+        b.daemon
+            .fork(&id, req, Wait::Agent, WAIT)
+            .await
+            .expect("hot fork")
+            .hostname
+    };
+    // The primed VM synced what the commit's forks inherit.
+    let primed = b.fake.primed();
+    let files = primed[0]
+        .guest_secrets
+        .clone()
+        .expect("primed with secrets");
+    assert_eq!(files.len(), 1);
+    assert_eq!(files[0].name, "db");
+    let same = fork(ForkRequest::default()).await;
+    assert!(matches!(&resumes(&b, &same)[..], [Resumed::Primed(_)]));
+    assert_eq!(synced(&same), 0, "synced ahead");
+    // A changed secret, or other grants: the fork syncs its own.
+    b.daemon.fill_pools().await;
+    b.daemon
+        .update_secret(
+            "db",
+            &UpdateSecretRequest {
+                data: Some(base64::engine::general_purpose::STANDARD.encode("pw2")),
+                ..UpdateSecretRequest::default()
+            },
+        )
+        .expect("update");
+    let changed = fork(ForkRequest::default()).await;
+    assert!(matches!(&resumes(&b, &changed)[..], [Resumed::Primed(_)]));
+    assert_eq!(synced(&changed), 1, "the secret changed since");
+    b.daemon.fill_pools().await;
+    let none = fork(ForkRequest {
+        no_secrets: true,
+        ..ForkRequest::default()
+    })
+    .await;
+    assert!(matches!(&resumes(&b, &none)[..], [Resumed::Primed(_)]));
+    assert_eq!(synced(&none), 1, "other grants");
+}
+
+#[tokio::test]
 async fn hot_forks_resume_without_waiting_for_a_boot_slot() {
     // One boot slot, taken by a boot whose agent never answers.
     let b = bed_with(true, 1, Deadlines::default());
