@@ -23,6 +23,7 @@ use super::lifecycle::NewFolder;
 use super::plan;
 use super::snapshot::SnapshotFiles;
 use super::spares::takes_primed_vm;
+use super::supervise::Launching;
 use crate::db::{CommitFilter, VmRecord};
 use crate::failpoint::{self, Failpoint};
 use crate::storage;
@@ -166,6 +167,9 @@ impl Daemon {
             None => false,
         };
         let hot = c.mode == CommitMode::Memory;
+        // Until the answer is made (the set-up holds its own): the refill
+        // would take the CPU the answer needs once the set-up ends.
+        let _launching = hot.then(|| Launching::new(self).bounded(self.deadlines.launch_set_up));
         let new = if hot {
             plan::hot_fork(&group, &c, &req, name_taken)?
         } else {

@@ -38,13 +38,7 @@ impl SetUpHold {
     /// The same hold, but with the launch let go after `bound` if the
     /// set-up has not ended by then.
     fn bounded(self, bound: std::time::Duration) -> HeldSetUp {
-        let launch = self.launch.map(|launch| {
-            AbortOnDropHandle::new(tokio::spawn(async move {
-                tokio::time::sleep(bound).await;
-                tracing::debug!("a hot fork's set-up outlasted its launch's bound");
-                drop(launch);
-            }))
-        });
+        let launch = self.launch.map(|launch| launch.bounded(bound));
         HeldSetUp {
             _boot_slot: self.boot_slot,
             _launch: launch,
@@ -55,8 +49,7 @@ impl SetUpHold {
 /// A [`SetUpHold`] held by a set-up under way.
 struct HeldSetUp {
     _boot_slot: Option<tokio::sync::OwnedSemaphorePermit>,
-    /// Aborted when dropped: the launch it holds is dropped then.
-    _launch: Option<AbortOnDropHandle<()>>,
+    _launch: Option<BoundedLaunch>,
 }
 
 impl From<Option<tokio::sync::OwnedSemaphorePermit>> for SetUpHold {
@@ -80,6 +73,43 @@ impl Launching {
     pub(super) fn new(daemon: &Arc<Daemon>) -> Self {
         daemon.hot_launches.fetch_add(1, Ordering::SeqCst);
         Launching(daemon.clone())
+    }
+
+    /// The same launch, let go when the guard is dropped or after `bound`,
+    /// whichever comes first: a launch that hangs does not hold every
+    /// refill back.
+    pub(super) fn bounded(self, bound: std::time::Duration) -> BoundedLaunch {
+        let launch = Arc::new(std::sync::Mutex::new(Some(self)));
+        let held = launch.clone();
+        let timer = AbortOnDropHandle::new(tokio::spawn(async move {
+            tokio::time::sleep(bound).await;
+            tracing::debug!("a hot fork's launch outlasted its bound");
+            BoundedLaunch::let_go(&held);
+        }));
+        BoundedLaunch {
+            launch,
+            _timer: timer,
+        }
+    }
+}
+
+/// A [`Launching`] let go at its bound or when dropped (at once, not when
+/// the runtime gets to a cancelled task).
+pub(super) struct BoundedLaunch {
+    launch: Arc<std::sync::Mutex<Option<Launching>>>,
+    _timer: AbortOnDropHandle<()>,
+}
+
+impl BoundedLaunch {
+    fn let_go(launch: &std::sync::Mutex<Option<Launching>>) {
+        let taken = launch.lock().unwrap_or_else(|p| p.into_inner()).take();
+        drop(taken);
+    }
+}
+
+impl Drop for BoundedLaunch {
+    fn drop(&mut self) {
+        BoundedLaunch::let_go(&self.launch);
     }
 }
 

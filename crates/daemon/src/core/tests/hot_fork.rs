@@ -945,6 +945,49 @@ async fn a_hung_hot_fork_set_up_holds_the_refill_back_only_so_long() {
     assert_eq!(primed(), 1, "refilled");
 }
 
+/// A hot fork's request counts as a launch too until it answers (the
+/// refill would slow the answer once the set-up ends), within the same
+/// bound.
+#[tokio::test]
+async fn a_hot_fork_request_holds_the_refill_back_until_it_answers_or_its_bound() {
+    let bound = Duration::from_secs(1);
+    let deadlines = Deadlines {
+        launch_set_up: bound,
+        ..Deadlines::default()
+    };
+    let b = bed_with(true, 4, deadlines);
+    let id = b.pooled_commit(1).await;
+    let launching = || b.daemon.hot_launches.load(Ordering::SeqCst);
+    b.fake.set_guest("dev-2", Guest::Hangs);
+    let began = std::time::Instant::now();
+    let daemon = b.daemon.clone();
+    let commit = id.clone();
+    let request = tokio::spawn(async move {
+        daemon
+            .fork(&commit, ForkRequest::default(), Wait::Agent, 3 * bound)
+            .await
+    });
+    until(|| launching() == 2).await;
+    assert_eq!(launching(), 2, "the request and the set-up");
+    until(|| launching() == 0).await;
+    assert_eq!(launching(), 0, "both let go at the bound");
+    assert!(began.elapsed() >= bound, "{:?}", began.elapsed());
+    assert!(!request.is_finished(), "the request still waits");
+    let answer = request.await.expect("the request's task");
+    assert!(
+        answer.is_err_and(|e| e.is_timeout()),
+        "a hung set-up times out"
+    );
+    // An answered request lets go at once.
+    b.daemon.fill_pools().await;
+    b.daemon
+        .fork(&id, ForkRequest::default(), Wait::Agent, WAIT)
+        .await
+        .expect("fork");
+    until(|| launching() == 0).await;
+    assert_eq!(launching(), 0);
+}
+
 #[tokio::test]
 async fn the_first_hot_forks_writes_are_copied_into_the_next_forks_ahead() {
     let b = bed(true);
