@@ -58,10 +58,15 @@ impl Bed {
     /// source; its spares and primed VMs made.
     async fn pooled_commit(&self, pool: u32) -> String {
         let source = self.create(Wait::Agent).await;
+        self.pooled_commit_of(&source, pool).await
+    }
+
+    /// The same of the running VM `source`.
+    async fn pooled_commit_of(&self, source: &str, pool: u32) -> String {
         let id = self
             .daemon
             .commit(
-                &source,
+                source,
                 CommitRequest {
                     hot_fork_pool: Some(pool),
                     ..memory_commit()
@@ -268,22 +273,9 @@ async fn a_hot_fork_resumes_the_commits_memory_on_its_own_disk_with_every_fixup(
 #[tokio::test]
 async fn a_fork_gives_its_guest_the_identity_its_primed_vm_failed_to_set() {
     let b = bed(true);
-    let h = b.create(Wait::Agent).await;
-    let id = b
-        .daemon
-        .commit(&h, memory_commit())
-        .await
-        .expect("commit")
-        .commit_id;
     b.fake.fail_primed_identity(Some("/etc is read-only"));
-    b.daemon.set_commit_pool(&id, Some(1)).expect("pool");
-    b.daemon.fill_pools().await;
-    let f = b
-        .daemon
-        .fork(&id, ForkRequest::default(), Wait::Agent, WAIT)
-        .await
-        .expect("hot fork")
-        .hostname;
+    let id = b.pooled_commit(1).await;
+    let f = b.fork_of(&id).await;
     assert!(
         matches!(&resumes(&b, &f)[..], [Resumed::Primed(p)] if p.guest_identity.is_some()),
         "{:?}",
@@ -324,14 +316,7 @@ async fn a_fork_granted_the_secrets_its_primed_vm_synced_ahead_syncs_none() {
         .await
         .expect("create")
         .hostname;
-    let id = b
-        .daemon
-        .commit(&source, memory_commit())
-        .await
-        .expect("commit")
-        .commit_id;
-    b.daemon.set_commit_pool(&id, Some(1)).expect("pool");
-    b.daemon.fill_pools().await;
+    let id = b.pooled_commit_of(&source, 1).await;
     let synced = |f: &str| {
         b.fake
             .seen(f)
@@ -902,21 +887,28 @@ async fn a_hot_fork_waits_for_the_vm_being_primed_for_it() {
     );
 }
 
-/// A hot fork's launch lasts until its set-up ends (the spares are
-/// refilled once no launch is under way), but a set-up that hangs (a guest
-/// whose agent never answers) counts only for `Deadlines::launch_set_up`.
-#[tokio::test]
-async fn a_hung_hot_fork_set_up_holds_the_refill_back_only_so_long() {
-    let bound = Duration::from_secs(1);
+/// A bed whose launches are held for `bound` at most, with a memory
+/// commit primed once, whose first fork (dev-2; the source is dev-1) has
+/// an agent that never answers.
+async fn hung_fork_bed(bound: Duration) -> (Bed, String) {
     let deadlines = Deadlines {
         launch_set_up: bound,
         ..Deadlines::default()
     };
     let b = bed_with(true, 4, deadlines);
     let id = b.pooled_commit(1).await;
-    let launching = || b.daemon.hot_launches.load(Ordering::SeqCst);
-    // The source is dev-1: the fork is dev-2, whose agent never answers.
     b.fake.set_guest("dev-2", Guest::Hangs);
+    (b, id)
+}
+
+/// A hot fork's launch lasts until its set-up ends (the spares are
+/// refilled once no launch is under way), but a set-up that hangs (a guest
+/// whose agent never answers) counts only for `Deadlines::launch_set_up`.
+#[tokio::test]
+async fn a_hung_hot_fork_set_up_holds_the_refill_back_only_so_long() {
+    let bound = Duration::from_secs(1);
+    let (b, id) = hung_fork_bed(bound).await;
+    let launching = || b.daemon.hot_launches.load(Ordering::SeqCst);
     let began = std::time::Instant::now();
     let fork = b
         .daemon
@@ -951,14 +943,8 @@ async fn a_hung_hot_fork_set_up_holds_the_refill_back_only_so_long() {
 #[tokio::test]
 async fn a_hot_fork_request_holds_the_refill_back_until_it_answers_or_its_bound() {
     let bound = Duration::from_secs(1);
-    let deadlines = Deadlines {
-        launch_set_up: bound,
-        ..Deadlines::default()
-    };
-    let b = bed_with(true, 4, deadlines);
-    let id = b.pooled_commit(1).await;
+    let (b, id) = hung_fork_bed(bound).await;
     let launching = || b.daemon.hot_launches.load(Ordering::SeqCst);
-    b.fake.set_guest("dev-2", Guest::Hangs);
     let began = std::time::Instant::now();
     let daemon = b.daemon.clone();
     let commit = id.clone();
