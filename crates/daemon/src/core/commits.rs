@@ -34,6 +34,26 @@ fn file_stamp(path: &Path) -> Option<FileStamp> {
     Some((m.ino(), m.len(), m.mtime(), m.mtime_nsec()))
 }
 
+/// How much older than now a file's mtime must be for its stamp to be
+/// remembered: a file system's clock is coarse (a tick of a few
+/// milliseconds), so a write in the tick the stamp was read in could leave
+/// the stamp as it was. Once the mtime is older than this, any later write
+/// gives a later one.
+const STAMP_SETTLED: Duration = Duration::from_millis(50);
+
+/// How long until `stamp`'s mtime is [`STAMP_SETTLED`] old (zero: it is).
+fn until_settled(stamp: &FileStamp) -> Duration {
+    let (_, _, secs, nanos) = *stamp;
+    let mtime = match (u64::try_from(secs), u32::try_from(nanos)) {
+        (Ok(secs), Ok(nanos)) => std::time::UNIX_EPOCH + Duration::new(secs, nanos),
+        _ => return Duration::ZERO,
+    };
+    let age = std::time::SystemTime::now()
+        .duration_since(mtime)
+        .unwrap_or(Duration::ZERO);
+    STAMP_SETTLED.saturating_sub(age)
+}
+
 impl Daemon {
     /// The folder of commit files.
     pub fn commits_dir(&self) -> PathBuf {
@@ -92,7 +112,8 @@ impl Daemon {
         let id = new_commit_id(&vm.host_group)?;
         if mode == CommitMode::Memory {
             let made = self.commit_memory(&vm, req, id, began).await;
-            if made.is_ok() {
+            if let Ok(info) = &made {
+                self.check_commit_soon(&info.commit_id);
                 // A new shape may want pre-started VMMs for its forks.
                 self.refresh_pools();
             }
@@ -131,10 +152,58 @@ impl Daemon {
         // The old name of the (now committed) inode.
         remove_file_logged(&old_disk);
         tracing::info!(vm = %vm.hostname, commit = %id, ms = record.elapsed_ms, "committed");
+        self.check_commit_soon(&id);
         Ok(CommitInfo {
             parent_status: Some(vm.state),
             ..info(&record)
         })
+    }
+
+    /// Checks commit `id`'s file at `path` before a fork uses it. A commit
+    /// is immutable: its metadata is checked once per daemon run (made by
+    /// this daemon: right after the commit, off its first fork's path),
+    /// and again only when the file itself changed.
+    async fn check_commit_file(&self, id: &str, path: &Path) -> Result<()> {
+        let stamp = file_stamp(path);
+        if stamp.is_some() && self.verified_stamp(id) == stamp {
+            return Ok(());
+        }
+        // Remembered only once settled: checked again until then.
+        let stamp = stamp.filter(|s| until_settled(s).is_zero());
+        let p = path.to_path_buf();
+        tokio::task::spawn_blocking(move || storage::verify_commit(&p))
+            .await
+            .map_err(|source| Error::Task {
+                what: "verify commit",
+                source,
+            })?
+            .map_err(|e| Error::disk(format!("commit {id} cannot be forked"), e))?;
+        if let Some(stamp) = stamp {
+            self.remember_verified(id, stamp);
+        }
+        Ok(())
+    }
+
+    /// [`Daemon::check_commit_file`] of a commit just made, in the
+    /// background; a file that does not check is logged (a fork says why).
+    fn check_commit_soon(self: &Arc<Self>, id: &str) {
+        let this = self.clone();
+        let id = id.to_owned();
+        tokio::spawn(async move {
+            let checked = match this.commit_record(&id) {
+                Ok(c) => {
+                    let path = Path::new(&c.disk);
+                    if let Some(stamp) = file_stamp(path) {
+                        tokio::time::sleep(until_settled(&stamp)).await;
+                    }
+                    this.check_commit_file(&id, path).await
+                }
+                Err(e) => Err(e),
+            };
+            if let Err(e) = checked {
+                tracing::warn!(commit = %id, "its file was not checked after the commit: {}", chain(&e));
+            }
+        });
     }
 
     /// Deletes a commit nobody depends on.
@@ -186,22 +255,7 @@ impl Daemon {
             self.check_grants(&new.secrets)?;
         }
         let commit_path = PathBuf::from(&c.disk);
-        // A commit is immutable: its metadata is checked once per daemon
-        // run, and again only when the file itself changed.
-        let stamp = file_stamp(&commit_path);
-        if stamp.is_none() || self.verified_stamp(&c.id) != stamp {
-            let p = commit_path.clone();
-            tokio::task::spawn_blocking(move || storage::verify_commit(&p))
-                .await
-                .map_err(|source| Error::Task {
-                    what: "verify commit",
-                    source,
-                })?
-                .map_err(|e| Error::disk(format!("commit {} cannot be forked", c.id), e))?;
-            if let Some(stamp) = stamp {
-                self.remember_verified(&c.id, stamp);
-            }
-        }
+        self.check_commit_file(&c.id, &commit_path).await?;
         let mut spare = if hot {
             if takes_primed_vm(&c, new.policy.as_ref()) {
                 self.await_priming(&c.id).await;
@@ -272,5 +326,33 @@ impl Daemon {
             persistent: vm.persistent,
             elapsed_ms: began.elapsed().as_millis() as u64,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stamp_settles_once_its_mtime_is_old_enough() {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("after 1970");
+        let at = |d: Duration| (1, 2, d.as_secs() as i64, i64::from(d.subsec_nanos()));
+        let fresh = until_settled(&at(now));
+        assert!(
+            fresh > Duration::ZERO && fresh <= STAMP_SETTLED,
+            "{fresh:?}"
+        );
+        assert_eq!(
+            until_settled(&at(now - Duration::from_secs(1))),
+            Duration::ZERO
+        );
+        // A time before the epoch is long settled; one in the future never.
+        assert_eq!(until_settled(&(1, 2, -5, 0)), Duration::ZERO);
+        assert_eq!(
+            until_settled(&at(now + Duration::from_secs(60))),
+            STAMP_SETTLED
+        );
     }
 }

@@ -162,6 +162,16 @@ async fn a_create_boots_sets_up_and_runs() {
 }
 
 #[tokio::test]
+async fn a_disk_commits_file_is_checked_off_its_first_forks_path() {
+    let b = bed(true);
+    let commit = b.commit().await;
+    b.until("the commit's file is checked", |b| {
+        b.daemon.verified_stamp(&commit).is_some()
+    })
+    .await;
+}
+
+#[tokio::test]
 async fn the_set_up_sends_its_steps_at_once() {
     let b = bed(true);
     let commit = b.commit().await;

@@ -147,6 +147,10 @@ async fn a_memory_commit_freezes_the_disk_and_the_source_runs_on_in_a_fresh_over
         .expect("recorded");
     let chain = tine_disk::backing_chain(Path::new(&vm.disk)).expect("chain");
     assert_eq!(chain[1].path.display().to_string(), c.disk);
+    // Its file is checked in the background, off its first fork's path.
+    let checked = || b.daemon.verified_stamp(&c.id).is_some();
+    until(checked).await;
+    assert!(checked(), "checked after the commit");
     use std::os::unix::fs::PermissionsExt;
     let mode = std::fs::metadata(&c.disk)
         .expect("commit file")
