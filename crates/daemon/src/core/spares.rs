@@ -35,7 +35,7 @@ use std::sync::Arc;
 
 use tine_proto::api::{CommitMode, ForkNetwork};
 
-use super::daemon::{remove_file_logged, Daemon};
+use super::daemon::{capped, remove_file_logged, Daemon};
 use super::error::{chain, Error, Result};
 use super::lifecycle::{remove_dir_logged, NewFolder};
 use super::netattach::takes_group_network;
@@ -290,10 +290,12 @@ impl Daemon {
                     let done = |step: GuestStep, what: &str| match step {
                         GuestStep::Done => true,
                         GuestStep::NotAsked => false,
+                        // The guest's own words: capped, as stored reasons are.
                         GuestStep::Failed(why) => {
                             tracing::warn!(
                                 commit = %id,
-                                "a primed VM's agent did not set its {what} (its fork's set-up will): {why}"
+                                "a primed VM's agent did not set its {what} (its fork's set-up will): {}",
+                                capped(&why)
                             );
                             false
                         }
