@@ -54,6 +54,22 @@ fn until_settled(stamp: &FileStamp) -> Duration {
     STAMP_SETTLED.saturating_sub(age)
 }
 
+/// Checks commit `id`'s file at `path`; returns the stamp to remember it
+/// checked by, when it had settled (see [`STAMP_SETTLED`]: one that has
+/// not is checked again next time).
+async fn verify_commit_file(id: &str, path: &Path) -> Result<Option<FileStamp>> {
+    let stamp = file_stamp(path).filter(|s| until_settled(s).is_zero());
+    let p = path.to_path_buf();
+    tokio::task::spawn_blocking(move || storage::verify_commit(&p))
+        .await
+        .map_err(|source| Error::Task {
+            what: "verify commit",
+            source,
+        })?
+        .map_err(|e| Error::disk(format!("commit {id} cannot be forked"), e))?;
+    Ok(stamp)
+}
+
 impl Daemon {
     /// The folder of commit files.
     pub fn commits_dir(&self) -> PathBuf {
@@ -168,40 +184,41 @@ impl Daemon {
         if stamp.is_some() && self.verified_stamp(id) == stamp {
             return Ok(());
         }
-        // Remembered only once settled: checked again until then.
-        let stamp = stamp.filter(|s| until_settled(s).is_zero());
-        let p = path.to_path_buf();
-        tokio::task::spawn_blocking(move || storage::verify_commit(&p))
-            .await
-            .map_err(|source| Error::Task {
-                what: "verify commit",
-                source,
-            })?
-            .map_err(|e| Error::disk(format!("commit {id} cannot be forked"), e))?;
-        if let Some(stamp) = stamp {
+        if let Some(stamp) = verify_commit_file(id, path).await? {
             self.remember_verified(id, stamp);
         }
         Ok(())
     }
 
     /// [`Daemon::check_commit_file`] of a commit just made, in the
-    /// background; a file that does not check is logged (a fork says why).
+    /// background, once its file's stamp has settled; a file that does not
+    /// check is logged (a fork says why). The task holds the daemon only to
+    /// remember the check: a daemon dropped meanwhile (a restart in the
+    /// same process) is not kept open by it.
     fn check_commit_soon(self: &Arc<Self>, id: &str) {
-        let this = self.clone();
+        let path = match self.commit_record(id) {
+            Ok(c) => PathBuf::from(c.disk),
+            Err(e) => {
+                tracing::warn!(commit = %id, "its file was not checked after the commit: {}", chain(&e));
+                return;
+            }
+        };
+        let daemon = Arc::downgrade(self);
         let id = id.to_owned();
         tokio::spawn(async move {
-            let checked = match this.commit_record(&id) {
-                Ok(c) => {
-                    let path = Path::new(&c.disk);
-                    if let Some(stamp) = file_stamp(path) {
-                        tokio::time::sleep(until_settled(&stamp)).await;
+            if let Some(stamp) = file_stamp(&path) {
+                tokio::time::sleep(until_settled(&stamp)).await;
+            }
+            match verify_commit_file(&id, &path).await {
+                Ok(Some(stamp)) => {
+                    if let Some(daemon) = daemon.upgrade() {
+                        daemon.remember_verified(&id, stamp);
                     }
-                    this.check_commit_file(&id, path).await
                 }
-                Err(e) => Err(e),
-            };
-            if let Err(e) = checked {
-                tracing::warn!(commit = %id, "its file was not checked after the commit: {}", chain(&e));
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(commit = %id, "its file was not checked after the commit: {}", chain(&e))
+                }
             }
         });
     }

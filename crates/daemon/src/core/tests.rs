@@ -165,6 +165,10 @@ async fn a_create_boots_sets_up_and_runs() {
 async fn a_disk_commits_file_is_checked_off_its_first_forks_path() {
     let b = bed(true);
     let commit = b.commit().await;
+    // The check waits until the new file's stamp settles, without holding
+    // the daemon: one dropped meanwhile (a restart in the same process)
+    // releases its store at once.
+    assert_eq!(Arc::strong_count(&b.daemon), 1, "only the bed holds it");
     b.until("the commit's file is checked", |b| {
         b.daemon.verified_stamp(&commit).is_some()
     })
