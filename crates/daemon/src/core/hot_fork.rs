@@ -13,7 +13,7 @@
 //! reaches the wire.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use tine_proto::api::{CommitInfo, CommitMode};
@@ -32,6 +32,18 @@ use crate::launcher::pool::Shape;
 use crate::launcher::{Instance, LauncherExt, RestoreSpec, Running};
 use crate::network::VmNetwork;
 use crate::storage;
+
+/// Makes an unborn fork's disk at `disk` again: whatever is there is
+/// removed, and a new overlay on `commit_disk` takes its place (not synced).
+pub(super) fn fork_disk_again(commit_disk: &Path, disk: &Path) -> Result<()> {
+    match std::fs::remove_file(disk) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(Error::io("remove an unborn fork's disk", e)),
+    }
+    storage::fork_disk(commit_disk, disk)
+        .map_err(|e| Error::disk("make an unborn fork's disk again", e))
+}
 
 impl Daemon {
     /// The warm pool each shape of memory commit needs: the largest size
@@ -310,14 +322,8 @@ impl Daemon {
         let commit_disk = PathBuf::from(self.commit_record(id)?.disk);
         let disk = PathBuf::from(&vm.disk);
         tokio::task::spawn_blocking(move || {
-            match std::fs::remove_file(&disk) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(Error::io("remove a primed VM's disk", e)),
-            }
-            storage::fork_disk(&commit_disk, &disk)
-                .and_then(|()| storage::sync_disk(&disk))
-                .map_err(|e| Error::disk("make a fork's disk again", e))
+            fork_disk_again(&commit_disk, &disk)?;
+            storage::sync_disk(&disk).map_err(|e| Error::disk("make a fork's disk again", e))
         })
         .await
         .map_err(|source| Error::Task {

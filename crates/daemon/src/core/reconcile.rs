@@ -14,6 +14,7 @@ use tine_proto::api::{CreateVmRequest, StopMode, VmState, Wait};
 
 use super::daemon::Daemon;
 use super::error::{chain, Error, Result};
+use super::hot_fork::fork_disk_again;
 use super::lifecycle::NewFolder;
 use super::spare_book::SetAhead;
 use super::supervise::{SetUp, SetUpHold};
@@ -424,15 +425,9 @@ impl Daemon {
                 disk.display()
             )));
         };
-        if let Err(e) = std::fs::remove_file(disk) {
-            if e.kind() != std::io::ErrorKind::NotFound {
-                return Err(Error::io("remove the lost disk of an unborn fork", e));
-            }
-        }
         std::fs::create_dir_all(self.paths(&vm.hostname).dir)
             .map_err(|e| Error::io("create VM folder", e))?;
-        storage::fork_disk(Path::new(&commit.disk), disk)
-            .map_err(|e| Error::disk("make an unborn fork's disk again", e))?;
+        fork_disk_again(Path::new(&commit.disk), disk)?;
         match intact {
             true => {
                 tracing::info!(vm = %vm.hostname, "an unborn hot fork's disk made again from {}", commit.id)
